@@ -1,0 +1,33 @@
+# The two commands of the README: `make demo` (the main job) and `make test` (the whole suite).
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test venv k8s lint format cluster-up cluster-down demo-down
+
+venv:
+	@bash scripts/bootstrap.sh
+
+k8s:
+	@bash tests/cluster/build-k8s.sh
+
+demo: venv
+	@$(PY) scripts/demo.py
+
+test: venv k8s
+	@echo "[test] ruff, import contracts, then pytest"
+	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	@$(VENV)/bin/lint-imports
+	@$(PY) -m pytest $(PYTEST_ARGS)
+
+lint:
+	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+format:
+	@$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+cluster-up: venv k8s
+	@$(PY) -m tests.cluster up
+
+cluster-down:
+	@$(PY) -m tests.cluster down

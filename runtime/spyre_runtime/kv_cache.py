@@ -1,0 +1,77 @@
+"""A preallocated, paged KV cache of fixed shape, plugged into FMS through its attention-op registry.
+
+FMS's default cache grows with torch.cat, so a compiled forward would recompile at every decode step. Here
+every layer owns two fixed tensors `[num_blocks, BLOCK_SIZE, kv_heads, head_dim]` written in place, and the
+attention kwargs are fixed-shape tensors:
+
+    slot_mapping [B, L]   flat slot (block * BLOCK_SIZE + offset) where each input token's K/V is stored
+    mask         [B, L, K] bool: which of the K keys each query sees
+    block_table  [B, nb]  (absent for a prefill with no earlier context: the fresh keys are attended)
+                          blocks of each row; K = nb * BLOCK_SIZE keys are gathered from the cache
+
+Block 0 is scratch: dummy rows write there and nobody reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "spyre_serve_paged"
+BLOCK_SIZE = 64
+SCRATCH_BLOCK = 0
+
+
+def _store(keys, values, key_cache, value_cache, **attn_kwargs):
+    # keys/values: [B, L, kvh, hd]; caches: [num_blocks, BLOCK_SIZE, kvh, hd]
+    slots = attn_kwargs["slot_mapping"].reshape(-1)
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, keys.reshape(-1, *keys.shape[2:]))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, values.reshape(-1, *values.shape[2:]))
+    block_table = attn_kwargs.get("block_table")
+    if block_table is None:
+        return keys, values, key_cache, value_cache
+    keys_ctx = key_cache[block_table].flatten(1, 2)  # [B, nb * BLOCK_SIZE, kvh, hd]
+    values_ctx = value_cache[block_table].flatten(1, 2)
+    return keys_ctx, values_ctx, key_cache, value_cache
+
+
+def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
+    # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd]; mask: [B, L, K] -> [B, L, h, hd]
+    q = query.transpose(1, 2)
+    k = keys.transpose(1, 2)
+    v = values.transpose(1, 2)
+    if nheads != kvheads:
+        k = k.repeat_interleave(nheads // kvheads, dim=1)
+        v = v.repeat_interleave(nheads // kvheads, dim=1)
+    mask = attn_kwargs["mask"].unsqueeze(1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor)
+    return out.transpose(1, 2).contiguous()
+
+
+def register() -> None:
+    """Registers the op with FMS once per process (FMS refuses a second registration of a name)."""
+    from fms.modules import attention
+
+    with contextlib.suppress(KeyError):
+        attention.register_attention_op(ATTN_NAME, _store, _compute)
+
+
+class KVCachePool:
+    """The per-layer cache tensors; handed to the model as `past_key_value_states`."""
+
+    def __init__(self, num_layers: int, num_blocks: int, kv_heads: int, head_dim: int, dtype=torch.float32):
+        shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+        self.num_blocks = num_blocks
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(num_layers)
+        ]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+
+def blocks_for(num_tokens: int) -> int:
+    return -(-num_tokens // BLOCK_SIZE)

@@ -1,0 +1,54 @@
+"""One request's state as it moves through the engine. The scheduler reads and moves requests between
+queues; only the engine appends tokens and decides when a request is finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from spyre_runtime.sampling import SamplingParams, make_generator
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    output_text: str = ""
+    scheduled_time: float | None = None
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if self.generator is None and not self.sampling.is_greedy:
+            self.generator = make_generator(self.sampling.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason

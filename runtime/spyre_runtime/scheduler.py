@@ -1,0 +1,127 @@
+"""Schedulers decide which requests run in the next engine step; they never touch tensors.
+
+One engine step is: step = scheduler.schedule(); executor runs it; engine appends tokens and marks finished
+requests; scheduler.update(step). The static scheduler below is the seeds' behaviour:
+
+    waiting: [r0 r1 r2 r3 ...]  --schedule()-->  prefill(shape, rows)   one batch at a time
+    running: rows of one shape  --schedule()-->  decode(shape, rows, t)  until every row is finished
+    no new prefill starts while a batch is running.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from spyre_runtime.config import Shape
+from spyre_runtime.request import Request, Status
+
+
+@dataclass(frozen=True)
+class StaticStep:
+    """A plain description of one step. `requests` fill the first rows of the shape; the executor pads
+    the remaining `shape.batch_size - len(requests)` rows with dummies. `decode_index` is t for the
+    t-th decode step after the prefill (0 for the first decode, ignored for a prefill)."""
+
+    is_prefill: bool
+    shape: Shape
+    requests: tuple[Request, ...]
+    decode_index: int = 0
+
+
+def smallest_fitting_shape(
+    shapes: tuple[Shape, ...], num_prompt_tokens: int, max_tokens: int
+) -> Shape | None:
+    fitting = [s for s in shapes if s.fits(num_prompt_tokens, max_tokens)]
+    return min(fitting, key=_sequence_cost) if fitting else None
+
+
+def _sequence_cost(shape: Shape) -> tuple[int, int, int]:
+    return (shape.max_len, shape.prompt_len, shape.batch_size)
+
+
+class StaticScheduler:
+    def __init__(self, shapes: tuple[Shape, ...]) -> None:
+        if not shapes:
+            raise ValueError("at least one warmup shape is needed")
+        self.shapes = tuple(sorted(shapes))
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._running_shape: Shape | None = None
+        self._decode_index = 0
+
+    # ---- queue -----------------------------------------------------------------------------------
+
+    def can_admit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+        return smallest_fitting_shape(self.shapes, num_prompt_tokens, max_tokens) is not None
+
+    def add(self, request: Request) -> None:
+        if not self.can_admit(request.num_prompt_tokens, request.sampling.max_tokens):
+            raise ValueError(
+                f"request {request.request_id} ({request.num_prompt_tokens} prompt tokens, "
+                f"max_tokens={request.sampling.max_tokens}) fits no warmed shape"
+            )
+        self.waiting.append(request)
+
+    def abort(self, request_id: str) -> Request | None:
+        """Removes a waiting request, or finishes a running one (its row stays until the batch ends)."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.finish("abort")
+                return req
+        for req in self.running:
+            if req.request_id == request_id and not req.is_finished:
+                req.finish("abort")
+                return req
+        return None
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(not r.is_finished for r in self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- steps -----------------------------------------------------------------------------------
+
+    def schedule(self) -> StaticStep | None:
+        if self.running:
+            return StaticStep(False, self._running_shape, tuple(self.running), self._decode_index)
+        if not self.waiting:
+            return None
+        shape, group = self._form_batch()
+        for req in group:
+            self.waiting.remove(req)
+            req.status = Status.RUNNING
+        self.running = group
+        self._running_shape = shape
+        self._decode_index = 0
+        return StaticStep(True, shape, tuple(group))
+
+    def _form_batch(self) -> tuple[Shape, list[Request]]:
+        """The oldest request picks the smallest shape it fits; later requests that fit the same sequence
+        dimensions join in arrival order up to the widest batch size; the batch size is then the
+        smallest warmed one that holds the group. Requests left out keep their place in the queue."""
+        head = self.waiting[0]
+        first = smallest_fitting_shape(self.shapes, head.num_prompt_tokens, head.sampling.max_tokens)
+        same_dims = [
+            s for s in self.shapes if (s.prompt_len, s.new_tokens) == (first.prompt_len, first.new_tokens)
+        ]
+        capacity = max(s.batch_size for s in same_dims)
+        group = [r for r in self.waiting if first.fits(r.num_prompt_tokens, r.sampling.max_tokens)][:capacity]
+        shape = min((s for s in same_dims if s.batch_size >= len(group)), key=lambda s: s.batch_size)
+        return shape, group
+
+    def update(self, step: StaticStep) -> list[Request]:
+        """Called after the engine appended this step's tokens. Returns the requests that finished and
+        left the scheduler (the whole batch leaves at once, when its last row finishes)."""
+        if all(r.is_finished for r in self.running):
+            done, self.running, self._running_shape = self.running, [], None
+            return done
+        self._decode_index = 0 if step.is_prefill else step.decode_index + 1
+        return []

@@ -1,0 +1,70 @@
+"""Shared fixtures. The `cluster` fixture is one real control plane for the whole session."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.controlplane import ControlPlane, default_bin_dir, spyre_nodes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition", step=0.2):
+    """Polls `predicate` until it returns a truthy value, which is returned; fails naming `what`."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # the object may not exist yet
+            last_error = e
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what} (last error: {last_error})")
+
+
+def ensure_k8s_binaries() -> Path:
+    bin_dir = default_bin_dir()
+    if not (bin_dir / "kube-apiserver").exists():
+        subprocess.run(["bash", str(REPO / "tests/cluster/build-k8s.sh")], check=True)
+    return bin_dir
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory) -> ControlPlane:
+    ensure_k8s_binaries()
+    cp = ControlPlane(workdir=tmp_path_factory.mktemp("cluster"))
+    cp.start()
+    try:
+        cp.register_nodes(spyre_nodes(count=2, cards=8))
+        yield cp
+    finally:
+        cp.stop()
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(cluster) -> Path:
+    return cluster.kubeconfig
+
+
+@pytest.fixture(scope="session")
+def kube(cluster):
+    """A kubernetes ApiClient authenticated as the cluster admin."""
+    return cluster.api_client()
+
+
+def kubectl(cluster: ControlPlane, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Runs the kubectl built with the control plane (same version, no skew warning)."""
+    return subprocess.run(
+        [str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", *args],
+        capture_output=True,
+        text=True,
+        check=check,
+        timeout=60,
+    )
