@@ -1,0 +1,65 @@
+"""Start `spyre-runtime serve` as a subprocess on a free loopback port; stop it by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from tests.cluster.controlplane import free_port
+
+
+class ServerProcess:
+    def __init__(self, model_dir: Path, env: dict[str, str], log_path: Path, served_name: str = "tiny"):
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.served_name = served_name
+        self.health_codes: list[int] = []
+        argv = [
+            sys.executable,
+            "-m",
+            "spyre_runtime.cli",
+            "serve",
+            str(model_dir),
+            "--port",
+            str(self.port),
+            "--served-model-name",
+            served_name,
+        ]
+        self._log = open(log_path, "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            argv, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            with contextlib.suppress(httpx.HTTPError):
+                code = httpx.get(self.base + "/health", timeout=2).status_code
+                self.health_codes.append(code)
+                if code == 200:
+                    return
+            time.sleep(0.1)
+        raise AssertionError(f"server not ready in {timeout} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

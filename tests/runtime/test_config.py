@@ -1,0 +1,107 @@
+"""Environment contract parsing: canonical names, deprecated aliases, flags winning, clear errors."""
+
+import logging
+import subprocess
+import sys
+
+import pytest
+from spyre_runtime.config import ConfigError, Shape, load_config
+
+
+def test_defaults_and_zipped_shapes():
+    cfg = load_config(
+        "/models/m",
+        environ={
+            "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
+            "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "128, 64",
+            "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "20,64",
+            "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "4,1",
+        },
+    )
+    assert cfg.backend == "inductor"
+    assert cfg.shapes == (Shape(64, 64, 1), Shape(128, 20, 4))
+    assert cfg.max_model_len == 148 and cfg.max_num_seqs == 4
+    assert cfg.served_model_name == "m"
+    assert load_config("/m", environ={}).backend == "sendnn"
+
+
+def test_alias_is_accepted_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        cfg = load_config("/m", environ={"VLLM_SPYRE_DYNAMO_BACKEND": "eager", "VLLM_SPYRE_USE_CB": "1"})
+    assert cfg.backend == "eager" and cfg.use_cb
+    assert "VLLM_SPYRE_DYNAMO_BACKEND is deprecated; use SENDNN_INFERENCE_DYNAMO_BACKEND" in caplog.text
+    assert cfg.deprecated_env == ("VLLM_SPYRE_DYNAMO_BACKEND", "VLLM_SPYRE_USE_CB")
+
+
+def test_canonical_wins_over_alias():
+    env = {"VLLM_SPYRE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor"}
+    assert load_config("/m", environ=env).backend == "inductor"
+
+
+def test_flags_win_over_environment():
+    cfg = load_config("/m", environ={}, max_model_len=512, max_num_seqs=3, served_model_name="x", port=9000)
+    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.served_model_name, cfg.port) == (512, 3, "x", 9000)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"SENDNN_INFERENCE_DYNAMO_BACKEND": "tpu"}, "SENDNN_INFERENCE_DYNAMO_BACKEND='tpu' is not one of"),
+        (
+            {"SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "100"},
+            "SENDNN_INFERENCE_WARMUP_PROMPT_LENS: 100 is not a multiple of 64",
+        ),
+        ({"SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "64,x"}, "'x' is not an integer"),
+        (
+            {"SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "0"},
+            "SENDNN_INFERENCE_WARMUP_NEW_TOKENS='0': 0 must be positive",
+        ),
+        (
+            {"SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "-2"},
+            "SENDNN_INFERENCE_WARMUP_BATCH_SIZES='-2': -2 must be positive",
+        ),
+        (
+            {"SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "64,128", "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "20"},
+            "warmup lists differ in length",
+        ),
+        ({"SENDNN_INFERENCE_USE_CB": "maybe"}, "SENDNN_INFERENCE_USE_CB='maybe' is not a boolean"),
+        ({"VLLM_SPYRE_MAX_LOAD_PROCESSES": "-1"}, "VLLM_SPYRE_MAX_LOAD_PROCESSES='-1' must be >= 0"),
+        ({"TORCH_SENDNN_CACHE_ENABLE": "1"}, "TORCH_SENDNN_CACHE_ENABLE=1 needs TORCH_SENDNN_CACHE_DIR"),
+    ],
+)
+def test_bad_values_name_the_variable(env, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("/m", environ=env)
+
+
+def run_cli(*args, env=None):
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "spyre_runtime.cli", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
+
+
+def test_bad_env_stops_serve_with_one_line_and_exit_2(tiny_model):
+    res = run_cli("serve", str(tiny_model), env={"SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "65"})
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        "spyre-runtime: error: SENDNN_INFERENCE_WARMUP_PROMPT_LENS: 65 is not a multiple of 64"
+    )
+    assert "Traceback" not in res.stderr
+
+
+def test_missing_sendnn_names_cpu_backends(tiny_model):
+    res = run_cli("serve", str(tiny_model), env={"SENDNN_INFERENCE_DYNAMO_BACKEND": "sendnn"})
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "torch_sendnn" in lines[0] and "inductor or eager" in lines[0]
+
+
+def test_bad_flag_is_rejected(tiny_model):
+    res = run_cli("serve", str(tiny_model), "--port", "0")
+    assert res.returncode == 2 and "--port: 0 must be positive" in res.stderr
