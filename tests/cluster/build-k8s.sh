@@ -15,7 +15,7 @@ step() { echo "[build-k8s] $*"; CURRENT_STEP="$*"; }
 trap 'echo "[build-k8s] FAILED at step: ${CURRENT_STEP:-start} (see output above)" >&2' ERR
 
 have_all() { for c in "${COMPONENTS[@]}"; do [ -x "$OUT/$c" ] || return 1; done; }
-if have_all; then echo "[build-k8s] reusing binaries in $OUT"; exit 0; fi
+if have_all && command -v etcd >/dev/null; then echo "[build-k8s] reusing binaries in $OUT"; exit 0; fi
 
 start=$(date +%s)
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -43,7 +43,9 @@ APT_OPTS=(-o "Dir::Etc::SourceList=$APT/sources.list" -o "Dir::Etc::SourceParts=
 
 SRC_DIR="$WORK/src/kubernetes-$K8S_VERSION"
 if [ ! -d "$SRC_DIR" ]; then
-  step "download Debian source package kubernetes=$K8S_DEB_VERSION"
+  if have_all; then echo "[build-k8s] reusing binaries in $OUT"; exit 0; fi
+
+step "download Debian source package kubernetes=$K8S_DEB_VERSION"
   apt-get "${APT_OPTS[@]}" update -qq
   (cd "$WORK/src" && apt-get "${APT_OPTS[@]}" source --download-only -qq "kubernetes=$K8S_DEB_VERSION")
   step "unpack source package"

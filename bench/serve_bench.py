@@ -1,0 +1,252 @@
+"""Seeded load generator against the runtime's OpenAI endpoint, with HF transformers baselines measured in the
+same run on the same model and prompts. A script with a report, not a timed test.
+
+    .venv/bin/python bench/serve_bench.py [--requests 64] [--concurrency 8] [--hf-requests 16]
+
+Workload: prompts of 32-256 tokens, max_tokens 16-128 (ignore_eos, so every system generates the same
+counts), greedy, streaming, concurrency 8. Writes bench/results-serve.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.cluster.controlplane import free_port  # noqa: E402
+
+MODEL_DIR = Path.home() / ".cache/spyre-serve/models/smollm2"
+SHAPES = {
+    "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "128,256",
+    "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "128,128",
+    "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "8,8",
+}
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q / 100 * (len(values) - 1)))] if values else float("nan")
+
+
+def workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    words = [
+        "cloud",
+        "card",
+        "compile",
+        "shape",
+        "batch",
+        "token",
+        "model",
+        "serve",
+        "queue",
+        "graph",
+        "cache",
+        "node",
+        "pod",
+        "kernel",
+        "matrix",
+        "vector",
+        "tensor",
+        "scheduler",
+        "request",
+        "stream",
+        "latency",
+        "throughput",
+    ]
+    out = []
+    for _ in range(n):
+        target = rng.randint(32, 256)
+        text = " ".join(rng.choice(words) for _ in range(target * 2))
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:target]
+        out.append((ids, rng.randint(16, 128)))
+    return out
+
+
+async def run_load(base: str, jobs, concurrency: int) -> dict:
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
+    sem = asyncio.Semaphore(concurrency)
+    ttft, itl, tokens = [], [], 0
+
+    async def one(ids, max_tokens):
+        nonlocal tokens
+        async with sem:
+            t0 = time.perf_counter()
+            last = None
+            stream = await client.completions.create(
+                model="smollm2",
+                prompt=ids,
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+                stream_options={"include_usage": True},
+            )
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].text:
+                    if last is None:
+                        ttft.append(now - t0)
+                    else:
+                        itl.append(now - last)
+                    last = now
+                if chunk.usage:
+                    tokens += chunk.usage.completion_tokens
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(ids, m) for ids, m in jobs))
+    wall = time.perf_counter() - t0
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "tok_per_s": tokens / wall,
+        "req_per_s": len(jobs) / wall,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p99": pct(ttft, 99),
+        "itl_p50": pct(itl, 50),
+        "itl_p99": pct(itl, 99),
+    }
+
+
+def hf_baselines(jobs, batch: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    res = {}
+    t0, toks = time.perf_counter(), 0
+    with torch.inference_mode():
+        for ids, m in jobs:
+            model.generate(torch.tensor([ids]), max_new_tokens=m, min_new_tokens=m, do_sample=False)
+            toks += m
+    res["hf_one_at_a_time"] = {"tok_per_s": toks / (time.perf_counter() - t0), "requests": len(jobs)}
+    t0, toks = time.perf_counter(), 0
+    with torch.inference_mode():
+        for i in range(0, len(jobs), batch):
+            group = jobs[i : i + batch]
+            width = max(len(ids) for ids, _ in group)
+            m = max(mt for _, mt in group)
+            input_ids = torch.tensor([[0] * (width - len(ids)) + ids for ids, _ in group])
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids, _ in group])
+            model.generate(
+                input_ids,
+                attention_mask=mask,
+                max_new_tokens=m,
+                min_new_tokens=m,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            toks += sum(
+                mt for _, mt in group
+            )  # useful tokens only: a static batch runs to its longest request
+    res["hf_static_batches_of_8"] = {"tok_per_s": toks / (time.perf_counter() - t0), "requests": len(jobs)}
+    return res
+
+
+def step_overhead(jobs) -> dict:
+    """Pure compiled forward of a decode step vs the engine's full step, in process, same shape."""
+    from spyre_runtime.config import load_config
+    from spyre_runtime.engine import LLMEngine
+    from spyre_runtime.sampling import SamplingParams
+
+    cfg = load_config(MODEL_DIR, environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES})
+    engine = LLMEngine(cfg)
+    engine.executor.warmup()
+    step_times: list[float] = []
+    engine.on_step = lambda step, s: step_times.append(s) if not step.is_prefill else None
+    group = [ids for ids, _ in jobs if len(ids) <= 256][:8]
+    for ids in group:
+        engine.add_request(ids, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    t_steps = []
+    while engine.has_work():
+        t0 = time.perf_counter()
+        engine.step()
+        t_steps.append(time.perf_counter() - t0)
+    decode_steps = t_steps[1:]
+    shape = engine.executor.config.shapes[-1]
+    args = engine.executor.decode_inputs(shape, [len(i) for i in group], [1] * len(group), 10)
+    fwd = []
+    for _ in range(30):
+        t0 = time.perf_counter()
+        engine.executor._run(*args)
+        fwd.append(time.perf_counter() - t0)
+    step_med, fwd_med = statistics.median(decode_steps), statistics.median(fwd)
+    return {
+        "engine_decode_step_ms": step_med * 1e3,
+        "compiled_forward_ms": fwd_med * 1e3,
+        "overhead_pct": 100 * (step_med - fwd_med) / step_med,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--hf-requests", type=int, default=16, help="baselines run on the first N requests")
+    args = ap.parse_args()
+    from spyre_runtime.models import prepare_smollm2
+    from transformers import AutoTokenizer
+
+    prepare_smollm2(MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    jobs = workload(tok, args.requests)
+    port = free_port()
+    env = {**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES}
+    log = open("/tmp/spyre-bench-server.log", "wb")  # noqa: SIM115
+    t0 = time.perf_counter()
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "spyre_runtime.cli",
+            "serve",
+            str(MODEL_DIR),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "smollm2",
+        ],
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
+    results: dict = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}, SmolLM2-135M fp32"}
+    try:
+        base = f"http://127.0.0.1:{port}"
+        while True:
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if server.poll() is not None:
+                raise SystemExit("server died; see /tmp/spyre-bench-server.log")
+            time.sleep(0.5)
+        results["server_ready_s"] = time.perf_counter() - t0
+        results["spyre_serve"] = asyncio.run(run_load(base, jobs, args.concurrency))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    results.update(hf_baselines(jobs[: args.hf_requests], 8))
+    results["step_overhead"] = step_overhead(jobs)
+    ours, hf1 = results["spyre_serve"]["tok_per_s"], results["hf_one_at_a_time"]["tok_per_s"]
+    results["speedup_vs_hf_one_at_a_time"] = ours / hf1
+    (REPO / "bench/results-serve.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
