@@ -15,18 +15,16 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-from tests.cluster.controlplane import free_port  # noqa: E402
+from tests.runtime.serverproc import ServerProcess  # noqa: E402
 
 MODEL_DIR = Path.home() / ".cache/spyre-serve/models/smollm2"
 SHAPES = {
@@ -202,43 +200,16 @@ def main() -> int:
     prepare_smollm2(MODEL_DIR)
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     jobs = workload(tok, args.requests)
-    port = free_port()
-    env = {**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES}
-    log = open("/tmp/spyre-bench-server.log", "wb")  # noqa: SIM115
-    t0 = time.perf_counter()
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "spyre_runtime.cli",
-            "serve",
-            str(MODEL_DIR),
-            "--port",
-            str(port),
-            "--served-model-name",
-            "smollm2",
-        ],
-        env=env,
-        stdout=log,
-        stderr=log,
-    )
     results: dict = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}, SmolLM2-135M fp32"}
+    env = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES}
+    t0 = time.perf_counter()
+    server = ServerProcess(MODEL_DIR, env, Path("/tmp/spyre-bench-server.log"), served_name="smollm2")
     try:
-        base = f"http://127.0.0.1:{port}"
-        while True:
-            try:
-                if httpx.get(base + "/health").status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None:
-                raise SystemExit("server died; see /tmp/spyre-bench-server.log")
-            time.sleep(0.5)
+        server.wait_ready(timeout=1800)
         results["server_ready_s"] = time.perf_counter() - t0
-        results["spyre_serve"] = asyncio.run(run_load(base, jobs, args.concurrency))
+        results["spyre_serve"] = asyncio.run(run_load(server.base, jobs, args.concurrency))
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        server.stop()
     results.update(hf_baselines(jobs[: args.hf_requests], 8))
     results["step_overhead"] = step_overhead(jobs)
     ours, hf1 = results["spyre_serve"]["tok_per_s"], results["hf_one_at_a_time"]["tok_per_s"]

@@ -1,0 +1,244 @@
+"""Pure builders: (SpyreModel, spec, settings) -> Kubernetes objects as dicts. Deterministic, no I/O."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from spyre_operator.settings import (
+    COMPONENT_LABEL,
+    GROUP,
+    HASH_LABEL,
+    KIND,
+    MANAGED_BY,
+    MODEL_LABEL,
+    VERSION,
+    OperatorSettings,
+)
+from spyre_operator.spec import ModelSpec
+
+CACHE_MOUNT = "/cache"
+MODEL_MOUNT = "/models"
+PROBE_PERIOD = 10
+
+
+def owner_reference(model: dict) -> dict:
+    meta = model["metadata"]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {MODEL_LABEL: name}
+
+
+def cache_claim_name(name: str, spec: ModelSpec) -> str | None:
+    if not spec.cache.enabled:
+        return None
+    return spec.cache.existing_claim or f"{name}-graph-cache"
+
+
+def runtime_env(spec: ModelSpec) -> list[dict]:
+    """The environment contract of shared/DESIGN.md section 2, derived from the spec."""
+    env = [
+        {"name": "SENDNN_INFERENCE_DYNAMO_BACKEND", "value": spec.backend},
+        {"name": "SENDNN_INFERENCE_USE_CB", "value": "1" if spec.mode == "continuous" else "0"},
+    ]
+    if spec.mode == "static":
+        env += [
+            {
+                "name": "SENDNN_INFERENCE_WARMUP_PROMPT_LENS",
+                "value": ",".join(str(s.prompt_length) for s in spec.shapes),
+            },
+            {
+                "name": "SENDNN_INFERENCE_WARMUP_NEW_TOKENS",
+                "value": ",".join(str(s.new_tokens) for s in spec.shapes),
+            },
+            {
+                "name": "SENDNN_INFERENCE_WARMUP_BATCH_SIZES",
+                "value": ",".join(str(s.batch_size) for s in spec.shapes),
+            },
+        ]
+    if spec.cache.enabled:
+        env += [
+            {"name": "TORCH_SENDNN_CACHE_ENABLE", "value": "1"},
+            {"name": "TORCH_SENDNN_CACHE_DIR", "value": f"{CACHE_MOUNT}/graphs"},
+        ]
+    env += [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    user = {v["name"] for v in spec.env}
+    return [v for v in env if v["name"] not in user] + [dict(v) for v in spec.env]
+
+
+def runtime_args(spec: ModelSpec, settings: OperatorSettings) -> list[str]:
+    args = [
+        "serve",
+        spec.model_path_in_pod,
+        "--served-model-name",
+        spec.served_model_name,
+        "--host",
+        "$(POD_IP)",
+        "--port",
+        str(settings.runtime_port),
+        "--tensor-parallel-size",
+        str(spec.cards),
+    ]
+    if spec.mode == "continuous":
+        args += ["--max-num-seqs", str(spec.max_num_seqs), "--max-model-len", str(spec.max_model_len)]
+    return args
+
+
+def startup_failure_threshold(spec: ModelSpec, settings: OperatorSettings) -> int:
+    """Budget of the startup probe: every shape (prefill and decode graphs) may take the per-shape time."""
+    num_shapes = len(spec.shapes) if spec.mode == "static" else 4
+    return max(6, (60 + num_shapes * settings.startup_seconds_per_shape) // PROBE_PERIOD)
+
+
+def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict:
+    """The pod spec every replica shares; its hash detects drift."""
+    port = settings.runtime_port
+    probe = {"httpGet": {"path": "/health", "port": port}}
+    resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
+    resources.setdefault("requests", {})[settings.card_resource] = str(spec.cards)
+    resources.setdefault("limits", {})[settings.card_resource] = str(spec.cards)
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
+    volumes = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.pvc_claim:
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+        volumes.append(
+            {"name": "model", "persistentVolumeClaim": {"claimName": spec.pvc_claim, "readOnly": True}}
+        )
+    claim = cache_claim_name(name, spec)
+    if claim:
+        mounts.append({"name": "graph-cache", "mountPath": CACHE_MOUNT})
+        volumes.append({"name": "graph-cache", "persistentVolumeClaim": {"claimName": claim}})
+    container = {
+        "name": "runtime",
+        "image": spec.image or settings.runtime_image,
+        "command": ["spyre-runtime"],
+        "args": runtime_args(spec, settings),
+        "env": runtime_env(spec),
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "resources": resources,
+        "volumeMounts": mounts,
+        "startupProbe": {
+            **probe,
+            "periodSeconds": PROBE_PERIOD,
+            "failureThreshold": startup_failure_threshold(spec, settings),
+        },
+        "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
+        "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+        },
+    }
+    pod_spec = {
+        "containers": [container],
+        "volumes": volumes,
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": 60,
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 1000,
+            "runAsGroup": 1000,
+            "fsGroup": 1000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    scheduler = spec.scheduler_name or settings.scheduler_name
+    if scheduler:
+        pod_spec["schedulerName"] = scheduler
+    if spec.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.node_selector)
+    if spec.tolerations:
+        pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+    if spec.affinity:
+        pod_spec["affinity"] = spec.affinity
+    if spec.priority_class_name:
+        pod_spec["priorityClassName"] = spec.priority_class_name
+    return pod_spec
+
+
+def template_hash(pod_spec: dict) -> str:
+    return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def build_pod(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict:
+    """The API server completes the name (generateName): `<model>-<template hash>-<random>`."""
+    name = model["metadata"]["name"]
+    pod_spec = pod_template(name, spec, settings)
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": f"{name}-{template_hash(pod_spec)}-",
+            "namespace": model["metadata"]["namespace"],
+            "labels": {
+                **selector_labels(name),
+                HASH_LABEL: template_hash(pod_spec),
+                COMPONENT_LABEL: "inference",
+                **MANAGED_BY,
+            },
+            "ownerReferences": [owner_reference(model)],
+        },
+        "spec": pod_spec,
+    }
+
+
+def build_service(model: dict, settings: OperatorSettings) -> dict:
+    name = model["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": model["metadata"]["namespace"],
+            "labels": {**selector_labels(name), **MANAGED_BY},
+            "ownerReferences": [owner_reference(model)],
+        },
+        "spec": {
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": settings.runtime_port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }
+
+
+def build_cache_claim(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict | None:
+    """One claim per model, shared by all replicas. None when disabled or an existing claim is used.
+    With retention Delete the claim is owned by the model (garbage-collected with it); Retain keeps it."""
+    if not spec.cache.enabled or spec.cache.existing_claim:
+        return None
+    name = model["metadata"]["name"]
+    meta = {
+        "name": cache_claim_name(name, spec),
+        "namespace": model["metadata"]["namespace"],
+        "labels": {**selector_labels(name), **MANAGED_BY},
+    }
+    if spec.cache.retention == "Delete":
+        meta["ownerReferences"] = [owner_reference(model)]
+    claim_spec = {
+        "accessModes": [spec.cache.access_mode],
+        "resources": {"requests": {"storage": spec.cache.size}},
+    }
+    storage_class = spec.cache.storage_class or settings.default_storage_class
+    if storage_class:
+        claim_spec["storageClassName"] = storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim_spec}

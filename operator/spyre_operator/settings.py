@@ -1,0 +1,91 @@
+"""Operator settings: parsed once from the environment and flags, validated, frozen."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+GROUP = "spyre-serve.io"
+VERSION = "v1alpha1"
+PLURAL = "spyremodels"
+KIND = "SpyreModel"
+
+MODEL_LABEL = f"{GROUP}/model"
+HASH_LABEL = f"{GROUP}/template-hash"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "spyre-operator"}
+RESOURCE_NAME = re.compile(
+    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[a-z0-9A-Z_.-]+$"
+)
+
+
+class SettingsError(ValueError):
+    """A bad operator setting; the message names the variable or flag."""
+
+
+@dataclass(frozen=True)
+class OperatorSettings:
+    card_resource: str = "ibm.com/spyre_pf"
+    scheduler_name: str | None = None
+    runtime_image: str = "quay.io/spyre-serve/runtime:0.1.0"
+    default_storage_class: str | None = None
+    namespaces: tuple[str, ...] = ()  # empty: all namespaces
+    resync_seconds: float = 30.0
+    startup_seconds_per_shape: int = 600  # the startup probe's budget for compiling one shape
+    runtime_port: int = 8000
+
+
+ENV = {
+    "card_resource": "SPYRE_OPERATOR_CARD_RESOURCE",
+    "scheduler_name": "SPYRE_OPERATOR_SCHEDULER_NAME",
+    "runtime_image": "SPYRE_OPERATOR_RUNTIME_IMAGE",
+    "default_storage_class": "SPYRE_OPERATOR_DEFAULT_STORAGE_CLASS",
+    "namespaces": "SPYRE_OPERATOR_NAMESPACES",
+    "resync_seconds": "SPYRE_OPERATOR_RESYNC_SECONDS",
+    "startup_seconds_per_shape": "SPYRE_OPERATOR_STARTUP_SECONDS_PER_SHAPE",
+}
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    for field, var in ENV.items():
+        parser.add_argument("--" + field.replace("_", "-"), default=None, help=f"(env {var})")
+
+
+def load_settings(
+    environ: Mapping[str, str] | None = None, flags: argparse.Namespace | None = None
+) -> OperatorSettings:
+    """Environment first; a flag that is given wins."""
+    env = os.environ if environ is None else environ
+    raw: dict[str, str] = {}
+    for field, var in ENV.items():
+        value = getattr(flags, field, None) if flags is not None else None
+        source = f"--{field.replace('_', '-')}"
+        if value is None and env.get(var):
+            value, source = env[var], var
+        if value is not None:
+            raw[field] = (value, source)
+    values: dict = {}
+    if "card_resource" in raw:
+        value, source = raw["card_resource"]
+        if not RESOURCE_NAME.match(value) or "/" not in value:
+            raise SettingsError(f"{source}={value!r} is not an extended resource name like ibm.com/spyre_pf")
+        values["card_resource"] = value
+    for field in ("scheduler_name", "runtime_image", "default_storage_class"):
+        if field in raw:
+            values[field] = raw[field][0]
+    if "namespaces" in raw:
+        values["namespaces"] = tuple(n.strip() for n in raw["namespaces"][0].split(",") if n.strip())
+    for field, cast in (("resync_seconds", float), ("startup_seconds_per_shape", int)):
+        if field in raw:
+            value, source = raw[field]
+            try:
+                parsed = cast(value)
+            except ValueError:
+                raise SettingsError(f"{source}={value!r} is not a number") from None
+            if parsed <= 0:
+                raise SettingsError(f"{source}={value!r} must be positive")
+            values[field] = parsed
+    return OperatorSettings(**values)

@@ -1,0 +1,132 @@
+"""A status-only stand-in for the kubelet (and a storage provisioner), for operator tests: it runs nothing.
+Pods bound to a node are reported Running (and Ready unless held back); pods being deleted are finalized,
+as a kubelet does once their containers stopped; pending claims get a volume. The end-to-end tests use the
+real local pod runner instead."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import threading
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def provision_pending_claims(
+    core: client.CoreV1Api, namespace: str, root: str = "/tmp/spyre-serve-pv"
+) -> None:
+    """Plays a storage provisioner: every Pending claim gets a hostPath PersistentVolume bound to it
+    (the controller-manager's PV controller does the binding)."""
+    for claim in core.list_namespaced_persistent_volume_claim(namespace).items:
+        if claim.status.phase != "Pending" or claim.spec.volume_name:
+            continue
+        name = f"pv-{namespace}-{claim.metadata.name}"
+        body = {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": name, "labels": {"spyre-serve.io/test-provisioner": "true"}},
+            "spec": {
+                "capacity": {"storage": claim.spec.resources.requests["storage"]},
+                "accessModes": claim.spec.access_modes,
+                "persistentVolumeReclaimPolicy": "Delete",
+                "storageClassName": claim.spec.storage_class_name or "",
+                "hostPath": {"path": f"{root}/{namespace}/{claim.metadata.name}"},
+                "claimRef": {"namespace": namespace, "name": claim.metadata.name, "uid": claim.metadata.uid},
+            },
+        }
+        with contextlib.suppress(ApiException):
+            core.create_persistent_volume(body)
+
+
+class FakeKubelet:
+    def __init__(self, api_client, namespace: str, ready: bool = True, period: float = 0.2) -> None:
+        self.core = client.CoreV1Api(api_client)
+        self.namespace = namespace
+        self.ready = ready
+        self.crashing: set[str] = set()
+        self.period = period
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"fake-kubelet-{namespace}", daemon=True)
+
+    def __enter__(self) -> FakeKubelet:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            with contextlib.suppress(ApiException):
+                self.sync()
+
+    def sync(self) -> None:
+        provision_pending_claims(self.core, self.namespace)
+        for pod in self.core.list_namespaced_pod(self.namespace).items:
+            name = pod.metadata.name
+            if pod.metadata.deletion_timestamp:
+                with contextlib.suppress(ApiException):
+                    self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+                continue
+            if not pod.spec.node_name:
+                continue
+            conditions = {c.type: c.status for c in pod.status.conditions or []}
+            # `ready` gates pods not Ready yet (warming up); a Ready pod stays Ready unless it crashes
+            want_ready = (self.ready or conditions.get("Ready") == "True") and name not in self.crashing
+            crashing = name in self.crashing
+            has_crash = any(
+                cs.state and cs.state.waiting and cs.state.waiting.reason == "CrashLoopBackOff"
+                for cs in pod.status.container_statuses or []
+            )
+            if (
+                pod.status.phase == "Running"
+                and conditions.get("Ready") == ("True" if want_ready else "False")
+                and crashing == has_crash
+            ):
+                continue
+            self.core.patch_namespaced_pod_status(
+                name, self.namespace, self._status(pod, want_ready, crashing)
+            )
+
+    def _status(self, pod, ready: bool, crashing: bool) -> dict:
+        flag = "True" if ready else "False"
+        now = _now()
+        if crashing:
+            state = {
+                "waiting": {"reason": "CrashLoopBackOff", "message": "back-off restarting failed container"}
+            }
+            last = {"terminated": {"reason": "Error", "exitCode": 1, "startedAt": now, "finishedAt": now}}
+            restarts = 3
+        else:
+            state, last, restarts = {"running": {"startedAt": now}}, {}, 0
+        return {
+            "status": {
+                "phase": "Running",
+                "podIP": "127.0.0.1",
+                "startTime": now,
+                "conditions": [
+                    {"type": "Initialized", "status": "True", "lastTransitionTime": now},
+                    {"type": "ContainersReady", "status": flag, "lastTransitionTime": now},
+                    {"type": "Ready", "status": flag, "lastTransitionTime": now},
+                ],
+                "containerStatuses": [
+                    {
+                        "name": c.name,
+                        "image": c.image,
+                        "imageID": "",
+                        "ready": ready,
+                        "started": True,
+                        "restartCount": restarts,
+                        "state": state,
+                        "lastState": last,
+                    }
+                    for c in pod.spec.containers
+                ],
+            }
+        }

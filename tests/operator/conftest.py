@@ -1,0 +1,182 @@
+"""Operator fixtures: the CRD installed in the session's control plane, the operator as a subprocess
+(stopped by PID), a namespace per test with a status-only kubelet stand-in."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kubernetes import client
+
+from tests.cluster.fakekubelet import FakeKubelet
+from tests.conftest import REPO, kubectl, wait_for
+
+GROUP, VERSION, PLURAL = "spyre-serve.io", "v1alpha1", "spyremodels"
+_ns_counter = itertools.count()
+
+
+class OperatorProcess:
+    def __init__(self, kubeconfig: Path, log_path: Path, extra_env: dict | None = None) -> None:
+        self.env = {
+            **os.environ,
+            "KUBECONFIG": str(kubeconfig),
+            "SPYRE_OPERATOR_RESYNC_SECONDS": "3",
+            **(extra_env or {}),
+        }
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> OperatorProcess:
+        log = open(self.log_path, "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spyre_operator"],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+        )
+        log.close()
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no chance to clean up, as when a node dies."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+
+@pytest.fixture(scope="session")
+def crd(cluster):
+    kubectl(cluster, "apply", "--validate=false", "-f", str(REPO / "crds/spyremodels.yaml"))
+    kubectl(cluster, "wait", "--for=condition=established", "--timeout=60s", "crd/spyremodels.spyre-serve.io")
+    return "spyremodels.spyre-serve.io"
+
+
+@pytest.fixture(scope="session")
+def operator(cluster, crd, tmp_path_factory):
+    proc = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log").start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture()
+def custom(kube):
+    return client.CustomObjectsApi(kube)
+
+
+@pytest.fixture()
+def core(kube):
+    return client.CoreV1Api(kube)
+
+
+@pytest.fixture()
+def ns(kube, crd):
+    """A fresh namespace with a kubelet stand-in; everything in it is removed afterwards."""
+    core = client.CoreV1Api(kube)
+    name = f"op-{os.getpid()}-{next(_ns_counter)}"
+    core.create_namespace({"metadata": {"name": name}})
+    wait_for(lambda: core.read_namespaced_service_account("default", name), what="default service account")
+    core.create_namespaced_persistent_volume_claim(
+        name,
+        {
+            "metadata": {"name": "models"},
+            "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+        },
+    )
+    kubelet = FakeKubelet(kube, name)
+    with kubelet:
+        try:
+            yield Namespace(name, kube, kubelet)
+        finally:
+            custom = client.CustomObjectsApi(kube)
+            for m in custom.list_namespaced_custom_object(GROUP, VERSION, name, PLURAL)["items"]:
+                custom.delete_namespaced_custom_object(GROUP, VERSION, name, PLURAL, m["metadata"]["name"])
+            wait_for(
+                lambda: not core.list_namespaced_pod(name).items, timeout=60, what=f"pods of {name} gone"
+            )
+    core.delete_namespace(name)
+    for pv in core.list_persistent_volume(label_selector="spyre-serve.io/test-provisioner=true").items:
+        if pv.spec.claim_ref and pv.spec.claim_ref.namespace == name:
+            core.delete_persistent_volume(pv.metadata.name)
+
+
+class Namespace:
+    def __init__(self, name: str, kube, kubelet: FakeKubelet) -> None:
+        self.name, self.kube, self.kubelet = name, kube, kubelet
+        self.custom = client.CustomObjectsApi(kube)
+        self.core = client.CoreV1Api(kube)
+
+    def apply_model(self, name: str, spec: dict) -> dict:
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": "SpyreModel",
+            "metadata": {"name": name},
+            "spec": spec,
+        }
+        try:
+            return self.custom.create_namespaced_custom_object(GROUP, VERSION, self.name, PLURAL, body)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+            return self.custom.patch_namespaced_custom_object(
+                GROUP, VERSION, self.name, PLURAL, name, {"spec": spec}
+            )
+
+    def patch_spec(self, name: str, spec: dict) -> dict:
+        return self.custom.patch_namespaced_custom_object(
+            GROUP, VERSION, self.name, PLURAL, name, {"spec": spec}
+        )
+
+    def model(self, name: str) -> dict:
+        return self.custom.get_namespaced_custom_object(GROUP, VERSION, self.name, PLURAL, name)
+
+    def condition(self, name: str, type_: str) -> dict:
+        for c in (self.model(name).get("status") or {}).get("conditions") or []:
+            if c["type"] == type_:
+                return c
+        return {}
+
+    def pods(self, name: str) -> list:
+        return [
+            p
+            for p in self.core.list_namespaced_pod(
+                self.name, label_selector=f"spyre-serve.io/model={name}"
+            ).items
+            if not p.metadata.deletion_timestamp
+        ]
+
+    def events(self, name: str) -> list:
+        return self.core.list_namespaced_event(self.name, field_selector=f"involvedObject.name={name}").items
+
+    def wait_ready(self, name: str, replicas: int, timeout: float = 60) -> dict:
+        def ready():
+            m = self.model(name)
+            st = m.get("status") or {}
+            conds = {c["type"]: c for c in st.get("conditions") or []}
+            ok = (
+                conds.get("Ready", {}).get("status") == "True"
+                and st.get("readyReplicas") == replicas
+                and st.get("observedGeneration") == m["metadata"]["generation"]
+                and len(self.pods(name)) == replicas
+            )
+            return m if ok else None
+
+        return wait_for(ready, timeout=timeout, what=f"{name} Ready with {replicas} replicas")
