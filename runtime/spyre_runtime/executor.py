@@ -125,11 +125,13 @@ class ModelExecutor:
 
     # ---- the compiled hot step -------------------------------------------------------------------
 
-    def _forward(self, input_ids, position_ids, mask, slot_mapping, block_table=None):
+    def _forward(self, input_ids, position_ids, mask, slot_mapping, block_table=None, slab_start=None):
         # input_ids, position_ids, slot_mapping: [B, L]; mask: [B, L, K]; block_table: [B, nb] -> [B, V]
         kwargs = {"mask": mask, "slot_mapping": slot_mapping}
         if block_table is not None:
             kwargs["block_table"] = block_table
+        if slab_start is not None:
+            kwargs["slab_start"] = slab_start
         logits, _ = self.model(
             input_ids,
             position_ids=position_ids,
@@ -182,17 +184,15 @@ class ModelExecutor:
         ids = torch.zeros(B, 1, dtype=torch.long)
         pos = torch.zeros(B, 1, dtype=torch.long)
         slots = torch.full((B, 1), SCRATCH_BLOCK * BLOCK_SIZE, dtype=torch.long)
-        table = torch.full((B, nb), SCRATCH_BLOCK, dtype=torch.long)
         mask = torch.zeros(B, 1, K, dtype=torch.bool)
-        mask[:, 0, 0] = True  # dummy rows see one (scratch) key
+        mask[:, 0, 0] = True  # dummy rows see one key of their own slab (finite: zeros or old keys)
         keys = torch.arange(K)
         for r, (n, token) in enumerate(zip(prompt_lens, last_tokens, strict=True)):
             ids[r, 0] = token
             pos[r, 0] = n + t
             slots[r, 0] = blocks[r, cur // BLOCK_SIZE] * BLOCK_SIZE + cur % BLOCK_SIZE
-            table[r] = blocks[r]
             mask[r, 0] = (keys >= P - n) & (keys <= cur)
-        return ids, pos, mask, slots, table
+        return ids, pos, mask, slots, None, int(blocks[0, 0])
 
     def execute_static(self, step: StaticStep) -> list[int]:
         """Runs one step; returns one sampled token per request of the step (dummy rows dropped)."""

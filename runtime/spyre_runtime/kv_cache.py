@@ -6,8 +6,10 @@ attention kwargs are fixed-shape tensors:
 
     slot_mapping [B, L]   flat slot (block * BLOCK_SIZE + offset) where each input token's K/V is stored
     mask         [B, L, K] bool: which of the K keys each query sees
-    block_table  [B, nb]  (absent for a prefill with no earlier context: the fresh keys are attended)
-                          blocks of each row; K = nb * BLOCK_SIZE keys are gathered from the cache
+    block_table  [B, nb]  blocks of each row; K = nb * BLOCK_SIZE keys are gathered from the cache
+    slab_start   int      instead of a block table: row r owns blocks slab_start + r*nb ... (static
+                          batching), so the context is a view of the cache and nothing is gathered
+    (neither: a prefill with no earlier context attends to the fresh keys)
 
 Block 0 is scratch: dummy rows write there and nobody reads it.
 """
@@ -29,6 +31,14 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
     slots = attn_kwargs["slot_mapping"].reshape(-1)
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, keys.reshape(-1, *keys.shape[2:]))
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, values.reshape(-1, *values.shape[2:]))
+    slab_start = attn_kwargs.get("slab_start")
+    if slab_start is not None:
+        # rows own consecutive blocks: the context is a view of the cache, nothing is gathered
+        rows, num_keys = attn_kwargs["mask"].shape[0], attn_kwargs["mask"].shape[-1]
+        end = slab_start + rows * (num_keys // BLOCK_SIZE)
+        keys_ctx = key_cache[slab_start:end].view(rows, num_keys, *key_cache.shape[2:])
+        values_ctx = value_cache[slab_start:end].view(rows, num_keys, *value_cache.shape[2:])
+        return keys_ctx, values_ctx, key_cache, value_cache
     block_table = attn_kwargs.get("block_table")
     if block_table is None:
         return keys, values, key_cache, value_cache
@@ -42,11 +52,10 @@ def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **at
     q = query.transpose(1, 2)
     k = keys.transpose(1, 2)
     v = values.transpose(1, 2)
-    if nheads != kvheads:
-        k = k.repeat_interleave(nheads // kvheads, dim=1)
-        v = v.repeat_interleave(nheads // kvheads, dim=1)
     mask = attn_kwargs["mask"].unsqueeze(1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale_factor)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale_factor, enable_gqa=nheads != kvheads
+    )
     return out.transpose(1, 2).contiguous()
 
 

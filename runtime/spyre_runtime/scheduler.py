@@ -104,18 +104,27 @@ class StaticScheduler:
         return StaticStep(True, shape, tuple(group))
 
     def _form_batch(self) -> tuple[Shape, list[Request]]:
-        """The oldest request picks the smallest shape it fits; later requests that fit the same sequence
-        dimensions join in arrival order up to the widest batch size; the batch size is then the
-        smallest warmed one that holds the group. Requests left out keep their place in the queue."""
+        """The oldest request always goes. Among the shapes it fits, the one that takes the most waiting
+        requests (in arrival order, up to its batch size) wins, the cheaper one on a tie; the batch then runs
+        in the smallest shape that holds every member. Requests left out keep their place in the queue."""
         head = self.waiting[0]
-        first = smallest_fitting_shape(self.shapes, head.num_prompt_tokens, head.sampling.max_tokens)
-        same_dims = [
-            s for s in self.shapes if (s.prompt_len, s.new_tokens) == (first.prompt_len, first.new_tokens)
+        best: tuple[tuple, list[Request]] | None = None
+        for shape in self.shapes:
+            if not shape.fits(head.num_prompt_tokens, head.sampling.max_tokens):
+                continue
+            group = [r for r in self.waiting if shape.fits(r.num_prompt_tokens, r.sampling.max_tokens)]
+            group = group[: shape.batch_size]
+            key = (-len(group), _sequence_cost(shape))
+            if best is None or key < best[0]:
+                best = (key, group)
+        group = best[1]
+        holders = [
+            s
+            for s in self.shapes
+            if s.batch_size >= len(group)
+            and all(s.fits(r.num_prompt_tokens, r.sampling.max_tokens) for r in group)
         ]
-        capacity = max(s.batch_size for s in same_dims)
-        group = [r for r in self.waiting if first.fits(r.num_prompt_tokens, r.sampling.max_tokens)][:capacity]
-        shape = min((s for s in same_dims if s.batch_size >= len(group)), key=lambda s: s.batch_size)
-        return shape, group
+        return min(holders, key=_sequence_cost), group
 
     def update(self, step: StaticStep) -> list[Request]:
         """Called after the engine appended this step's tokens. Returns the requests that finished and

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -68,9 +70,38 @@ def crd(cluster):
     return "spyremodels.spyre-serve.io"
 
 
+def service_account_kubeconfig(cluster, kube, namespace: str, name: str, path: Path) -> Path:
+    """A kubeconfig holding the service account's own token, so the operator runs with its RBAC only."""
+    core = client.CoreV1Api(kube)
+
+    def token():
+        sa = core.read_namespaced_service_account(name, namespace)
+        secrets = [s.name for s in sa.secrets or []]
+        return secrets and core.read_namespaced_secret(secrets[0], namespace).data.get("token")
+
+    encoded = wait_for(token, what=f"a token for {namespace}/{name}")
+    config = json.loads(cluster.kubeconfig.read_text())
+    config["users"] = [{"name": name, "user": {"token": base64.b64decode(encoded).decode()}}]
+    config["contexts"][0]["context"]["user"] = name
+    path.write_text(json.dumps(config))
+    return path
+
+
 @pytest.fixture(scope="session")
-def operator(cluster, crd, tmp_path_factory):
-    proc = OperatorProcess(cluster.kubeconfig, tmp_path_factory.mktemp("operator") / "operator.log").start()
+def operator_rbac(cluster, kube, crd):
+    """The chart's least-privilege ClusterRole, bound to the operator's service account."""
+    kubectl(cluster, "create", "namespace", "spyre-system")
+    kubectl(cluster, "apply", "-f", str(REPO / "deploy/rbac/clusterrole.yaml"))
+    return "system:serviceaccount:spyre-system:spyre-operator"
+
+
+@pytest.fixture(scope="session")
+def operator(cluster, kube, operator_rbac, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("operator")
+    kubeconfig = service_account_kubeconfig(
+        cluster, kube, "spyre-system", "spyre-operator", workdir / "kubeconfig"
+    )
+    proc = OperatorProcess(kubeconfig, workdir / "operator.log").start()
     try:
         yield proc
     finally:

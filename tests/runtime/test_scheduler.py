@@ -97,3 +97,18 @@ def test_request_that_fits_nothing_is_refused():
     s = StaticScheduler(SHAPES)
     with pytest.raises(ValueError, match="fits no warmed shape"):
         s.add(req("x", 200, 5))
+
+
+def test_the_shape_that_takes_most_waiting_requests_wins():
+    shapes = (Shape(128, 128, 8), Shape(256, 128, 8))
+    s = StaticScheduler(shapes)
+    # a short head would take only the two short requests in the 128 shape; the 256 shape takes all five
+    for rid, p in (("a", 50), ("b", 200), ("c", 100), ("d", 250), ("e", 180)):
+        s.add(req(rid, p, 64))
+    step = s.schedule()
+    assert step.shape == Shape(256, 128, 8) and [r.request_id for r in step.requests] == list("abcde")
+    # when every member fits the smaller shape, the smaller one is used
+    s2 = StaticScheduler(shapes)
+    for rid in "xyz":
+        s2.add(req(rid, 60, 64))
+    assert s2.schedule().shape == Shape(128, 128, 8)
