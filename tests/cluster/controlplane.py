@@ -141,6 +141,7 @@ class ControlPlane:
         apiserver_port: int | None = None,
         die_with_parent: bool = True,
         ready_timeout: float = 90.0,
+        extra_apiserver_args: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="spyre-k8s-"))
         self.bin_dir = Path(bin_dir or default_bin_dir())
@@ -148,6 +149,7 @@ class ControlPlane:
         self.apiserver_port = apiserver_port
         self.die_with_parent = die_with_parent
         self.ready_timeout = ready_timeout
+        self.extra_apiserver_args = tuple(extra_apiserver_args)
         self.procs: list[Proc] = []
         self.ports: dict[str, int] = {}
         self.admin_token = os.urandom(16).hex()
@@ -344,6 +346,7 @@ class ControlPlane:
                 "--endpoint-reconciler-type=none",
                 "--enable-priority-and-fairness=false",
                 "--v=1",
+                *self.extra_apiserver_args,
             ],
         )
         self._wait_ready(proc, f"https://127.0.0.1:{port}/readyz", self.admin_token)

@@ -1,0 +1,174 @@
+"""Scale benchmark of the operator: 200 SpyreModels applied at once on the real control plane.
+
+    .venv/bin/python bench/operator_scale.py [--models 200]
+
+Reports the time until every model has its pod created and a Ready status, the API requests the operator
+made per model (from the API server's audit log, by the operator's service account), its peak RSS, and the
+writes it made during an idle resync. Writes bench/results-operator.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+from kubernetes import client
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from tests.cluster.controlplane import ControlPlane, spyre_nodes  # noqa: E402
+from tests.cluster.fakekubelet import FakeKubelet  # noqa: E402
+from tests.conftest import kubectl  # noqa: E402
+from tests.operator.conftest import OperatorProcess, service_account_kubeconfig  # noqa: E402
+
+OPERATOR_USER = "system:serviceaccount:spyre-system:spyre-operator"
+WRITE_VERBS = {"create", "update", "patch", "delete"}
+AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
+kind: Policy
+rules:
+  - level: Metadata
+    users: ["system:serviceaccount:spyre-system:spyre-operator"]
+  - level: None
+"""
+
+
+def audit_counts(path: Path, since: float = 0.0) -> Counter:
+    counts: Counter = Counter()
+    for line in path.read_text().splitlines():
+        ev = json.loads(line)
+        if ev.get("stage") != "ResponseComplete" or ev["user"]["username"] != OPERATOR_USER:
+            continue
+        stamp = ev["requestReceivedTimestamp"]
+        t = time.mktime(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
+        if t >= since:
+            counts[
+                (
+                    ev["verb"],
+                    ev.get("objectRef", {}).get("resource", ""),
+                    ev.get("objectRef", {}).get("subresource", ""),
+                )
+            ] += 1
+    return counts
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", type=int, default=200)
+    ap.add_argument("--resync", type=float, default=10.0)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="spyre-scale-"))
+    (work / "audit.yaml").write_text(AUDIT_POLICY)
+    audit = work / "audit.log"
+    cp = ControlPlane(
+        workdir=work / "cluster",
+        extra_apiserver_args=(
+            f"--audit-policy-file={work / 'audit.yaml'}",
+            f"--audit-log-path={audit}",
+            "--audit-log-maxsize=1000",
+        ),
+    )
+    cp.start()
+    results: dict = {"models": args.models}
+    try:
+        kube = cp.api_client()
+        cp.register_nodes(spyre_nodes(count=-(-args.models // 8), cards=8))
+        kubectl(cp, "apply", "--validate=false", "-f", str(REPO / "crds/spyremodels.yaml"))
+        kubectl(cp, "wait", "--for=condition=established", "crd/spyremodels.spyre-serve.io")
+        kubectl(cp, "create", "namespace", "spyre-system")
+        kubectl(cp, "apply", "-f", str(REPO / "deploy/rbac/clusterrole.yaml"))
+        kubectl(cp, "create", "namespace", "scale")
+        core, custom = client.CoreV1Api(kube), client.CustomObjectsApi(kube)
+        kc = service_account_kubeconfig(
+            cp, kube, "spyre-system", "spyre-operator", work / "operator.kubeconfig"
+        )
+        op = OperatorProcess(kc, work / "operator.log", {"SPYRE_OPERATOR_RESYNC_SECONDS": str(args.resync)})
+        op.start()
+        proc = psutil.Process(op.proc.pid)
+        peak = [0]
+        stop = threading.Event()
+
+        def watch_rss():
+            while not stop.wait(0.2):
+                try:
+                    peak[0] = max(peak[0], proc.memory_info().rss)
+                except psutil.Error:
+                    return
+
+        threading.Thread(target=watch_rss, daemon=True).start()
+        time.sleep(5)  # operator up and watching
+        spec = {
+            "model": {"source": "file:///models/tiny"},
+            "replicas": 1,
+            "backend": "inductor",
+            "batching": {"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 16, "batchSize": 1}]},
+            "graphCache": {"enabled": False},
+        }
+        with FakeKubelet(kube, "scale", period=1.0):
+            t0 = time.time()
+            for i in range(args.models):
+                custom.create_namespaced_custom_object(
+                    "spyre-serve.io",
+                    "v1alpha1",
+                    "scale",
+                    "spyremodels",
+                    {
+                        "apiVersion": "spyre-serve.io/v1alpha1",
+                        "kind": "SpyreModel",
+                        "metadata": {"name": f"m{i:03d}"},
+                        "spec": spec,
+                    },
+                )
+            applied = time.time() - t0
+
+            def ready_count():
+                items = custom.list_namespaced_custom_object(
+                    "spyre-serve.io", "v1alpha1", "scale", "spyremodels"
+                )["items"]
+                return sum((m.get("status") or {}).get("phase") == "Ready" for m in items)
+
+            while ready_count() < args.models:
+                if time.time() - t0 > 600:
+                    raise SystemExit(f"not converged after 600 s: {ready_count()} ready")
+                time.sleep(1)
+            converged = time.time() - t0
+            pods = len(core.list_namespaced_pod("scale").items)
+            time.sleep(3)
+            counts = audit_counts(audit)
+            total = sum(counts.values())
+            idle_from = time.time() + 1
+            time.sleep(2.5 * args.resync)  # two full resync passes over every model
+            idle = audit_counts(audit, since=idle_from)
+        stop.set()
+        op.stop()
+        results.update(
+            {
+                "apply_seconds": applied,
+                "converge_seconds": converged,
+                "pods": pods,
+                "operator_requests_total": total,
+                "operator_requests_per_model": total / args.models,
+                "operator_requests_by_kind": {
+                    f"{v} {r}{'/' + s if s else ''}": n for (v, r, s), n in counts.most_common()
+                },
+                "operator_peak_rss_mb": peak[0] / 2**20,
+                "idle_resync_seconds_watched": 2.5 * args.resync,
+                "idle_resync_reads": sum(n for (v, _, _), n in idle.items() if v not in WRITE_VERBS),
+                "idle_resync_writes": sum(n for (v, _, _), n in idle.items() if v in WRITE_VERBS),
+            }
+        )
+    finally:
+        cp.stop()
+    (REPO / "bench/results-operator.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
