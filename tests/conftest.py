@@ -68,3 +68,10 @@ def kubectl(cluster: ControlPlane, *args: str, check: bool = True) -> subprocess
         check=check,
         timeout=60,
     )
+
+
+@pytest.fixture(scope="session")
+def crd(cluster):
+    kubectl(cluster, "apply", "--validate=false", "-f", str(REPO / "crds/spyremodels.yaml"))
+    kubectl(cluster, "wait", "--for=condition=established", "--timeout=60s", "crd/spyremodels.spyre-serve.io")
+    return "spyremodels.spyre-serve.io"

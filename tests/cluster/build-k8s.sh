@@ -33,11 +33,32 @@ fi
 # A private apt configuration holding only a deb-src line: the machine's sources are never edited.
 APT="$WORK/apt"
 mkdir -p "$APT/lists/partial" "$APT/cache/archives/partial" "$WORK/src"
-cat > "$APT/sources.list" <<SRC
-deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm main
-deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian bookworm-updates main
-deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian-security bookworm-security main
-SRC
+# deb-src lines for the machine's own mirrors and suites (its deb822 or one-line sources), so nothing
+# here names a host; the machine's own sources are only read.
+python3 - "$APT/sources.list" <<'PY'
+import glob, re, sys
+entries = set()
+for path in glob.glob("/etc/apt/sources.list.d/*.sources"):
+    for block in re.split(r"\n\s*\n", open(path).read()):
+        fields = dict(re.findall(r"^(\w[\w-]*):\s*(.*)$", block, re.M))
+        if "deb" in fields.get("Types", "").split() and fields.get("Enabled", "yes") != "no":
+            for uri in fields.get("URIs", "").split():
+                for suite in fields.get("Suites", "").split():
+                    entries.add((uri, suite))
+for path in ["/etc/apt/sources.list", *glob.glob("/etc/apt/sources.list.d/*.list")]:
+    try:
+        text = open(path).read()
+    except OSError:
+        continue
+    for m in re.finditer(r"^deb\s+(?:\[[^]]*\]\s+)?(\S+)\s+(\S+)", text, re.M):
+        entries.add((m.group(1), m.group(2)))
+entries = sorted(e for e in entries if e[1].startswith("bookworm"))
+if not entries:
+    sys.exit("[build-k8s] FAILED: no bookworm entry in the machine's apt sources")
+with open(sys.argv[1], "w") as out:
+    for uri, suite in entries:
+        out.write(f"deb-src [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] {uri} {suite} main\n")
+PY
 APT_OPTS=(-o "Dir::Etc::SourceList=$APT/sources.list" -o "Dir::Etc::SourceParts=$APT/none"
           -o "Dir::State::Lists=$APT/lists" -o "Dir::Cache=$APT/cache" -o "APT::Sandbox::User=root")
 
@@ -45,7 +66,7 @@ SRC_DIR="$WORK/src/kubernetes-$K8S_VERSION"
 if [ ! -d "$SRC_DIR" ]; then
   if have_all; then echo "[build-k8s] reusing binaries in $OUT"; exit 0; fi
 
-step "download Debian source package kubernetes=$K8S_DEB_VERSION"
+  step "download Debian source package kubernetes=$K8S_DEB_VERSION"
   apt-get "${APT_OPTS[@]}" update -qq
   (cd "$WORK/src" && apt-get "${APT_OPTS[@]}" source --download-only -qq "kubernetes=$K8S_DEB_VERSION")
   step "unpack source package"

@@ -63,13 +63,6 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")[-5000:]
 
 
-@pytest.fixture(scope="session")
-def crd(cluster):
-    kubectl(cluster, "apply", "--validate=false", "-f", str(REPO / "crds/spyremodels.yaml"))
-    kubectl(cluster, "wait", "--for=condition=established", "--timeout=60s", "crd/spyremodels.spyre-serve.io")
-    return "spyremodels.spyre-serve.io"
-
-
 def service_account_kubeconfig(cluster, kube, namespace: str, name: str, path: Path) -> Path:
     """A kubeconfig holding the service account's own token, so the operator runs with its RBAC only."""
     core = client.CoreV1Api(kube)
