@@ -39,7 +39,7 @@ def by_kind(docs: list[dict], kind: str) -> list[dict]:
 
 
 def env_of(deployment: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    return {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
 
 
 @pytest.mark.parametrize("values", [{}, VALUES, {"watchNamespaces": ["team-a", "team-b"]}])

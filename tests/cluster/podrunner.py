@@ -1,0 +1,422 @@
+"""A local pod runner: plays kubelet and container runtime for the pseudo Spyre nodes. Test and demo
+infrastructure, never shipped.
+
+For every pod bound to one of its nodes it runs the first container's command as a local process and reports
+status back to the API server. The mappings, in one place:
+
+- image: `IMAGES` maps an image to this project's environment; any image whose name contains `runtime` runs
+  the venv's `spyre-runtime`, any containing `operator` runs `spyre-operator` (the command's first word is
+  looked up in the venv's bin/).
+- network: each pod gets its own loopback address 127.0.0.N as pod IP; `$(VAR)` in args is expanded. The
+  Endpoints API refuses loopback addresses; EndpointSlices carry them, so clients read the ready addresses of
+  a Service from its EndpointSlices (as kube-proxy does).
+- env: `value`, and `valueFrom.fieldRef` for metadata.name, metadata.namespace, status.podIP, spec.nodeName.
+- volumes: a PersistentVolumeClaim is one directory per claim (`<root>/pvc/<namespace>/<claim>`), shared by
+  all pods that mount it; emptyDir is a fresh directory per pod; configMap and secret are written as files.
+  A process cannot mount, so every env value and arg that starts with a container mountPath is rewritten to
+  the local directory (longest mount path first).
+- service account: the API server address and the pod's service-account token go into a kubeconfig the
+  process finds through KUBECONFIG (in-cluster config would read fixed paths under /var/run/secrets).
+- status: Pending -> Running -> Succeeded/Failed; `Ready` follows the readinessProbe (HTTP GET on the pod IP);
+  restarts per restartPolicy with restartCount, lastState and CrashLoopBackOff.
+- deletion: SIGTERM, the grace period, SIGKILL, then the pod object is removed. stop() stops every process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from tests.cluster.fakekubelet import provision_pending_claims
+
+VENV_BIN = Path(__file__).resolve().parents[2] / ".venv" / "bin"
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class NotYet(Exception):
+    """The pod cannot start yet (e.g. its service-account token does not exist yet); retried next pass."""
+
+
+@dataclass
+class RunningPod:
+    uid: str
+    namespace: str
+    name: str
+    ip: str
+    workdir: Path
+    restart_policy: str
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started_at: str = ""
+    last_exit: dict | None = None
+    ready: bool = False
+    phase: str = "Pending"
+    next_start: float = 0.0
+    terminating_since: float | None = None
+    last_reported: str = ""
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    probe: dict | None = None
+    log: Path | None = None
+
+
+class PodRunner:
+    def __init__(
+        self,
+        api_client,
+        kubeconfig: Path,
+        server: str,
+        ca_file: Path,
+        nodes: list[str],
+        root: Path,
+        period: float = 0.5,
+    ) -> None:
+        self.core = client.CoreV1Api(api_client)
+        self.kubeconfig = kubeconfig
+        self.server = server
+        self.ca_file = ca_file
+        self.nodes = set(nodes)
+        self.root = Path(root)
+        self.period = period
+        self.pods: dict[str, RunningPod] = {}
+        self._next_ip = 2
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="pod-runner", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> PodRunner:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        for rp in list(self.pods.values()):
+            self._kill(rp, grace=5)
+
+    def __enter__(self) -> PodRunner:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            try:
+                self.sync()
+            except ApiException:
+                continue
+
+    # ---- one pass --------------------------------------------------------------------------------
+
+    def sync(self) -> None:
+        namespaces = set()
+        seen = set()
+        for pod in self.core.list_pod_for_all_namespaces().items:
+            namespaces.add(pod.metadata.namespace)
+            if pod.spec.node_name not in self.nodes:
+                continue
+            seen.add(pod.metadata.uid)
+            rp = self.pods.get(pod.metadata.uid)
+            if pod.metadata.deletion_timestamp:
+                self._delete(pod, rp)
+                continue
+            if rp is None:
+                rp = self._admit(pod)
+            if rp is not None:
+                self._tick(pod, rp)
+        for uid in [u for u in self.pods if u not in seen]:  # removed behind our back
+            self._kill(self.pods.pop(uid), grace=5)
+        for ns in namespaces:
+            provision_pending_claims(self.core, ns, str(self.root / "pv"))
+
+    def _admit(self, pod) -> RunningPod | None:
+        ip = f"127.0.0.{self._next_ip}"
+        self._next_ip += 1
+        workdir = self.root / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}"
+        workdir.mkdir(parents=True, exist_ok=True)
+        rp = RunningPod(
+            pod.metadata.uid,
+            pod.metadata.namespace,
+            pod.metadata.name,
+            ip,
+            workdir,
+            pod.spec.restart_policy or "Always",
+        )
+        try:
+            rp.argv, rp.env = self._process_spec(pod, rp)
+        except NotYet:
+            self._next_ip -= 1
+            return None
+        except ValueError as e:
+            self._report(pod, rp, phase="Failed", reason="RunnerError", message=str(e))
+            return None
+        c = pod.spec.containers[0]
+        if c.readiness_probe and c.readiness_probe.http_get:
+            hg = c.readiness_probe.http_get
+            rp.probe = {"path": hg.path or "/", "port": self._port(c, hg.port)}
+        rp.log = workdir / "container.log"
+        self.pods[rp.uid] = rp
+        return rp
+
+    @staticmethod
+    def _port(container, port) -> int:
+        if isinstance(port, int) or (isinstance(port, str) and port.isdigit()):
+            return int(port)
+        for p in container.ports or []:
+            if p.name == port:
+                return p.container_port
+        raise ValueError(f"unknown named port {port}")
+
+    def _volumes(self, pod, rp: RunningPod) -> dict[str, Path]:
+        local: dict[str, Path] = {}
+        for v in pod.spec.volumes or []:
+            if v.persistent_volume_claim:
+                local[v.name] = self.root / "pvc" / rp.namespace / v.persistent_volume_claim.claim_name
+            elif v.empty_dir is not None:
+                local[v.name] = rp.workdir / "emptydir" / v.name
+            elif v.config_map:
+                local[v.name] = rp.workdir / "configmap" / v.name
+                cm = self.core.read_namespaced_config_map(v.config_map.name, rp.namespace)
+                local[v.name].mkdir(parents=True, exist_ok=True)
+                for k, val in (cm.data or {}).items():
+                    (local[v.name] / k).write_text(val)
+            elif v.secret:
+                import base64
+
+                local[v.name] = rp.workdir / "secret" / v.name
+                sec = self.core.read_namespaced_secret(v.secret.secret_name, rp.namespace)
+                local[v.name].mkdir(parents=True, exist_ok=True)
+                for k, val in (sec.data or {}).items():
+                    (local[v.name] / k).write_bytes(base64.b64decode(val))
+            else:
+                continue
+            local[v.name].mkdir(parents=True, exist_ok=True)
+        return local
+
+    def _process_spec(self, pod, rp: RunningPod) -> tuple[list[str], dict[str, str]]:
+        c = pod.spec.containers[0]
+        volumes = self._volumes(pod, rp)
+        mounts = sorted(
+            ((m.mount_path, volumes[m.name]) for m in c.volume_mounts or [] if m.name in volumes),
+            key=lambda x: -len(x[0]),
+        )
+
+        def rewrite(value: str) -> str:
+            for mount_path, local in mounts:
+                if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+                    return str(local) + value[len(mount_path.rstrip("/")) :]
+            return value
+
+        fields = {
+            "metadata.name": rp.name,
+            "metadata.namespace": rp.namespace,
+            "status.podIP": rp.ip,
+            "spec.nodeName": pod.spec.node_name,
+        }
+        env: dict[str, str] = {}
+        for e in c.env or []:
+            if e.value_from is not None:
+                if not e.value_from.field_ref:
+                    raise ValueError(f"env {e.name}: only fieldRef is supported by the pod runner")
+                env[e.name] = fields[e.value_from.field_ref.field_path]
+            else:
+                env[e.name] = rewrite(_expand(e.value or "", env))
+        command = list(c.command or [])
+        if not command:
+            raise ValueError(f"container {c.name} has no command (images' entrypoints are not known here)")
+        binary = VENV_BIN / command[0]
+        if not binary.exists():
+            raise ValueError(f"image {c.image}: {command[0]} is not in {VENV_BIN}")
+        args = [rewrite(_expand(a, env)) for a in command[1:] + list(c.args or [])]
+        sa_kubeconfig = self._service_account_kubeconfig(pod, rp)
+        full_env = {
+            "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
+            "HOME": str(rp.workdir),
+            "PYTHONUNBUFFERED": "1",
+            **({"KUBECONFIG": str(sa_kubeconfig)} if sa_kubeconfig else {}),
+            **env,
+        }
+        return [str(binary), *args], full_env
+
+    def _service_account_kubeconfig(self, pod, rp: RunningPod) -> Path | None:
+        if pod.spec.automount_service_account_token is False:
+            return None
+        name = pod.spec.service_account_name or "default"
+        sa = self.core.read_namespaced_service_account(name, rp.namespace)
+        secrets = [s.name for s in sa.secrets or []]
+        if not secrets:
+            raise NotYet(f"no token yet for service account {name}")
+        import base64
+
+        token = base64.b64decode(
+            self.core.read_namespaced_secret(secrets[0], rp.namespace).data["token"]
+        ).decode()
+        path = rp.workdir / "serviceaccount.kubeconfig"
+        path.write_text(
+            json.dumps(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "clusters": [
+                        {
+                            "name": "c",
+                            "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)},
+                        }
+                    ],
+                    "users": [{"name": name, "user": {"token": token}}],
+                    "contexts": [
+                        {"name": "c", "context": {"cluster": "c", "user": name, "namespace": rp.namespace}}
+                    ],
+                    "current-context": "c",
+                }
+            )
+        )
+        return path
+
+    # ---- process state machine -------------------------------------------------------------------
+
+    def _tick(self, pod, rp: RunningPod) -> None:
+        if rp.proc is None and rp.phase in ("Pending", "Running") and time.monotonic() >= rp.next_start:
+            log = open(rp.log, "ab")  # noqa: SIM115
+            rp.proc = subprocess.Popen(
+                rp.argv,
+                env=rp.env,
+                cwd=rp.workdir,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            log.close()
+            rp.started_at, rp.phase, rp.ready = _now(), "Running", False
+        if rp.proc is not None and rp.proc.poll() is not None:
+            code = rp.proc.returncode
+            rp.last_exit = {
+                "exitCode": code,
+                "reason": "Completed" if code == 0 else "Error",
+                "startedAt": rp.started_at,
+                "finishedAt": _now(),
+            }
+            rp.proc, rp.ready = None, False
+            policy = rp.restart_policy
+            if policy == "Always" or (policy == "OnFailure" and code != 0):
+                rp.restarts += 1
+                rp.next_start = time.monotonic() + min(10 * 2 ** (rp.restarts - 1), 300)
+            else:
+                rp.phase = "Succeeded" if code == 0 else "Failed"
+        if rp.proc is not None:
+            rp.ready = self._probe(rp) if rp.probe else True
+        self._report(pod, rp)
+
+    def _probe(self, rp: RunningPod) -> bool:
+        url = f"http://{rp.ip}:{rp.probe['port']}{rp.probe['path']}"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as resp:
+                return 200 <= resp.status < 400
+        except OSError:
+            return False
+
+    def _report(
+        self, pod, rp: RunningPod, phase: str | None = None, reason: str = "", message: str = ""
+    ) -> None:
+        phase = phase or rp.phase
+        c = pod.spec.containers[0]
+        if rp.proc is not None:
+            state = {"running": {"startedAt": rp.started_at}}
+        elif phase in ("Succeeded", "Failed") and rp.last_exit:
+            state = {"terminated": rp.last_exit}
+        elif rp.last_exit:
+            state = {"waiting": {"reason": "CrashLoopBackOff", "message": f"back-off restarting {c.name}"}}
+        else:
+            state = {"waiting": {"reason": reason or "ContainerCreating", "message": message}}
+        flag = "True" if rp.ready else "False"
+        status = {
+            "phase": phase,
+            "podIP": rp.ip,
+            "podIPs": [{"ip": rp.ip}],
+            "hostIP": "127.0.0.1",
+            "conditions": [
+                {"type": "Initialized", "status": "True"},
+                {"type": "ContainersReady", "status": flag},
+                {"type": "Ready", "status": flag},
+            ],
+            "containerStatuses": [
+                {
+                    "name": c.name,
+                    "image": c.image,
+                    "imageID": "",
+                    "ready": rp.ready,
+                    "started": rp.proc is not None,
+                    "restartCount": rp.restarts,
+                    "state": state,
+                    "lastState": {"terminated": rp.last_exit} if rp.last_exit else {},
+                }
+            ],
+        }
+        if reason and phase == "Failed":
+            status["reason"], status["message"] = reason, message
+        key = json.dumps(status, sort_keys=True)
+        if key == rp.last_reported:
+            return
+        now = _now()
+        for cond in status["conditions"]:
+            cond["lastTransitionTime"] = now
+        with contextlib.suppress(ApiException):
+            self.core.patch_namespaced_pod_status(rp.name, rp.namespace, {"status": status})
+            rp.last_reported = key
+
+    def _delete(self, pod, rp: RunningPod | None) -> None:
+        if rp is not None and rp.proc is not None and rp.proc.poll() is None:
+            if rp.terminating_since is None:
+                rp.terminating_since = time.monotonic()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rp.proc.pid, signal.SIGTERM)
+            grace = pod.metadata.deletion_grace_period_seconds or 30
+            if time.monotonic() - rp.terminating_since < grace:
+                return
+            self._kill(rp, grace=0)
+        if rp is not None:
+            self.pods.pop(rp.uid, None)
+            shutil.rmtree(rp.workdir, ignore_errors=True)
+        with contextlib.suppress(ApiException):
+            self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
+
+    @staticmethod
+    def _kill(rp: RunningPod, grace: float) -> None:
+        if rp.proc is None or rp.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rp.proc.pid, signal.SIGTERM)
+        try:
+            rp.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(rp.proc.pid, signal.SIGKILL)
+            rp.proc.wait(timeout=10)
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion; $$(VAR) escapes."""
+    return re.sub(
+        r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)",
+        lambda m: "$" if m.group(0) == "$$" else env.get(m.group(1), m.group(0)),
+        value,
+    )

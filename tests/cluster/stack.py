@@ -1,0 +1,210 @@
+"""The whole system on one machine, as a user meets it: control plane, pseudo Spyre nodes, the CRD, the
+operator installed by its Helm chart and run by the local pod runner, which also runs the inference pods.
+Used by the end-to-end test and by `make demo`. Test and demo infrastructure, never shipped."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from kubernetes import client
+
+from tests.cluster.controlplane import ControlPlane, spyre_nodes
+from tests.cluster.podrunner import PodRunner
+
+REPO = Path(__file__).resolve().parents[2]
+GROUP, VERSION, PLURAL = "spyre-serve.io", "v1alpha1", "spyremodels"
+
+
+class StackError(RuntimeError):
+    pass
+
+
+class LocalStack:
+    def __init__(
+        self, workdir: Path, say: Callable[[str], None] = lambda _: None, die_with_parent: bool = True
+    ):
+        self.workdir = Path(workdir)
+        self.say = say
+        self.cp = ControlPlane(workdir=self.workdir / "cluster", die_with_parent=die_with_parent)
+        self.runner: PodRunner | None = None
+        self.kube = None
+
+    def kubectl(self, *args: str) -> str:
+        res = subprocess.run(
+            [str(self.cp.bin_dir / "kubectl"), f"--kubeconfig={self.cp.kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if res.returncode:
+            raise StackError(f"kubectl {' '.join(args)} failed: {res.stderr.strip()}")
+        return res.stdout
+
+    def start(self, operator_values: dict | None = None) -> LocalStack:
+        self.say(
+            "starting the Kubernetes control plane (etcd, kube-apiserver, controller-manager, scheduler)"
+        )
+        self.cp.start()
+        self.kube = self.cp.api_client()
+        nodes = self.cp.register_nodes(spyre_nodes(count=2, cards=8))
+        self.say(f"registered pseudo Spyre nodes {', '.join(nodes)} with 8 ibm.com/spyre_pf cards each")
+        self.say("applying the SpyreModel CRD")
+        self.kubectl("apply", "--validate=false", "-f", str(REPO / "crds/spyremodels.yaml"))
+        self.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/spyremodels.spyre-serve.io")
+        self.say("starting the local pod runner (plays kubelet: pods run as local processes on 127.0.0.N)")
+        self.runner = PodRunner(
+            self.kube,
+            self.cp.kubeconfig,
+            self.cp.server,
+            self.cp.workdir / "pki/ca.crt",
+            nodes,
+            self.workdir / "runner",
+        ).start()
+        self.say("installing the operator with its Helm chart (real Helm engine)")
+        self.install_operator(operator_values or {})
+        return self
+
+    def install_operator(self, values: dict) -> None:
+        import helm_python as helm
+
+        chart = self.workdir / "chart/spyre-operator"
+        shutil.rmtree(chart, ignore_errors=True)
+        # the CRD is already applied: 1.20 cannot server-side-apply its CEL rules (see the chart's NOTES)
+        shutil.copytree(REPO / "charts/spyre-operator", chart, ignore=shutil.ignore_patterns("crds"))
+        with helm.Config(kubeconfig_path=str(self.cp.kubeconfig), namespace="spyre-system") as cfg:
+            cfg.install(
+                str(chart),
+                "spyre",
+                {"resyncSeconds": 5, **values},
+                namespace="spyre-system",
+                create_namespace=True,
+                timeout=120,
+            )
+        apps = client.AppsV1Api(self.kube)
+        self.wait(
+            lambda: (
+                (
+                    apps.read_namespaced_deployment(
+                        "spyre-spyre-operator", "spyre-system"
+                    ).status.ready_replicas
+                    or 0
+                )
+                >= 1
+            ),
+            120,
+            "the operator Deployment to be ready",
+        )
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            self.runner.stop()
+        self.cp.stop()
+
+    # ---- helpers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def wait(predicate: Callable[[], object], timeout: float, what: str, on_timeout: Callable[[], str] = str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                value = predicate()
+            except client.ApiException:
+                value = None
+            if value:
+                return value
+            time.sleep(0.5)
+        detail = on_timeout() if on_timeout is not str else ""
+        raise StackError(f"timed out after {timeout:.0f} s waiting for {what}\n{detail}")
+
+    def create_namespace(self, name: str) -> None:
+        core = client.CoreV1Api(self.kube)
+        core.create_namespace({"metadata": {"name": name}})
+        self.wait(
+            lambda: core.read_namespaced_service_account("default", name), 30, "the default service account"
+        )
+
+    def model_claim_dir(self, namespace: str, claim: str) -> Path:
+        """Where the pod runner keeps the claim's files (pvc://CLAIM/PATH is CLAIM's directory + PATH)."""
+        return self.workdir / "runner/pvc" / namespace / claim
+
+    def create_models_claim(self, namespace: str, claim: str = "models") -> Path:
+        client.CoreV1Api(self.kube).create_namespaced_persistent_volume_claim(
+            namespace,
+            {
+                "metadata": {"name": claim},
+                "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "10Gi"}}},
+            },
+        )
+        path = self.model_claim_dir(namespace, claim)
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def apply_model(self, namespace: str, manifest: Path | dict) -> None:
+        if isinstance(manifest, Path):
+            self.kubectl("apply", "--validate=false", "-n", namespace, "-f", str(manifest))
+            return
+        custom = client.CustomObjectsApi(self.kube)
+        name = manifest["metadata"]["name"]
+        try:
+            custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, manifest)
+        except client.ApiException as e:
+            if e.status != 409:
+                raise
+            custom.patch_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, {"spec": manifest["spec"]}
+            )
+
+    def model(self, namespace: str, name: str) -> dict:
+        return client.CustomObjectsApi(self.kube).get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name
+        )
+
+    def is_ready(self, namespace: str, name: str, replicas: int) -> bool:
+        m = self.model(namespace, name)
+        st = m.get("status") or {}
+        ready = {c["type"]: c for c in st.get("conditions") or []}.get("Ready", {}).get("status") == "True"
+        return (
+            ready
+            and st.get("readyReplicas") == replicas
+            and st.get("replicas") == replicas
+            and st.get("observedGeneration") == m["metadata"]["generation"]
+        )
+
+    def endpoints(self, namespace: str, service: str) -> list[str]:
+        """The Service's ready addresses, as published by the (real) EndpointSlice controller. (The older
+        Endpoints API refuses loopback addresses, which pod IPs are here; EndpointSlices carry them.)"""
+        slices = client.CustomObjectsApi(self.kube).list_namespaced_custom_object(
+            "discovery.k8s.io",
+            "v1beta1",
+            namespace,
+            "endpointslices",
+            label_selector=f"kubernetes.io/service-name={service}",
+        )["items"]
+        return sorted(
+            address
+            for sl in slices
+            for ep in sl.get("endpoints") or []
+            if (ep.get("conditions") or {}).get("ready")
+            for address in ep.get("addresses") or []
+        )
+
+    def diagnose(self, namespace: str, name: str) -> str:
+        """What a failure shows: the model's conditions, its pods, and their last log lines."""
+        lines = []
+        try:
+            for c in (self.model(namespace, name).get("status") or {}).get("conditions") or []:
+                lines.append(
+                    f"  condition {c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}"
+                )
+        except client.ApiException as e:
+            lines.append(f"  model unreadable: {e.reason}")
+        for rp in self.runner.pods.values() if self.runner else []:
+            if rp.namespace == namespace and rp.log and rp.log.exists():
+                tail = rp.log.read_text(errors="replace").splitlines()[-15:]
+                lines.append(f"  pod {rp.name} ({rp.ip}) restarts={rp.restarts}, last log lines:")
+                lines += [f"    {t}" for t in tail]
+        return "\n".join(lines)

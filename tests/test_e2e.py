@@ -1,0 +1,139 @@
+"""End to end on one machine: the operator installed by Helm and run by the local pod runner, a SpyreModel
+applied, a Ready model behind its Service answering the official OpenAI client; scale, a rollout under
+load with no failed request, deletion."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from spyre_runtime.models import write_tiny_model
+
+from tests.cluster.stack import LocalStack
+
+pytestmark = pytest.mark.cluster
+
+NS = "inference"
+
+
+def model_manifest(replicas: int, shapes: list[dict]) -> dict:
+    return {
+        "apiVersion": "spyre-serve.io/v1alpha1",
+        "kind": "SpyreModel",
+        "metadata": {"name": "tiny"},
+        "spec": {
+            "model": {"source": "pvc://models/tiny", "servedModelName": "tiny"},
+            "cards": 1,
+            "replicas": replicas,
+            "backend": "eager",
+            "batching": {"mode": "static", "shapes": shapes},
+        },
+    }
+
+
+SHAPES_A = [{"promptLength": 64, "newTokens": 16, "batchSize": 2}]
+SHAPES_B = [
+    {"promptLength": 64, "newTokens": 16, "batchSize": 2},
+    {"promptLength": 128, "newTokens": 8, "batchSize": 1},
+]
+
+
+def ask(ip: str, prompt: str | list[int] = "The capital of France") -> str:
+    c = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0, timeout=30)
+    return c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = LocalStack(tmp_path_factory.mktemp("e2e"))
+    try:
+        s.start()
+        s.create_namespace(NS)
+        write_tiny_model(s.create_models_claim(NS) / "tiny")
+        yield s
+    finally:
+        s.stop()
+
+
+def test_model_becomes_ready_and_answers_through_its_service(stack):
+    stack.apply_model(NS, model_manifest(1, SHAPES_A))
+    stack.wait(lambda: stack.is_ready(NS, "tiny", 1), 180, "tiny Ready", lambda: stack.diagnose(NS, "tiny"))
+    ips = stack.wait(lambda: stack.endpoints(NS, "tiny"), 30, "a ready endpoint")
+    assert ips[0].startswith("127.0.0.")
+    assert isinstance(ask(ips[0]), str)
+    out = stack.kubectl("get", "spyremodels", "-n", NS)
+    assert "tiny" in out and "Ready" in out
+
+
+def test_scale_to_two_replicas_both_answer(stack):
+    stack.apply_model(NS, model_manifest(2, SHAPES_A))
+    stack.wait(
+        lambda: stack.is_ready(NS, "tiny", 2), 180, "2 replicas Ready", lambda: stack.diagnose(NS, "tiny")
+    )
+    ips = stack.wait(
+        lambda: len(stack.endpoints(NS, "tiny")) == 2 and stack.endpoints(NS, "tiny"), 30, "2 endpoints"
+    )
+    answers = {ip: ask(ip) for ip in ips}
+    assert len(answers) == 2 and len(set(answers.values())) == 1  # same weights, greedy: same answer
+
+
+def test_rollout_under_load_fails_no_request(stack):
+    failures, served, stop = [], [0], threading.Event()
+
+    def client_loop():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            # a load balancer's behaviour: current ready endpoints; one retry on a pod that is just draining
+            for attempt in range(2):
+                ips = stack.endpoints(NS, "tiny")
+                try:
+                    ask(ips[n % len(ips)], f"request {n}")
+                    served[0] += 1
+                    break
+                except (openai.APIError, httpx.HTTPError, IndexError, ZeroDivisionError) as e:
+                    if attempt == 1:
+                        failures.append(repr(e))
+            time.sleep(0.05)
+
+    t = threading.Thread(target=client_loop)
+    t.start()
+    try:
+        before = stack.model(NS, "tiny")["status"]["templateHash"]
+        stack.apply_model(NS, model_manifest(2, SHAPES_B))
+        stack.wait(
+            lambda: stack.model(NS, "tiny")["status"].get("templateHash") != before, 30, "a new template"
+        )
+        stack.wait(
+            lambda: stack.is_ready(NS, "tiny", 2), 240, "rollout done", lambda: stack.diagnose(NS, "tiny")
+        )
+        time.sleep(2)
+    finally:
+        stop.set()
+        t.join(timeout=60)
+    assert failures == []
+    assert served[0] > 10
+    # the new shapes are live: a 100-token prompt now fits
+    ip = stack.endpoints(NS, "tiny")[0]
+    assert isinstance(ask(ip, [5] * 100), str)
+
+
+def test_delete_stops_processes_and_removes_objects(stack):
+    procs = [rp.proc for rp in stack.runner.pods.values() if rp.namespace == NS and rp.proc is not None]
+    assert procs
+    stack.kubectl("delete", "spyremodel", "tiny", "-n", NS, "--wait=false")
+    stack.wait(
+        lambda: not [rp for rp in stack.runner.pods.values() if rp.namespace == NS], 90, "pods stopped"
+    )
+    assert all(p.poll() is not None for p in procs)
+    stack.wait(
+        lambda: (
+            "No resources" in stack.kubectl("get", "pods,services", "-n", NS)
+            or not stack.kubectl("get", "pods,services", "-n", NS).strip()
+        ),
+        60,
+        "objects gone",
+    )
