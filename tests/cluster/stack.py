@@ -4,6 +4,7 @@ Used by the end-to-end test and by `make demo`. Test and demo infrastructure, ne
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import time
@@ -208,3 +209,126 @@ class LocalStack:
                 lines.append(f"  pod {rp.name} ({rp.ip}) restarts={rp.restarts}, last log lines:")
                 lines += [f"    {t}" for t in tail]
         return "\n".join(lines)
+
+
+# ---- a stack that outlives the command that started it (`make demo`, `make demo-down`) ------------------
+
+
+def _state_file(workdir: Path) -> Path:
+    return Path(workdir) / "stack.json"
+
+
+def run_forever(workdir: Path) -> int:
+    """Runs the stack in this process until SIGTERM/SIGINT; the pod runner lives here."""
+    import json
+    import signal
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stack = LocalStack(workdir, say=lambda m: print(f"[stack] {m}", flush=True))
+    try:
+        stack.start()
+        _state_file(workdir).write_text(
+            json.dumps(
+                {
+                    "pid": os.getpid(),
+                    "kubeconfig": str(stack.cp.kubeconfig),
+                    "kubectl": str(stack.cp.bin_dir / "kubectl"),
+                    "ready": True,
+                }
+            )
+        )
+        print("[stack] ready", flush=True)
+        stop.wait()
+    except Exception as e:  # reported to `up` through the log
+        print(f"[stack] FAILED: {e}", flush=True)
+        return 1
+    finally:
+        print("[stack] stopping pods, operator and control plane", flush=True)
+        stack.stop()
+        _state_file(workdir).unlink(missing_ok=True)
+    return 0
+
+
+def up(workdir: Path, timeout: float = 300) -> dict:
+    """Starts `run_forever` detached (or finds it running); returns its state."""
+    import json
+    import sys
+
+    state_file = _state_file(workdir)
+    if state_file.exists():
+        state = json.loads(state_file.read_text())
+        if _alive(state["pid"]):
+            return state
+        state_file.unlink()
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "stack.log"
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.cluster.stack", "run", "--dir", str(workdir)],
+            cwd=REPO,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + timeout
+    shown = 0
+    while time.monotonic() < deadline:
+        lines = log.read_text(errors="replace").splitlines()
+        for line in lines[shown:]:
+            if line.startswith("[stack]"):
+                print(line.replace("[stack]", "[demo]  ", 1), flush=True)
+        shown = len(lines)
+        if state_file.exists():
+            return json.loads(state_file.read_text())
+        if proc.poll() is not None:
+            raise StackError(
+                f"the stack exited with {proc.returncode}; last log lines:\n" + "\n".join(lines[-25:])
+            )
+        time.sleep(0.5)
+    raise StackError(f"the stack was not up within {timeout:.0f} s; see {log}")
+
+
+def down(workdir: Path) -> bool:
+    import json
+    import signal
+
+    state_file = _state_file(workdir)
+    if not state_file.exists():
+        return False
+    pid = json.loads(state_file.read_text())["pid"]
+    if _alive(pid):
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 90
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    state_file.unlink(missing_ok=True)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m tests.cluster.stack")
+    parser.add_argument("command", choices=["run", "down"])
+    parser.add_argument("--dir", required=True)
+    args = parser.parse_args()
+    if args.command == "run":
+        sys.exit(run_forever(Path(args.dir)))
+    print("stopped" if down(Path(args.dir)) else f"no stack recorded in {args.dir}")
