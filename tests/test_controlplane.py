@@ -17,24 +17,13 @@ from tests.cluster.controlplane import (
     ControlPlane,
     ControlPlaneError,
     is_port_in_use,
+    pid_alive,
     register_nodes,
     spyre_nodes,
 )
 from tests.conftest import REPO, kubectl, wait_for
 
 pytestmark = pytest.mark.cluster
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_nodes_show_card_capacity(cluster):

@@ -58,6 +58,18 @@ def is_port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def pid_alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not reaped) answers kill(0) but counts as gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the child gets SIGTERM when the process that started it dies (even by SIGKILL)."""
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -83,15 +95,7 @@ class Proc:
     def is_alive(self) -> bool:
         if self.popen is not None:
             return self.popen.poll() is None
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        # a zombie of ours still answers kill(0); check its state
-        with contextlib.suppress(FileNotFoundError):
-            if Path(f"/proc/{self.pid}/stat").read_text().split()[2] == "Z":
-                return False
-        return True
+        return pid_alive(self.pid)
 
 
 @dataclass

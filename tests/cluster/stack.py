@@ -13,7 +13,7 @@ from pathlib import Path
 
 from kubernetes import client
 
-from tests.cluster.controlplane import ControlPlane, spyre_nodes
+from tests.cluster.controlplane import ControlPlane, pid_alive, spyre_nodes
 from tests.cluster.podrunner import PodRunner
 
 REPO = Path(__file__).resolve().parents[2]
@@ -260,7 +260,7 @@ def up(workdir: Path, timeout: float = 300) -> dict:
     state_file = _state_file(workdir)
     if state_file.exists():
         state = json.loads(state_file.read_text())
-        if _alive(state["pid"]):
+        if pid_alive(state["pid"]):
             return state
         state_file.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -299,26 +299,15 @@ def down(workdir: Path) -> bool:
     if not state_file.exists():
         return False
     pid = json.loads(state_file.read_text())["pid"]
-    if _alive(pid):
+    if pid_alive(pid):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + 90
-        while _alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.2)
-        if _alive(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGKILL)
     state_file.unlink(missing_ok=True)
     return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 if __name__ == "__main__":

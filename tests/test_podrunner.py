@@ -1,0 +1,96 @@
+"""The local pod runner on its own: volumes as directories (ConfigMap, Secret files), env rewriting,
+Jobs that complete, restarts per restartPolicy with the last termination reason."""
+
+from __future__ import annotations
+
+import pytest
+from kubernetes import client
+
+from tests.cluster.stack import LocalStack
+
+pytestmark = pytest.mark.cluster
+NS = "runner"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = LocalStack(tmp_path_factory.mktemp("runner"))
+    try:
+        s.start()
+        s.create_namespace(NS)
+        yield s
+    finally:
+        s.stop()
+
+
+def pod_spec(command: list[str], restart: str, volumes=(), mounts=(), env=()) -> dict:
+    return {
+        "restartPolicy": restart,
+        "automountServiceAccountToken": False,
+        "volumes": list(volumes),
+        "containers": [
+            {
+                "name": "main",
+                "image": "spyre-serve/runtime:dev",
+                "command": command,
+                "env": list(env),
+                "volumeMounts": list(mounts),
+            }
+        ],
+    }
+
+
+def test_job_with_configmap_and_secret_files_completes(stack):
+    core, batch = client.CoreV1Api(stack.kube), client.BatchV1Api(stack.kube)
+    core.create_namespaced_config_map(NS, {"metadata": {"name": "cfg"}, "data": {"greeting": "hello"}})
+    core.create_namespaced_secret(NS, {"metadata": {"name": "sec"}, "stringData": {"token": "s3cret"}})
+    script = (
+        "import os, sys; g = open(os.environ['CFG'] + '/greeting').read(); "
+        "t = open(os.environ['SEC'] + '/token').read(); sys.exit(0 if (g, t) == ('hello', 's3cret') else 7)"
+    )
+    spec = pod_spec(
+        ["python", "-c", script],
+        "Never",
+        volumes=[
+            {"name": "cfg", "configMap": {"name": "cfg"}},
+            {"name": "sec", "secret": {"secretName": "sec"}},
+        ],
+        mounts=[{"name": "cfg", "mountPath": "/etc/cfg"}, {"name": "sec", "mountPath": "/etc/sec"}],
+        env=[{"name": "CFG", "value": "/etc/cfg"}, {"name": "SEC", "value": "/etc/sec"}],
+    )
+    batch.create_namespaced_job(
+        NS, {"metadata": {"name": "check"}, "spec": {"backoffLimit": 0, "template": {"spec": spec}}}
+    )
+    job = stack.wait(
+        lambda: (batch.read_namespaced_job("check", NS).status.succeeded or 0) >= 1 and True,
+        90,
+        "the Job to complete",
+    )
+    assert job
+    pods = core.list_namespaced_pod(NS, label_selector="job-name=check").items
+    assert pods[0].status.phase == "Succeeded"
+    assert pods[0].status.container_statuses[0].state.terminated.exit_code == 0
+
+
+def test_failing_container_restarts_with_last_state(stack):
+    core = client.CoreV1Api(stack.kube)
+    core.create_namespaced_pod(
+        NS,
+        {
+            "metadata": {"name": "crasher"},
+            "spec": pod_spec(["python", "-c", "raise SystemExit(3)"], "Always"),
+        },
+    )
+
+    def restarted():
+        cs = (core.read_namespaced_pod("crasher", NS).status.container_statuses or [None])[0]
+        return cs if cs and cs.restart_count >= 1 and cs.last_state.terminated else None
+
+    cs = stack.wait(restarted, 60, "a restart")
+    assert cs.last_state.terminated.exit_code == 3 and cs.last_state.terminated.reason == "Error"
+    core.delete_namespaced_pod("crasher", NS)
+    stack.wait(
+        lambda: not [p for p in core.list_namespaced_pod(NS).items if p.metadata.name == "crasher"],
+        60,
+        "the pod removed",
+    )
