@@ -76,6 +76,7 @@ def main() -> int:
     )
     cp.start()
     results: dict = {"models": args.models}
+    op = None
     try:
         kube = cp.api_client()
         cp.register_nodes(spyre_nodes(count=-(-args.models // 8), cards=8))
@@ -164,6 +165,8 @@ def main() -> int:
             }
         )
     finally:
+        if op is not None:
+            op.stop()
         cp.stop()
     (REPO / "bench/results-operator.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

@@ -113,10 +113,13 @@ def test_scarce_cards_wait_then_replace_one_by_one(operator, ns):
     ns.wait_ready("big", 2, timeout=120)
     new = hashes(ns, "big")
     assert new[0] == new[1]
-    deletions = [e for e in ns.events("big") if e.reason == "PodDeleted"]
-    assert len(deletions) == 2 and all(
-        "freeing cards" in e.message or "replaced" in e.message for e in deletions
+    # events are posted asynchronously: wait for both
+    deletions = wait_for(
+        lambda: (d := [e for e in ns.events("big") if e.reason == "PodDeleted"]) and len(d) >= 2 and d,
+        what="two PodDeleted events",
     )
+    assert len(deletions) == 2
+    assert all("freeing cards" in e.message or "replaced" in e.message for e in deletions)
 
 
 @pytest.mark.parametrize(
