@@ -1,0 +1,148 @@
+"""Paged KV-cache bookkeeping for continuous batching: which cache blocks each sequence owns. No tensors.
+
+    blocks:  [0: scratch] [1] [2] [3] ... [num_blocks-1]        BLOCK_SIZE token slots each
+    a sequence's block table maps its token i to block table[i // BLOCK_SIZE], offset i % BLOCK_SIZE
+
+Prefix caching: a *full* prompt block is named by a hash chained over every token up to its end, so two
+prompts that start with the same whole blocks share them (reference counts). A block whose count drops to zero
+goes to the back of the free queue but keeps its hash: it can still be hit until it is taken for new data
+(least recently freed first), which evicts it. The last prompt token is always computed, so a hit never
+covers the whole prompt. Invariant: every block other than scratch is either referenced (ref_count > 0) or in
+the free queue, never both.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    content_hash: int | None = None
+
+
+@dataclass(frozen=True)
+class Allocation:
+    block_table: tuple[int, ...]
+    num_cached_tokens: int  # prompt tokens whose KV is already in the cache (a multiple of the block size)
+
+
+class BlockManager:
+    def __init__(
+        self, num_blocks: int, enable_prefix_caching: bool = True, block_size: int = BLOCK_SIZE
+    ) -> None:
+        if num_blocks < 2:
+            raise ValueError("the KV cache needs at least 2 blocks (one is scratch)")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: deque[int] = deque(i for i in range(num_blocks) if i != SCRATCH_BLOCK)
+        self.cached: dict[int, int] = {}  # content hash -> block id
+        self.tables: dict[str, list[int]] = {}
+
+    # ---- queries ---------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - 1 - len(self.free_queue)
+
+    def block_table(self, seq_id: str) -> tuple[int, ...]:
+        return tuple(self.tables[seq_id])
+
+    def _hashes(self, token_ids: list[int]) -> list[int]:
+        """Chained hashes of the full blocks that may be shared (never the block holding the last token)."""
+        if not self.enable_prefix_caching:
+            return []
+        shareable = (len(token_ids) - 1) // self.block_size
+        hashes, prev = [], 0
+        for i in range(shareable):
+            prev = hash((prev, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])))
+            hashes.append(prev)
+        return hashes
+
+    def _hits(self, hashes: list[int]) -> list[int]:
+        hits = []
+        for h in hashes:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, token_ids: list[int]) -> bool:
+        hits = self._hits(self._hashes(token_ids))
+        in_use = sum(self.blocks[b].ref_count > 0 for b in hits)
+        return blocks_for_size(len(token_ids), self.block_size) - in_use <= self.num_free_blocks
+
+    # ---- changes ---------------------------------------------------------------------------------
+
+    def allocate(self, seq_id: str, token_ids: list[int]) -> Allocation:
+        if seq_id in self.tables:
+            raise ValueError(f"sequence {seq_id} already has blocks")
+        if not self.can_allocate(token_ids):
+            raise MemoryError(f"not enough free KV blocks for {len(token_ids)} tokens")
+        hashes = self._hashes(token_ids)
+        hits = self._hits(hashes)
+        table = []
+        for block_id in hits:
+            self._take(block_id)
+            table.append(block_id)
+        for i in range(len(hits), blocks_for_size(len(token_ids), self.block_size)):
+            block_id = self._take_free()
+            if i < len(hashes):
+                self.blocks[block_id].content_hash = hashes[i]
+                self.cached[hashes[i]] = block_id
+            table.append(block_id)
+        self.tables[seq_id] = table
+        return Allocation(tuple(table), len(hits) * self.block_size)
+
+    def can_append(self, seq_id: str, num_tokens: int) -> bool:
+        """Whether the sequence can grow to `num_tokens` tokens."""
+        needed = blocks_for_size(num_tokens, self.block_size) - len(self.tables[seq_id])
+        return needed <= self.num_free_blocks
+
+    def append(self, seq_id: str, num_tokens: int) -> tuple[int, ...]:
+        """Grows the block table to hold `num_tokens` tokens; returns the table."""
+        if not self.can_append(seq_id, num_tokens):
+            raise MemoryError(f"not enough free KV blocks to grow {seq_id} to {num_tokens} tokens")
+        table = self.tables[seq_id]
+        while len(table) < blocks_for_size(num_tokens, self.block_size):
+            table.append(self._take_free())
+        return tuple(table)
+
+    def free(self, seq_id: str) -> None:
+        """Releases the sequence's blocks; shared prompt blocks stay cached until evicted."""
+        for block_id in reversed(self.tables.pop(seq_id)):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block_id)
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self.free_queue.remove(block_id)
+        block.ref_count += 1
+
+    def _take_free(self) -> int:
+        block_id = self.free_queue.popleft()
+        block = self.blocks[block_id]
+        if block.content_hash is not None:  # evict its cached content
+            if self.cached.get(block.content_hash) == block_id:
+                del self.cached[block.content_hash]
+            block.content_hash = None
+        block.ref_count = 1
+        return block_id
+
+
+def blocks_for_size(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
