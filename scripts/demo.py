@@ -21,7 +21,7 @@ import openai  # noqa: E402
 from kubernetes import client, config  # noqa: E402
 from spyre_runtime.models import prepare_smollm2  # noqa: E402
 
-from tests.cluster.stack import GROUP, PLURAL, VERSION, StackError, up  # noqa: E402
+from tests.cluster.stack import GROUP, PLURAL, VERSION, StackError, ready_addresses, up  # noqa: E402
 
 WORKDIR = Path(os.environ.get("SPYRE_DEMO_DIR", "/tmp/spyre-serve-demo"))
 MODEL_DIR = Path(os.environ.get("SPYRE_DEMO_MODEL_DIR", Path.home() / ".cache/spyre-serve/models/smollm2"))
@@ -100,7 +100,10 @@ def main() -> int:
         print(run([kubectl, f"--kubeconfig={kubeconfig}", "get", "spyremodels", "-n", NS]))
 
         step = "ask the model"
-        ip = ready_address(custom)
+        addresses = ready_addresses(api, NS, NAME)
+        if not addresses:
+            raise StackError("the Service has no ready endpoint")
+        ip = addresses[0]
         say(f"step 5/5: asking through the Service's ready endpoint {ip}:8000 (OpenAI client): {QUESTION!r}")
         res = openai.OpenAI(
             base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=2
@@ -129,21 +132,6 @@ def run(argv: list[str]) -> str:
     if res.returncode:
         raise StackError(f"{' '.join(argv[:1] + argv[2:])} failed: {res.stderr.strip()}")
     return res.stdout
-
-
-def ready_address(custom) -> str:
-    slices = custom.list_namespaced_custom_object(
-        "discovery.k8s.io",
-        "v1beta1",
-        NS,
-        "endpointslices",
-        label_selector=f"kubernetes.io/service-name={NAME}",
-    )["items"]
-    for sl in slices:
-        for ep in sl.get("endpoints") or []:
-            if (ep.get("conditions") or {}).get("ready"):
-                return ep["addresses"][0]
-    raise StackError("the Service has no ready endpoint")
 
 
 def conditions_text(conds: dict) -> str:

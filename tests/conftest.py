@@ -60,14 +60,7 @@ def kube(cluster):
 
 
 def kubectl(cluster: ControlPlane, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Runs the kubectl built with the control plane (same version, no skew warning)."""
-    return subprocess.run(
-        [str(cluster.bin_dir / "kubectl"), f"--kubeconfig={cluster.kubeconfig}", *args],
-        capture_output=True,
-        text=True,
-        check=check,
-        timeout=60,
-    )
+    return cluster.kubectl(*args, check=check, timeout=60)
 
 
 @pytest.fixture(scope="session")

@@ -106,26 +106,11 @@ def _compute_status(
     if service_address:
         base["serviceAddress"] = service_address
     if invalid:
-        return {
-            **base,
-            "phase": "Failed",
-            "conditions": [
-                condition("Ready", False, "InvalidSpec", invalid),
-                condition("Progressing", False, "InvalidSpec", invalid),
-                condition("Degraded", True, "InvalidSpec", invalid),
-            ],
-        }
+        return _at_rest(base, "Failed", "InvalidSpec", invalid, degraded=True)
     if suspended:
-        msg = "spec.suspend is true: pods removed, cache and Service kept"
-        return {
-            **base,
-            "phase": "Suspended",
-            "conditions": [
-                condition("Ready", False, "Suspended", msg),
-                condition("Progressing", False, "Suspended", msg),
-                condition("Degraded", False, "Suspended", msg),
-            ],
-        }
+        return _at_rest(
+            base, "Suspended", "Suspended", "spec.suspend is true: pods removed, cache and Service kept"
+        )
     failures = [h for h in health if h.failure_reason and h.name in {p.name for p in live}]
     starving = [h for h in health if f"Insufficient {card_resource}" in h.unschedulable_message]
     done = len(current) == replicas and ready_current == replicas and len(live) == replicas
@@ -167,6 +152,19 @@ def _compute_status(
         ready = condition("Ready", done, ready_reason, f"{ready_current}/{replicas} replicas ready")
     phase = "Ready" if done or replicas == 0 else "Degraded" if failures else progressing["reason"]
     return {**base, "phase": phase, "conditions": [ready, progressing, degraded]}
+
+
+def _at_rest(base: dict, phase: str, reason: str, message: str, degraded: bool = False) -> dict:
+    """A model the operator does not roll out (invalid or suspended): not Ready, not Progressing."""
+    return {
+        **base,
+        "phase": phase,
+        "conditions": [
+            condition("Ready", False, reason, message),
+            condition("Progressing", False, reason, message),
+            condition("Degraded", degraded, reason, message),
+        ],
+    }
 
 
 def merge_conditions(new: dict, old: dict | None) -> dict:

@@ -253,9 +253,12 @@ def create_app(state: ServerState) -> FastAPI:
             ],
         }
 
-    def admit(body: _SamplingFields, prompt_ids: list[int], default_max: int | None) -> SamplingParams:
+    def require_ready() -> None:
         if not state.is_ready or state.is_draining:
             raise APIError(503, "the server is not ready (warming up or shutting down)")
+
+    def admit(body: _SamplingFields, prompt_ids: list[int], default_max: int | None) -> SamplingParams:
+        """Checks the model name, the prompt and the shapes; the caller already checked readiness."""
         if body.model != config.served_model_name:
             raise APIError(
                 404,
@@ -297,8 +300,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
-        if not state.is_ready or state.is_draining:
-            raise APIError(503, "the server is not ready (warming up or shutting down)")
+        require_ready()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
@@ -310,8 +312,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
-        if not state.is_ready or state.is_draining:
-            raise APIError(503, "the server is not ready (warming up or shutting down)")
+        require_ready()
         messages = [{"role": m.role, "content": _text_of(m.content)} for m in body.messages]
         try:
             ids = state.engine.tokenizer.apply_chat_template(

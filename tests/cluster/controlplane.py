@@ -7,6 +7,7 @@ The binaries come from tests/cluster/build-k8s.sh (shared/DESIGN.md section 4).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import datetime
@@ -200,6 +201,16 @@ class ControlPlane:
 
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
+
+    def kubectl(self, *args: str, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+        """Runs the kubectl built with the control plane (same version, no skew warning)."""
+        return subprocess.run(
+            [str(self.bin_dir / "kubectl"), f"--kubeconfig={self.kubeconfig}", *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+        )
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -503,7 +514,18 @@ def terminate(proc: Proc, grace: float = 10.0) -> None:
             time.sleep(0.05)
 
 
-def kubeconfig_yaml(server: str, ca: Path, token: str, user: str) -> str:
+def service_account_token(core, namespace: str, name: str) -> str | None:
+    """The token the controller-manager minted for a service account, or None while there is none yet."""
+    sa = core.read_namespaced_service_account(name, namespace)
+    secrets = [s.name for s in sa.secrets or []]
+    if not secrets:
+        return None
+    encoded = (core.read_namespaced_secret(secrets[0], namespace).data or {}).get("token")
+    return base64.b64decode(encoded).decode() if encoded else None
+
+
+def kubeconfig_yaml(server: str, ca: Path, token: str, user: str, namespace: str | None = None) -> str:
+    context = {"cluster": "spyre-local", "user": user, **({"namespace": namespace} if namespace else {})}
     return json.dumps(
         {
             "apiVersion": "v1",
@@ -512,7 +534,7 @@ def kubeconfig_yaml(server: str, ca: Path, token: str, user: str) -> str:
                 {"name": "spyre-local", "cluster": {"server": server, "certificate-authority": str(ca)}}
             ],
             "users": [{"name": user, "user": {"token": token}}],
-            "contexts": [{"name": "spyre-local", "context": {"cluster": "spyre-local", "user": user}}],
+            "contexts": [{"name": "spyre-local", "context": context}],
             "current-context": "spyre-local",
         },
         indent=2,

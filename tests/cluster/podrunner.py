@@ -24,6 +24,7 @@ status back to the API server. The mappings, in one place:
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import json
@@ -41,6 +42,7 @@ from pathlib import Path
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tests.cluster.controlplane import kubeconfig_yaml, service_account_token
 from tests.cluster.fakekubelet import provision_pending_claims
 
 VENV_BIN = Path(__file__).resolve().parents[2] / ".venv" / "bin"
@@ -200,8 +202,6 @@ class PodRunner:
                 for k, val in (cm.data or {}).items():
                     (local[v.name] / k).write_text(val)
             elif v.secret:
-                import base64
-
                 local[v.name] = rp.workdir / "secret" / v.name
                 sec = self.core.read_namespaced_secret(v.secret.secret_name, rp.namespace)
                 local[v.name].mkdir(parents=True, exist_ok=True)
@@ -261,35 +261,11 @@ class PodRunner:
         if pod.spec.automount_service_account_token is False:
             return None
         name = pod.spec.service_account_name or "default"
-        sa = self.core.read_namespaced_service_account(name, rp.namespace)
-        secrets = [s.name for s in sa.secrets or []]
-        if not secrets:
+        token = service_account_token(self.core, rp.namespace, name)
+        if token is None:
             raise NotYet(f"no token yet for service account {name}")
-        import base64
-
-        token = base64.b64decode(
-            self.core.read_namespaced_secret(secrets[0], rp.namespace).data["token"]
-        ).decode()
         path = rp.workdir / "serviceaccount.kubeconfig"
-        path.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [
-                        {
-                            "name": "c",
-                            "cluster": {"server": self.server, "certificate-authority": str(self.ca_file)},
-                        }
-                    ],
-                    "users": [{"name": name, "user": {"token": token}}],
-                    "contexts": [
-                        {"name": "c", "context": {"cluster": "c", "user": name, "namespace": rp.namespace}}
-                    ],
-                    "current-context": "c",
-                }
-            )
-        )
+        path.write_text(kubeconfig_yaml(self.server, self.ca_file, token, name, namespace=rp.namespace))
         return path
 
     # ---- process state machine -------------------------------------------------------------------

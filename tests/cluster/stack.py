@@ -24,6 +24,25 @@ class StackError(RuntimeError):
     pass
 
 
+def ready_addresses(api_client, namespace: str, service: str) -> list[str]:
+    """A Service's ready addresses, as published by the (real) EndpointSlice controller. (The older Endpoints
+    API refuses loopback addresses, which pod IPs are here; EndpointSlices carry them.)"""
+    slices = client.CustomObjectsApi(api_client).list_namespaced_custom_object(
+        "discovery.k8s.io",
+        "v1beta1",
+        namespace,
+        "endpointslices",
+        label_selector=f"kubernetes.io/service-name={service}",
+    )["items"]
+    return sorted(
+        address
+        for sl in slices
+        for ep in sl.get("endpoints") or []
+        if (ep.get("conditions") or {}).get("ready")
+        for address in ep.get("addresses") or []
+    )
+
+
 class LocalStack:
     def __init__(
         self, workdir: Path, say: Callable[[str], None] = lambda _: None, die_with_parent: bool = True
@@ -35,12 +54,7 @@ class LocalStack:
         self.kube = None
 
     def kubectl(self, *args: str) -> str:
-        res = subprocess.run(
-            [str(self.cp.bin_dir / "kubectl"), f"--kubeconfig={self.cp.kubeconfig}", *args],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        res = self.cp.kubectl(*args, check=False)
         if res.returncode:
             raise StackError(f"kubectl {' '.join(args)} failed: {res.stderr.strip()}")
         return res.stdout
@@ -176,22 +190,7 @@ class LocalStack:
         )
 
     def endpoints(self, namespace: str, service: str) -> list[str]:
-        """The Service's ready addresses, as published by the (real) EndpointSlice controller. (The older
-        Endpoints API refuses loopback addresses, which pod IPs are here; EndpointSlices carry them.)"""
-        slices = client.CustomObjectsApi(self.kube).list_namespaced_custom_object(
-            "discovery.k8s.io",
-            "v1beta1",
-            namespace,
-            "endpointslices",
-            label_selector=f"kubernetes.io/service-name={service}",
-        )["items"]
-        return sorted(
-            address
-            for sl in slices
-            for ep in sl.get("endpoints") or []
-            if (ep.get("conditions") or {}).get("ready")
-            for address in ep.get("addresses") or []
-        )
+        return ready_addresses(self.kube, namespace, service)
 
     def diagnose(self, namespace: str, name: str) -> str:
         """What a failure shows: the model's conditions, its pods, and their last log lines."""

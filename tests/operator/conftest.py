@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import base64
 import itertools
-import json
 import os
 import signal
 import subprocess
@@ -15,6 +13,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from tests.cluster.controlplane import Proc, kubeconfig_yaml, service_account_token, terminate
 from tests.cluster.fakekubelet import FakeKubelet
 from tests.conftest import REPO, kubectl, wait_for
 
@@ -51,13 +50,8 @@ class OperatorProcess:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            terminate(Proc("operator", self.proc.pid, self.log_path, self.proc), grace=20)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
@@ -66,17 +60,10 @@ class OperatorProcess:
 def service_account_kubeconfig(cluster, kube, namespace: str, name: str, path: Path) -> Path:
     """A kubeconfig holding the service account's own token, so the operator runs with its RBAC only."""
     core = client.CoreV1Api(kube)
-
-    def token():
-        sa = core.read_namespaced_service_account(name, namespace)
-        secrets = [s.name for s in sa.secrets or []]
-        return secrets and core.read_namespaced_secret(secrets[0], namespace).data.get("token")
-
-    encoded = wait_for(token, what=f"a token for {namespace}/{name}")
-    config = json.loads(cluster.kubeconfig.read_text())
-    config["users"] = [{"name": name, "user": {"token": base64.b64decode(encoded).decode()}}]
-    config["contexts"][0]["context"]["user"] = name
-    path.write_text(json.dumps(config))
+    token = wait_for(
+        lambda: service_account_token(core, namespace, name), what=f"a token for {namespace}/{name}"
+    )
+    path.write_text(kubeconfig_yaml(cluster.server, cluster.workdir / "pki" / "ca.crt", token, name))
     return path
 
 

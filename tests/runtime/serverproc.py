@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.cluster.controlplane import free_port
+from tests.cluster.controlplane import Proc, free_port, terminate
 
 
 class ServerProcess:
@@ -55,11 +54,5 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(Proc("spyre-runtime", self.proc.pid, self.log_path, self.proc), grace=30)
         self._log.close()
