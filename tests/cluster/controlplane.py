@@ -316,6 +316,7 @@ class ControlPlane:
 
     def _start_etcd(self) -> None:
         client, peer = self.ports["etcd-client"], self.ports["etcd-peer"]
+        shutil.rmtree(self.workdir / "etcd-data", ignore_errors=True)  # every start is a fresh cluster
         proc = self._spawn(
             "etcd",
             [

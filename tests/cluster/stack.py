@@ -264,6 +264,7 @@ def up(workdir: Path, timeout: float = 300) -> dict:
         state_file.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "stack.log"
+    shown = len(log.read_text(errors="replace").splitlines()) if log.exists() else 0  # earlier runs' lines
     with log.open("ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.cluster.stack", "run", "--dir", str(workdir)],
@@ -273,7 +274,6 @@ def up(workdir: Path, timeout: float = 300) -> dict:
             start_new_session=True,
         )
     deadline = time.monotonic() + timeout
-    shown = 0
     while time.monotonic() < deadline:
         lines = log.read_text(errors="replace").splitlines()
         for line in lines[shown:]:
