@@ -4,7 +4,9 @@
     a sequence's block table maps its token i to block table[i // BLOCK_SIZE], offset i % BLOCK_SIZE
 
 Prefix caching: a *full* prompt block is named by a hash chained over every token up to its end, so two
-prompts that start with the same whole blocks share them (reference counts). A block whose count drops to zero
+prompts that start with the same whole blocks share them (reference counts). A block is published under its
+hash only once its KV has been computed (`commit`), so a prefill that is aborted or still running never
+hands half-written blocks to another request. A block whose count drops to zero
 goes to the back of the free queue but keeps its hash: it can still be hit until it is taken for new data
 (least recently freed first), which evicts it. The last prompt token is always computed, so a hit never
 covers the whole prompt. Invariant: every block other than scratch is either referenced (ref_count > 0) or in
@@ -44,6 +46,7 @@ class BlockManager:
         self.free_queue: deque[int] = deque(i for i in range(num_blocks) if i != SCRATCH_BLOCK)
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.tables: dict[str, list[int]] = {}
+        self._pending: dict[str, list[int]] = {}  # seq -> hashes of its shareable blocks, by block index
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -96,14 +99,21 @@ class BlockManager:
         for block_id in hits:
             self._take(block_id)
             table.append(block_id)
-        for i in range(len(hits), blocks_for_size(len(token_ids), self.block_size)):
-            block_id = self._take_free()
-            if i < len(hashes):
-                self.blocks[block_id].content_hash = hashes[i]
-                self.cached[hashes[i]] = block_id
-            table.append(block_id)
+        for _ in range(len(hits), blocks_for_size(len(token_ids), self.block_size)):
+            table.append(self._take_free())
         self.tables[seq_id] = table
+        self._pending[seq_id] = hashes
         return Allocation(tuple(table), len(hits) * self.block_size)
+
+    def commit(self, seq_id: str, num_computed_tokens: int) -> None:
+        """Publishes the sequence's shareable blocks whose KV is now computed (its first
+        `num_computed_tokens` tokens), so later prompts can hit them."""
+        hashes, table = self._pending.get(seq_id, []), self.tables[seq_id]
+        for i in range(min(len(hashes), num_computed_tokens // self.block_size)):
+            block = self.blocks[table[i]]
+            if block.content_hash is None and hashes[i] not in self.cached:
+                block.content_hash = hashes[i]
+                self.cached[hashes[i]] = block.block_id
 
     def can_append(self, seq_id: str, num_tokens: int) -> bool:
         """Whether the sequence can grow to `num_tokens` tokens."""
@@ -121,6 +131,7 @@ class BlockManager:
 
     def free(self, seq_id: str) -> None:
         """Releases the sequence's blocks; shared prompt blocks stay cached until evicted."""
+        self._pending.pop(seq_id, None)
         for block_id in reversed(self.tables.pop(seq_id)):
             block = self.blocks[block_id]
             block.ref_count -= 1

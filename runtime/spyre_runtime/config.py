@@ -14,6 +14,8 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("sendnn", "inductor", "eager")
 PROMPT_LEN_MULTIPLE = 64
+CB_DEFAULT_MAX_MODEL_LEN = 512
+CB_DEFAULT_MAX_NUM_SEQS = 4
 ENV_PREFIX = "SENDNN_INFERENCE_"
 ALIAS_PREFIX = "VLLM_SPYRE_"
 
@@ -148,7 +150,51 @@ class RuntimeConfig:
     num_cpus: int = 0
     cp_interleave_steps: bool = True
     shutdown_grace_seconds: float = 30.0
+    max_num_batched_tokens: int = 256  # continuous batching: prefill chunk size, a multiple of 64
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int = 0  # 0: room for max_num_seqs sequences of max_model_len tokens (+ scratch)
+    decode_batch_buckets: tuple[int, ...] = ()  # () : powers of two up to max_num_seqs
+    kv_len_buckets: tuple[int, ...] = ()  # () : 64 * powers of two up to max_model_len
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
+
+    # ---- continuous batching: the static menu of compiled shapes ----------------------------------
+    # Every decode step runs at a (batch size, KV length) bucket and every prefill chunk at a chunk-size
+    # bucket; all of them are compiled at warmup (the Gaudi backend's bucketing, for static-shape backends).
+
+    @property
+    def chunk_buckets(self) -> tuple[int, ...]:
+        return _doubling(PROMPT_LEN_MULTIPLE, self.max_num_batched_tokens)
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        return self.decode_batch_buckets or _doubling(1, self.max_num_seqs)
+
+    @property
+    def kv_buckets(self) -> tuple[int, ...]:
+        return self.kv_len_buckets or _doubling(PROMPT_LEN_MULTIPLE, round_up(self.max_model_len))
+
+    @property
+    def min_kv_blocks(self) -> int:
+        """Scratch plus one sequence of max_model_len tokens: any single request can always run."""
+        return 1 + round_up(self.max_model_len) // PROMPT_LEN_MULTIPLE
+
+    @property
+    def cb_num_blocks(self) -> int:
+        per_sequence = round_up(self.max_model_len) // PROMPT_LEN_MULTIPLE
+        return self.num_kv_blocks or 1 + self.max_num_seqs * per_sequence
+
+
+def round_up(n: int, multiple: int = PROMPT_LEN_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _doubling(start: int, top: int) -> tuple[int, ...]:
+    """start, 2*start, 4*start, ... below top, then top itself."""
+    values, v = [], start
+    while v < top:
+        values.append(v)
+        v *= 2
+    return (*values, top)
 
 
 def load_config(
@@ -160,6 +206,9 @@ def load_config(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     tensor_parallel_size: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    enable_prefix_caching: bool | None = None,
+    num_kv_blocks: int | None = None,
 ) -> RuntimeConfig:
     """Environment first, then flags (any argument that is not None wins)."""
     env = Env(environ)
@@ -176,6 +225,8 @@ def load_config(
         ("--max-num-seqs", max_num_seqs),
         ("--tensor-parallel-size", tensor_parallel_size),
         ("--port", port),
+        ("--max-num-batched-tokens", max_num_batched_tokens),
+        ("--num-kv-blocks", num_kv_blocks),
     ):
         if value is not None and value <= 0:
             raise ConfigError(f"{flag}={value} must be positive")
@@ -186,7 +237,12 @@ def load_config(
     cache_dir_text = env.str("TORCH_SENDNN_CACHE_DIR", "", full=True)
     if cache_enabled and not cache_dir_text:
         raise ConfigError("TORCH_SENDNN_CACHE_ENABLE=1 needs TORCH_SENDNN_CACHE_DIR")
-    return RuntimeConfig(
+    if use_cb:  # limits of their own, not the static shapes'
+        longest, widest = CB_DEFAULT_MAX_MODEL_LEN, CB_DEFAULT_MAX_NUM_SEQS
+    chunk = max_num_batched_tokens or 256
+    if chunk % PROMPT_LEN_MULTIPLE:
+        raise ConfigError(f"--max-num-batched-tokens={chunk} is not a multiple of {PROMPT_LEN_MULTIPLE}")
+    config = RuntimeConfig(
         model_dir=model_path,
         served_model_name=served_model_name or model_path.name,
         backend=backend,
@@ -194,6 +250,11 @@ def load_config(
         shapes=shapes,
         max_model_len=max_model_len or longest,
         max_num_seqs=max_num_seqs or widest,
+        max_num_batched_tokens=chunk,
+        enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
+        num_kv_blocks=num_kv_blocks or 0,
+        decode_batch_buckets=_buckets(env, "CB_DECODE_BATCH_SIZES", 1),
+        kv_len_buckets=_buckets(env, "CB_KV_LENS", PROMPT_LEN_MULTIPLE),
         tensor_parallel_size=tensor_parallel_size or 1,
         host=host or "127.0.0.1",
         port=port or 8000,
@@ -211,3 +272,34 @@ def load_config(
         cp_interleave_steps=env.bool("CP_INTERLEAVE_STEPS", True),
         deprecated_env=tuple(env.deprecated_used),
     )
+    if use_cb:
+        _check_cb_limits(config, env)
+    return config
+
+
+def _buckets(env: Env, name: str, multiple: int) -> tuple[int, ...]:
+    if env.raw(name)[1] in (None, ""):
+        return ()
+    var, values = env.int_list(name, "")
+    for v in values:
+        if v % multiple:
+            raise ConfigError(f"{var}: {v} is not a multiple of {multiple}")
+    return tuple(sorted(set(values)))
+
+
+def _check_cb_limits(config: RuntimeConfig, env: Env) -> None:
+    if config.num_kv_blocks and config.num_kv_blocks < config.min_kv_blocks:
+        raise ConfigError(
+            f"--num-kv-blocks={config.num_kv_blocks} cannot hold one sequence of --max-model-len="
+            f"{config.max_model_len} tokens; it needs at least {config.min_kv_blocks} blocks"
+        )
+    if max(config.batch_buckets) < config.max_num_seqs:
+        raise ConfigError(
+            f"{env.raw('CB_DECODE_BATCH_SIZES')[0]}: the largest bucket {max(config.batch_buckets)} is below "
+            f"--max-num-seqs={config.max_num_seqs}"
+        )
+    if max(config.kv_buckets) < config.max_model_len:
+        raise ConfigError(
+            f"{env.raw('CB_KV_LENS')[0]}: the largest bucket {max(config.kv_buckets)} is below "
+            f"--max-model-len={config.max_model_len}"
+        )

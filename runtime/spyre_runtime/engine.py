@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from spyre_runtime.cb_scheduler import ContinuousScheduler
 from spyre_runtime.config import RuntimeConfig, load_config
 from spyre_runtime.executor import ModelExecutor, configure_threads
 from spyre_runtime.request import Request
@@ -156,7 +157,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_dir)
         self.executor = executor if executor is not None else ModelExecutor(config)
-        self.scheduler = StaticScheduler(config.shapes)
+        self.scheduler = ContinuousScheduler(config) if config.use_cb else StaticScheduler(config.shapes)
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids(config.model_dir, self.tokenizer))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -187,10 +188,10 @@ class LLMEngine:
         if step is None:
             return []
         t0 = time.monotonic()
-        if step.is_prefill:
-            for req in step.requests:
+        for req in step.scheduled:
+            if req.scheduled_time is None:
                 req.scheduled_time = t0
-        tokens = self.executor.execute_static(step)
+        tokens = self.executor.execute(step)
         now = time.monotonic()
         live = [r for r in step.requests if not r.is_finished]
         for req, token in zip(step.requests, tokens, strict=True):

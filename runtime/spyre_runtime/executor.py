@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from spyre_runtime import kv_cache
+from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
 from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
 from spyre_runtime.sampling import sample_batch
@@ -105,7 +106,10 @@ class ModelExecutor:
         self.model = model if model is not None else load_fms_model(config.model_dir)
         self.dims = model_dims(self.model)
         self._prime_rotary(max(config.max_model_len, max(s.max_len for s in config.shapes)))
-        num_blocks = 1 + max(s.batch_size * blocks_for(s.max_len) for s in config.shapes)
+        if config.use_cb:
+            num_blocks = config.cb_num_blocks
+        else:
+            num_blocks = 1 + max(s.batch_size * blocks_for(s.max_len) for s in config.shapes)
         self.kv = KVCachePool(self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim)
         backend = compiler_for(config.backend)
         self._step_fn = (
@@ -209,27 +213,107 @@ class ModelExecutor:
         logits = self._run(*args)
         return sample_batch(logits[: len(reqs)], [r.sampling for r in reqs], [r.generator for r in reqs])
 
+    # ---- continuous batching: paged, bucketed shapes ---------------------------------------------
+
+    def chunk_inputs(self, chunk: PrefillChunk, kv_len: int):
+        """One request's prefill chunk, left-padded to `chunk.chunk_size` rows so its last token comes
+        last; it attends to the request's earlier tokens through its block table (K = kv_len keys)."""
+        C, n, start = chunk.chunk_size, len(chunk.token_ids), chunk.start
+        nb = kv_len // BLOCK_SIZE
+        pad = C - n
+        table = torch.full((1, nb), SCRATCH_BLOCK, dtype=torch.long)
+        table[0, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.long)
+        logical = torch.arange(start, start + n)
+        ids = torch.zeros(1, C, dtype=torch.long)
+        pos = torch.zeros(1, C, dtype=torch.long)
+        slots = torch.full((1, C), SCRATCH_BLOCK * BLOCK_SIZE, dtype=torch.long)
+        ids[0, pad:] = torch.tensor(chunk.token_ids, dtype=torch.long)
+        pos[0, pad:] = logical
+        slots[0, pad:] = table[0, logical // BLOCK_SIZE] * BLOCK_SIZE + logical % BLOCK_SIZE
+        mask = torch.zeros(1, C, kv_len, dtype=torch.bool)
+        mask[0, :pad, 0] = True  # pad rows see one finite key; their outputs are dropped
+        mask[0, pad:] = torch.arange(kv_len)[None, :] <= logical[:, None]
+        return ids, pos, mask, slots, table
+
+    def batch_decode_inputs(self, step: ContinuousStep):
+        """[batch_size, 1] decode of every running request; dummy rows write and read scratch."""
+        B, K = step.batch_size, step.kv_len
+        table = torch.full((B, K // BLOCK_SIZE), SCRATCH_BLOCK, dtype=torch.long)
+        ids = torch.zeros(B, 1, dtype=torch.long)
+        pos = torch.zeros(B, 1, dtype=torch.long)
+        slots = torch.full((B, 1), SCRATCH_BLOCK * BLOCK_SIZE, dtype=torch.long)
+        mask = torch.zeros(B, 1, K, dtype=torch.bool)
+        mask[:, 0, 0] = True
+        keys = torch.arange(K)
+        for r, row in enumerate(step.decode):
+            table[r, : len(row.block_table)] = torch.tensor(row.block_table, dtype=torch.long)
+            ids[r, 0] = row.token_id
+            pos[r, 0] = row.position
+            slots[r, 0] = table[r, row.position // BLOCK_SIZE] * BLOCK_SIZE + row.position % BLOCK_SIZE
+            mask[r, 0] = keys <= row.position
+        return ids, pos, mask, slots, table
+
+    def execute_continuous(self, step: ContinuousStep) -> list[int]:
+        if step.prefill is not None:
+            logits = self._run(*self.chunk_inputs(step.prefill, max(self.config.kv_buckets)))
+        else:
+            logits = self._run(*self.batch_decode_inputs(step))
+        reqs = step.requests
+        if not reqs:
+            return []  # a chunk that does not end its prompt: nothing is sampled
+        return sample_batch(logits[: len(reqs)], [r.sampling for r in reqs], [r.generator for r in reqs])
+
+    def execute(self, step: StaticStep | ContinuousStep) -> list[int]:
+        """Runs one step; returns one sampled token per request of `step.requests`."""
+        if isinstance(step, ContinuousStep):
+            return self.execute_continuous(step)
+        return self.execute_static(step)
+
     # ---- warmup ----------------------------------------------------------------------------------
 
     def warmup(self) -> float:
-        """Compiles and runs the prefill and decode graphs of every shape."""
+        """Compiles and runs every graph serving can need: prefill and decode of every static shape, or
+        every chunk bucket and (batch, KV length) decode bucket of continuous batching."""
         t_all = time.monotonic()
-        graphs = 2 * len(self.config.shapes)
+        cfg = self.config
+        graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) * len(cfg.kv_buckets)
+        if not cfg.use_cb:
+            graphs = 2 * len(cfg.shapes)
         with torch._dynamo.config.patch(
             recompile_limit=max(8, graphs + 2), accumulated_recompile_limit=max(256, graphs * 2)
         ):
-            for shape in self.config.shapes:
-                t0 = time.monotonic()
-                prompts = [[1] * shape.prompt_len] * shape.batch_size
-                self._run(*self.prefill_inputs(shape, prompts))
-                self._run(
-                    *self.decode_inputs(
-                        shape, [shape.prompt_len] * shape.batch_size, [1] * shape.batch_size, 0
-                    )
-                )
-                self.shape_seconds[shape] = time.monotonic() - t0
-                log.info("Warmup of shape %s took %.2f s", shape, self.shape_seconds[shape])
+            if cfg.use_cb:
+                self._warm_continuous()
+            else:
+                self._warm_static()
         self.warmup_seconds = time.monotonic() - t_all
         self.is_warm = True
         log.info("Warmup finished in %.2f s", self.warmup_seconds)
         return self.warmup_seconds
+
+    def _warm_static(self) -> None:
+        for shape in self.config.shapes:
+            t0 = time.monotonic()
+            prompts = [[1] * shape.prompt_len] * shape.batch_size
+            self._run(*self.prefill_inputs(shape, prompts))
+            self._run(
+                *self.decode_inputs(shape, [shape.prompt_len] * shape.batch_size, [1] * shape.batch_size, 0)
+            )
+            self.shape_seconds[shape] = time.monotonic() - t0
+            log.info("Warmup of shape %s took %.2f s", shape, self.shape_seconds[shape])
+
+    def _warm_continuous(self) -> None:
+        """Dummy steps on the scratch block only: nothing a request owns is written."""
+        cfg = self.config
+        kv_max = max(cfg.kv_buckets)
+        for size in cfg.chunk_buckets:
+            t0 = time.monotonic()
+            chunk = PrefillChunk(None, (1,) * size, 0, size, (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE), True)
+            self._run(*self.chunk_inputs(chunk, kv_max))
+            log.info("Warmup of prefill chunk %d took %.2f s", size, time.monotonic() - t0)
+        for batch in cfg.batch_buckets:
+            for kv_len in cfg.kv_buckets:
+                t0 = time.monotonic()
+                self._run(*self.batch_decode_inputs(ContinuousStep(batch_size=batch, kv_len=kv_len)))
+                seconds = time.monotonic() - t0
+                log.info("Warmup of decode batch %d x kv %d took %.2f s", batch, kv_len, seconds)

@@ -32,6 +32,8 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     generator: torch.Generator | None = None
+    num_computed_tokens: int = 0  # continuous batching: tokens whose KV is in the cache
+    num_preemptions: int = 0
 
     def __post_init__(self) -> None:
         if self.generator is None and not self.sampling.is_greedy:
@@ -40,6 +42,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_output_tokens(self) -> int:

@@ -28,6 +28,14 @@ class StaticStep:
     requests: tuple[Request, ...]
     decode_index: int = 0
 
+    @property
+    def scheduled(self) -> tuple[Request, ...]:
+        return self.requests if self.is_prefill else ()
+
+    @property
+    def occupancy(self) -> float:
+        return len(self.requests) / self.shape.batch_size
+
 
 def smallest_fitting_shape(
     shapes: tuple[Shape, ...], num_prompt_tokens: int, max_tokens: int
@@ -54,6 +62,13 @@ class StaticScheduler:
 
     def can_admit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
         return smallest_fitting_shape(self.shapes, num_prompt_tokens, max_tokens) is not None
+
+    def max_tokens_for(self, num_prompt_tokens: int) -> int:
+        """The largest max_tokens a prompt of this length can ask for (0: no shape takes the prompt)."""
+        return max((s.new_tokens for s in self.shapes if s.prompt_len >= num_prompt_tokens), default=0)
+
+    def describe_limits(self) -> str:
+        return "fits no compiled shape; compiled shapes: " + ", ".join(str(s) for s in self.shapes)
 
     def add(self, request: Request) -> None:
         if not self.can_admit(request.num_prompt_tokens, request.sampling.max_tokens):

@@ -27,7 +27,6 @@ from spyre_runtime.engine import EngineThread, LLMEngine, RequestOutput
 from spyre_runtime.executor import configure_threads
 from spyre_runtime.metrics import Metrics
 from spyre_runtime.sampling import SamplingParams
-from spyre_runtime.scheduler import smallest_fitting_shape
 
 log = logging.getLogger(__name__)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -156,7 +155,7 @@ class ServerState:
         m.step_seconds.labels("prefill" if step.is_prefill else "decode").observe(seconds)
         m.queue_length.set(sched.num_waiting)
         m.running.set(sched.num_running)
-        m.batch_occupancy.set(len(step.requests) / step.shape.batch_size)
+        m.batch_occupancy.set(step.occupancy)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         m = self.metrics
@@ -270,16 +269,15 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(400, "the prompt is empty", "prompt")
         n = len(prompt_ids)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        scheduler = state.engine.scheduler
+        room = scheduler.max_tokens_for(n)
         if max_tokens is None:
-            room = [s.new_tokens for s in config.shapes if s.prompt_len >= n]
-            max_tokens = min(default_max or max(room, default=1), max(room, default=1))
-        if smallest_fitting_shape(config.shapes, n, max_tokens) is None:
-            shapes = ", ".join(str(s) for s in config.shapes)
+            max_tokens = max(1, min(default_max or room, room))
+        if not scheduler.can_admit(n, max_tokens):
             raise APIError(
                 400,
-                f"the request ({n} prompt tokens, max_tokens={max_tokens}) fits no compiled shape; "
-                f"compiled shapes: {shapes}",
-                "max_tokens" if any(s.prompt_len >= n for s in config.shapes) else "prompt",
+                f"the request ({n} prompt tokens, max_tokens={max_tokens}) {scheduler.describe_limits()}",
+                "max_tokens" if room > 0 else "prompt",
             )
         try:
             return SamplingParams(

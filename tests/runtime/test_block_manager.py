@@ -37,7 +37,10 @@ def test_allocate_append_free_table():
 
 def test_shared_prefix_reuses_whole_blocks_with_reference_counts():
     bm = BlockManager(num_blocks=10, block_size=4)
-    a = bm.allocate("a", toks(10))  # blocks for [0-3] [4-7] [8-9]; the two full ones are hashed
+    a = bm.allocate("a", toks(10))  # blocks for [0-3] [4-7] [8-9]; the two full ones are shareable
+    assert bm.allocate("early", toks(10)).num_cached_tokens == 0  # nothing computed yet: no hit
+    bm.free("early")
+    bm.commit("a", 10)
     b = bm.allocate("b", [*toks(8), 100, 101, 102])  # same first 8 tokens
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 8
     assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
@@ -53,10 +56,12 @@ def test_shared_prefix_reuses_whole_blocks_with_reference_counts():
 def test_freed_blocks_stay_cached_until_evicted_least_recently_freed_first():
     bm = BlockManager(num_blocks=5, block_size=4)  # 4 usable blocks
     a = bm.allocate("a", toks(9))  # 3 blocks, 2 hashed
+    bm.commit("a", 9)
     bm.free("a")
     assert bm.num_free_blocks == 4
     again = bm.allocate("a2", toks(9))
     assert again.num_cached_tokens == 8 and again.block_table[:2] == a.block_table[:2]
+    bm.commit("a2", 9)
     bm.free("a2")
     # new data takes the free blocks in freeing order; taking a hashed block evicts its content
     bm.allocate("x", toks(16, 1000))
@@ -68,6 +73,7 @@ def test_freed_blocks_stay_cached_until_evicted_least_recently_freed_first():
 def test_can_allocate_counts_hits_on_blocks_in_use():
     bm = BlockManager(num_blocks=4, block_size=4)  # 3 usable blocks
     bm.allocate("a", toks(9))  # all 3 blocks, 2 of them shareable
+    bm.commit("a", 9)
     assert bm.num_free_blocks == 0
     # a request sharing both full blocks still needs one block for its own tail: none is free
     assert not bm.can_allocate([*toks(8), 7])

@@ -1,0 +1,195 @@
+"""Continuous-batching scheduler, with no model: step-by-step golden tables on scripted arrivals.
+
+Each row: (step, kind, request ids in the step, tokens computed, waiting, running, KV blocks used, finished).
+A fake engine appends token 7 to every request that gets a sampled token and finishes it at max_tokens.
+Blocks hold 64 tokens; block 0 is scratch."""
+
+from pathlib import Path
+
+import pytest
+from spyre_runtime.cb_scheduler import ContinuousScheduler
+from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.request import Request, Status
+from spyre_runtime.sampling import SamplingParams
+
+
+def config(**kw) -> RuntimeConfig:
+    base = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 64, "use_cb": True}
+    return RuntimeConfig(model_dir=Path("unused"), served_model_name="t", **(base | kw))
+
+
+def req(rid: str, prompt: int | list[int], max_tokens: int) -> Request:
+    tokens = prompt if isinstance(prompt, list) else [1] * prompt
+    return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def drive(sched: ContinuousScheduler, arrivals: dict[int, list[Request]], num_steps: int) -> list[tuple]:
+    rows = []
+    for t in range(num_steps):
+        for r in arrivals.get(t, []):
+            sched.add(r)
+        step = sched.schedule()
+        if step is None:
+            rows.append(
+                (t, "idle", (), 0, sched.num_waiting, sched.num_running, sched.blocks.num_used_blocks, ())
+            )
+            continue
+        for r in step.requests:
+            r.output_token_ids.append(7)
+            if r.num_output_tokens >= r.sampling.max_tokens:
+                r.finish("length")
+        done = sched.update(step)
+        ids = (step.prefill.request,) if step.prefill else tuple(row.request for row in step.decode)
+        rows.append(
+            (
+                t,
+                "prefill" if step.is_prefill else "decode",
+                tuple(r.request_id for r in ids),
+                step.num_tokens,
+                sched.num_waiting,
+                sched.num_running,
+                sched.blocks.num_used_blocks,
+                tuple(r.request_id for r in done),
+            )
+        )
+    return rows
+
+
+def test_requests_join_and_leave_the_running_batch_with_interleaved_chunks():
+    s = ContinuousScheduler(config())
+    a, b = req("a", 100, 3), req("b", 30, 4)
+    rows = drive(s, {0: [a], 1: [b]}, 10)
+    assert rows == [
+        (0, "prefill", ("a",), 64, 0, 1, 2, ()),  # a's first chunk; a holds 2 blocks (100 tokens)
+        (1, "prefill", ("a",), 36, 1, 1, 2, ()),  # nobody decodes yet, so a's last chunk follows
+        (2, "decode", ("a",), 1, 1, 1, 2, ()),  # interleave: a decode step between prefills
+        (3, "prefill", ("b",), 30, 0, 2, 3, ()),  # b joins the running batch
+        (4, "decode", ("a", "b"), 2, 0, 1, 1, ("a",)),  # a leaves at once, its blocks freed...
+        (5, "decode", ("b",), 1, 0, 1, 1, ()),  # ...b keeps going
+        (6, "decode", ("b",), 1, 0, 0, 0, ("b",)),
+        (7, "idle", (), 0, 0, 0, 0, ()),
+        (8, "idle", (), 0, 0, 0, 0, ()),
+        (9, "idle", (), 0, 0, 0, 0, ()),
+    ]
+    assert [a.num_output_tokens, b.num_output_tokens] == [3, 4]
+
+
+def test_long_prompt_chunks_alternate_with_decodes_only_when_interleaving():
+    def run(interleave: bool) -> list[str]:
+        s = ContinuousScheduler(config(cp_interleave_steps=interleave))
+        rows = drive(s, {0: [req("a", 10, 8)], 2: [req("long", 200, 2)]}, 9)
+        return [f"{kind[0]}{''.join(ids)}" for _, kind, ids, *_ in rows]
+
+    # chunks of 64, 64, 64, 8 tokens for the 200-token prompt
+    assert run(True) == ["pa", "da", "plong", "da", "plong", "da", "plong", "da", "plong"]
+    # without: the whole prompt first; long (max_tokens 2) then decodes once beside a and leaves
+    assert run(False) == ["pa", "da", "plong", "plong", "plong", "plong", "dalong", "da", "da"]
+
+
+def test_max_num_seqs_holds_back_admission_until_a_request_leaves():
+    s = ContinuousScheduler(config(max_num_seqs=2))
+    rows = drive(s, {0: [req("a", 10, 3), req("b", 10, 4), req("c", 10, 1)]}, 8)
+    assert [
+        (kind[0], ids, waiting, running, done) for _, kind, ids, _, waiting, running, _, done in rows
+    ] == [
+        ("p", ("a",), 2, 1, ()),
+        ("d", ("a",), 2, 1, ()),
+        ("p", ("b",), 1, 2, ()),  # two running: c waits
+        ("d", ("a", "b"), 1, 1, ("a",)),
+        ("p", ("c",), 0, 1, ("c",)),  # a left, c is admitted (and done: max_tokens 1)
+        ("d", ("b",), 0, 1, ()),
+        ("d", ("b",), 0, 0, ("b",)),
+        ("i", (), 0, 0, ()),
+    ]
+
+
+def test_prefix_cache_hit_skips_computed_blocks_and_eviction_keeps_counts():
+    s = ContinuousScheduler(config())
+    shared = list(range(10, 138))  # 128 tokens: two whole blocks
+    first, second = req("first", [*shared, 1, 2, 3], 1), req("second", [*shared, 4, 5], 1)
+    rows = drive(s, {0: [first], 4: [second]}, 6)
+    assert [(kind[0], ids, n, used) for _, kind, ids, n, _, _, used, _ in rows] == [
+        ("p", ("first",), 64, 3),
+        ("p", ("first",), 64, 3),
+        ("p", ("first",), 3, 0),  # finished with its prefill token; its two full blocks stay cached
+        ("i", (), 0, 0),
+        ("p", ("second",), 2, 0),  # 128 tokens hit: only the 2 new tokens are computed
+        ("i", (), 0, 0),
+    ]
+    assert s.num_cached_tokens == 128
+    cold = ContinuousScheduler(config(enable_prefix_caching=False))
+    rows = drive(cold, {0: [req("first", [*shared, 1], 1)], 3: [req("second", [*shared, 4, 5], 1)]}, 6)
+    assert [n for _, kind, _, n, *_ in rows if kind == "prefill"] == [64, 64, 1, 64, 64, 2]
+
+
+def test_block_pressure_preempts_the_newest_request_and_resumes_it_without_loss():
+    # scratch + 4 blocks. a and b hold 2 blocks each (120-token prompts); when a grows past 128 tokens it
+    # needs a third block, so b (the newest) is preempted, and resumed once a has finished: b re-prefills
+    # prompt + its 8 tokens (128), of which the first prompt block is still in the prefix cache.
+    s = ContinuousScheduler(config(num_kv_blocks=5, max_num_batched_tokens=128))
+    a, b = req("a", list(range(3, 123)), 12), req("b", list(range(200, 320)), 12)
+    rows = drive(s, {0: [a, b]}, 18)
+    assert [row[1:] for row in rows] == [
+        ("prefill", ("a",), 120, 1, 1, 2, ()),
+        ("decode", ("a",), 1, 1, 1, 2, ()),
+        ("prefill", ("b",), 120, 0, 2, 4, ()),
+        *[("decode", ("a", "b"), 2, 0, 2, 4, ())] * 7,
+        ("decode", ("a",), 1, 1, 1, 3, ()),  # b preempted: back to waiting, its blocks freed
+        ("decode", ("a",), 1, 1, 1, 3, ()),
+        ("decode", ("a",), 1, 1, 0, 0, ("a",)),
+        ("prefill", ("b",), 64, 0, 1, 2, ()),  # 128 tokens, 64 of them hit the cache
+        ("decode", ("b",), 1, 0, 1, 3, ()),
+        ("decode", ("b",), 1, 0, 1, 3, ()),
+        ("decode", ("b",), 1, 0, 0, 0, ("b",)),
+        ("idle", (), 0, 0, 0, 0, ()),
+    ]
+    assert (s.num_preemptions, a.num_preemptions, b.num_preemptions) == (1, 0, 1)
+    assert a.num_output_tokens == b.num_output_tokens == 12 and not s.has_work()
+
+
+def test_abort_frees_blocks_wherever_the_request_is():
+    s = ContinuousScheduler(config())
+    a, b, c = req("a", 100, 5), req("b", 10, 5), req("c", 10, 5)
+    for r in (a, b, c):
+        s.add(r)
+    s.update(s.schedule())  # a's first chunk: a holds 2 blocks mid-prefill
+    assert s.blocks.num_used_blocks == 2
+    assert s.abort("a") is a and a.finish_reason == "abort" and s.blocks.num_used_blocks == 0
+    assert s.abort("c") is c and s.num_waiting == 1
+    step = s.schedule()
+    assert step.prefill.request is b and step.prefill.start == 0
+    assert s.abort("missing") is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "max_tokens", "ok"), [(200, 56, True), (200, 57, False), (256, 1, False), (1, 255, True)]
+)
+def test_admission_limit_is_prompt_plus_max_tokens(prompt, max_tokens, ok):
+    s = ContinuousScheduler(config())
+    assert s.can_admit(prompt, max_tokens) is ok
+    if not ok:
+        with pytest.raises(ValueError, match="maximum model length 256"):
+            s.add(req("x", prompt, max_tokens))
+    assert s.max_tokens_for(prompt) == 256 - prompt
+
+
+def test_buckets_pick_the_smallest_compiled_shape():
+    s = ContinuousScheduler(config(max_num_seqs=8))
+    reqs = [req(f"r{i}", 70 if i == 0 else 10, 4) for i in range(3)]
+    for r in reqs:
+        s.add(r)
+    steps = []
+    while s.has_work():
+        step = s.schedule()
+        steps.append(step)
+        for r in step.requests:
+            r.output_token_ids.append(7)
+            if r.num_output_tokens >= r.sampling.max_tokens:
+                r.finish("length")
+        s.update(step)
+    chunk_sizes = [st.prefill.chunk_size for st in steps if st.is_prefill]
+    decodes = [(len(st.decode), st.batch_size, st.kv_len) for st in steps if not st.is_prefill]
+    assert chunk_sizes == [64, 64, 64, 64]  # 64 + 6 for the 70-token prompt, then 10 and 10
+    assert decodes[0] == (1, 1, 128)  # 71 tokens -> KV bucket 128
+    assert (3, 4, 128) in decodes and all(b in (1, 2, 4, 8) for _, b, _ in decodes)
+    assert all(r.status is Status.FINISHED for r in reqs)
