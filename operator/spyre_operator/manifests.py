@@ -94,12 +94,27 @@ def runtime_args(spec: ModelSpec, settings: OperatorSettings) -> list[str]:
     ]
     if spec.mode == "continuous":
         args += ["--max-num-seqs", str(spec.max_num_seqs), "--max-model-len", str(spec.max_model_len)]
+        if spec.max_num_batched_tokens:
+            args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     return args
 
 
+def _num_doublings(start: int, top: int) -> int:
+    """How many of start, 2*start, 4*start, ... are needed to reach top (the runtime's bucket menus)."""
+    return ((max(top, start) - 1) // start).bit_length() + 1
+
+
 def startup_failure_threshold(spec: ModelSpec, settings: OperatorSettings) -> int:
-    """Budget of the startup probe: every shape (prefill and decode graphs) may take the per-shape time."""
-    num_shapes = len(spec.shapes) if spec.mode == "static" else 4
+    """Budget of the startup probe: every shape (prefill and decode graphs) may take the per-shape time.
+    Continuous batching compiles a chunk bucket per prefill size and a decode graph per (batch, KV length)
+    bucket: counted here as pairs of graphs."""
+    if spec.mode == "static":
+        num_shapes = len(spec.shapes)
+    else:
+        graphs = _num_doublings(64, spec.max_num_batched_tokens or 256) + _num_doublings(
+            1, spec.max_num_seqs
+        ) * _num_doublings(64, spec.max_model_len)
+        num_shapes = -(-graphs // 2)
     return max(6, (60 + num_shapes * settings.startup_seconds_per_shape) // PROBE_PERIOD)
 
 

@@ -38,6 +38,24 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--max-model-len", type=_positive_int, default=None)
         p.add_argument("--max-num-seqs", type=_positive_int, default=None)
         p.add_argument("--tensor-parallel-size", type=_positive_int, default=None)
+        p.add_argument(
+            "--max-num-batched-tokens",
+            type=_positive_int,
+            default=None,
+            help="continuous batching: prefill chunk size, a multiple of 64 (default 256)",
+        )
+        p.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="continuous batching: reuse KV blocks of shared prompt prefixes (default on)",
+        )
+        p.add_argument(
+            "--num-kv-blocks",
+            type=_positive_int,
+            default=None,
+            help="continuous batching: KV cache blocks of 64 tokens (default: max-num-seqs full sequences)",
+        )
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     engine_flags(serve)
@@ -74,6 +92,9 @@ def _config(args):
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_kv_blocks=args.num_kv_blocks,
     )
 
 
@@ -117,6 +138,9 @@ def cmd_generate(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         tensor_parallel_size=args.tensor_parallel_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=args.enable_prefix_caching,
+        num_kv_blocks=args.num_kv_blocks,
     )
     out = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
     ids = [llm.tokenizer(prompt)["input_ids"] for prompt, _ in rows]

@@ -142,6 +142,7 @@ class ServerState:
     def _emit(self, out: RequestOutput) -> None:
         if out.finished:
             self._observe_finished(out)
+            self._observe_queue()
         if self.loop is not None:
             self.loop.call_soon_threadsafe(self._dispatch, out)
 
@@ -151,11 +152,16 @@ class ServerState:
             stream.put_nowait(out)
 
     def _observe_step(self, step, seconds: float) -> None:
-        m, sched = self.metrics, self.engine.scheduler
+        m = self.metrics
         m.step_seconds.labels("prefill" if step.is_prefill else "decode").observe(seconds)
-        m.queue_length.set(sched.num_waiting)
-        m.running.set(sched.num_running)
         m.batch_occupancy.set(step.occupancy)
+        self._observe_queue()
+
+    def _observe_queue(self) -> None:
+        """Called on the engine thread, after a step or an abort."""
+        sched = self.engine.scheduler
+        self.metrics.queue_length.set(sched.num_waiting)
+        self.metrics.running.set(sched.num_running)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         m = self.metrics

@@ -1,7 +1,15 @@
 """Pure operator logic without a cluster: settings, spec rules, builders, the pod plan, status."""
 
 import pytest
-from spyre_operator.manifests import build_cache_claim, build_pod, build_service, pod_template, template_hash
+from spyre_operator.manifests import (
+    PROBE_PERIOD,
+    build_cache_claim,
+    build_pod,
+    build_service,
+    pod_template,
+    startup_failure_threshold,
+    template_hash,
+)
 from spyre_operator.plan import PodPlan, PodView, plan_pods
 from spyre_operator.settings import HASH_LABEL, MODEL_LABEL, OperatorSettings, SettingsError, load_settings
 from spyre_operator.spec import InvalidSpec, parse_spec
@@ -157,6 +165,22 @@ def test_continuous_batching_flags_and_user_env_override():
     env = env_of(pod)
     assert env["SENDNN_INFERENCE_USE_CB"] == "1" and "SENDNN_INFERENCE_WARMUP_PROMPT_LENS" not in env
     assert env["SENDNN_INFERENCE_DYNAMO_BACKEND"] == "eager" and env["X"] == "1"
+    assert "--max-num-batched-tokens" not in args  # the runtime's default chunk size
+
+
+def test_chunk_size_maps_to_the_flag_and_the_startup_budget_counts_buckets():
+    settings = OperatorSettings(startup_seconds_per_shape=100)
+    small = spec_of(
+        batching={"mode": "continuous", "maxNumSeqs": 1, "maxModelLen": 64, "maxNumBatchedTokens": 64}
+    )
+    big = spec_of(
+        batching={"mode": "continuous", "maxNumSeqs": 8, "maxModelLen": 2048, "maxNumBatchedTokens": 512}
+    )
+    args = build_pod(MODEL, big, settings)["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-batched-tokens") + 1] == "512"
+    # small: 1 chunk + 1x1 decode = 2 graphs -> 1 shape; big: 4 chunks + 4 batch x 6 KV buckets = 28 -> 14
+    assert startup_failure_threshold(small, settings) == max(6, (60 + 100) // PROBE_PERIOD)
+    assert startup_failure_threshold(big, settings) == (60 + 14 * 100) // PROBE_PERIOD
 
 
 def test_service_and_claim():

@@ -15,7 +15,14 @@ from tests.cluster.controlplane import Proc, free_port, terminate
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, env: dict[str, str], log_path: Path, served_name: str = "tiny"):
+    def __init__(
+        self,
+        model_dir: Path,
+        env: dict[str, str],
+        log_path: Path,
+        served_name: str = "tiny",
+        extra_args: tuple[str, ...] = (),
+    ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -31,6 +38,7 @@ class ServerProcess:
             str(self.port),
             "--served-model-name",
             served_name,
+            *extra_args,
         ]
         self._log = open(log_path, "wb")  # noqa: SIM115
         self.proc = subprocess.Popen(

@@ -105,3 +105,57 @@ def test_missing_sendnn_names_cpu_backends(tiny_model):
 def test_bad_flag_is_rejected(tiny_model):
     res = run_cli("serve", str(tiny_model), "--port", "0")
     assert res.returncode == 2 and "--port: 0 must be positive" in res.stderr
+
+
+def test_continuous_batching_limits_and_buckets():
+    cfg = load_config("/m", environ={"SENDNN_INFERENCE_USE_CB": "1"})
+    assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (512, 4, 256)
+    assert cfg.chunk_buckets == (64, 128, 256)
+    assert cfg.batch_buckets == (1, 2, 4)
+    assert cfg.kv_buckets == (64, 128, 256, 512)
+    assert cfg.cb_num_blocks == 1 + 4 * 8 and cfg.enable_prefix_caching
+    env = {
+        "SENDNN_INFERENCE_USE_CB": "1",
+        "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "8,2",
+        "SENDNN_INFERENCE_CB_KV_LENS": "384,128",
+    }
+    cfg = load_config("/m", environ=env, max_num_seqs=6, max_model_len=300, max_num_batched_tokens=192)
+    assert (cfg.batch_buckets, cfg.kv_buckets, cfg.chunk_buckets) == ((2, 8), (128, 384), (64, 128, 192))
+    assert not load_config(
+        "/m", environ=env, max_model_len=384, enable_prefix_caching=False
+    ).enable_prefix_caching
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "message"),
+    [
+        ({}, {"max_num_batched_tokens": 100}, "--max-num-batched-tokens=100 is not a multiple of 64"),
+        ({}, {"max_model_len": 256, "num_kv_blocks": 4}, "--num-kv-blocks=4 cannot hold one sequence"),
+        (
+            {"SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "1,2"},
+            {"max_num_seqs": 4},
+            "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES: the largest bucket 2 is below --max-num-seqs=4",
+        ),
+        (
+            {"SENDNN_INFERENCE_CB_KV_LENS": "100"},
+            {},
+            "SENDNN_INFERENCE_CB_KV_LENS: 100 is not a multiple of 64",
+        ),
+        (
+            {"SENDNN_INFERENCE_CB_KV_LENS": "128"},
+            {"max_model_len": 200},
+            "SENDNN_INFERENCE_CB_KV_LENS: the largest bucket 128 is below --max-model-len=200",
+        ),
+    ],
+)
+def test_bad_continuous_batching_settings_name_the_setting(env, flags, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("/m", environ={"SENDNN_INFERENCE_USE_CB": "1", **env}, **flags)
+
+
+def test_bad_chunk_flag_stops_serve_with_one_line(tiny_model):
+    res = run_cli(
+        "serve", str(tiny_model), "--max-num-batched-tokens", "100", env={"SENDNN_INFERENCE_USE_CB": "1"}
+    )
+    assert res.returncode == 2
+    assert res.stderr.strip() == "spyre-runtime: error: --max-num-batched-tokens=100 is not a multiple of 64"

@@ -1,0 +1,98 @@
+"""The OpenAI server with continuous batching (SENDNN_INFERENCE_USE_CB=1): concurrent streams join one running
+batch and each gets what it would get alone; the max model length is enforced at the API with a 400; a client
+that hangs up frees its sequence and blocks at once."""
+
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.runtime.serverproc import ServerProcess
+from tests.runtime.test_server import metric
+
+CB_ENV = {
+    "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
+    "SENDNN_INFERENCE_USE_CB": "1",
+    "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "2,4",
+    "SENDNN_INFERENCE_CB_KV_LENS": "128,256",
+}
+CB_ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64")
+
+
+@pytest.fixture(scope="module")
+def cb_server(tiny_model, tmp_path_factory):
+    srv = ServerProcess(tiny_model, CB_ENV, tmp_path_factory.mktemp("cb") / "server.log", extra_args=CB_ARGS)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture()
+def client(cb_server):
+    return openai.OpenAI(base_url=cb_server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# ~5, 121 (two prefill chunks), 6 and 21 prompt tokens
+PROMPTS = ["The capital of France", "word " * 40, "def add(a, b):", "1 2 3 4 5 6 7 8 9 10 " * 2]
+
+
+def test_concurrent_streams_share_the_batch_and_match_requests_alone(cb_server, client):
+    def complete(prompt, stream):
+        kwargs = {"model": "tiny", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+        if not stream:
+            return client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+        chunks = client.completions.create(**kwargs, stream=True, extra_body={"ignore_eos": True})
+        return "".join(c.choices[0].text for c in chunks)
+
+    alone = [complete(p, stream=False) for p in PROMPTS]
+    results: dict[int, str] = {}
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, complete(PROMPTS[i], True)))
+        for i in range(len(PROMPTS))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert [results[i] for i in range(len(PROMPTS))] == alone
+    # they really ran together: some decode step held more than one live row
+    text = httpx.get(cb_server.base + "/metrics").text
+    assert "spyre_batch_occupancy" in text
+    assert "Warmup of decode batch 4 x kv 256" in cb_server.log_path.read_text()
+
+
+def test_prompt_plus_max_tokens_over_max_model_len_is_a_400(client):
+    with pytest.raises(openai.BadRequestError, match="maximum model length") as err:
+        client.completions.create(model="tiny", prompt="word " * 60, max_tokens=100)  # 181 + 100
+    assert err.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError, match="maximum model length") as err:
+        client.completions.create(model="tiny", prompt="word " * 300, max_tokens=1)
+    assert err.value.body["param"] == "prompt"
+    # without max_tokens, the room left in the model length is used: accepted
+    res = client.completions.create(model="tiny", prompt="word " * 60)
+    assert res.choices[0].finish_reason in ("stop", "length")
+    assert res.usage.prompt_tokens + res.usage.completion_tokens <= 256
+
+
+def test_disconnect_mid_stream_frees_its_sequence(cb_server, client):
+    before = metric(cb_server, "spyre_requests_total", '{outcome="abort"}')
+    body = {"model": "tiny", "prompt": "word " * 10, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", cb_server.base + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                break
+    deadline = time.monotonic() + 20
+    while (
+        metric(cb_server, "spyre_requests_total", '{outcome="abort"}') <= before
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert metric(cb_server, "spyre_requests_total", '{outcome="abort"}') == before + 1
+    while metric(cb_server, "spyre_running_requests") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(cb_server, "spyre_running_requests") == 0
+    assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
