@@ -74,16 +74,20 @@ def workload(tokenizer, n: int, seed: int = 0) -> list[tuple[list[int], int]]:
     return out
 
 
-async def run_load(base: str, jobs, concurrency: int) -> dict:
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=600)
+async def run_load(base: str, jobs, concurrency: int, arrivals: list[float] | None = None) -> dict:
+    """Streams every job (prompt ids, max_tokens); `arrivals` (seconds from the start) paces them,
+    otherwise `concurrency` of them run at once. Returns the summary and per-request records."""
+    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=1800)
     sem = asyncio.Semaphore(concurrency)
-    ttft, itl, tokens = [], [], 0
+    records: list[dict] = [{} for _ in jobs]
+    start = time.perf_counter()
 
-    async def one(ids, max_tokens):
-        nonlocal tokens
+    async def one(i, ids, max_tokens):
+        if arrivals is not None:
+            await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
         async with sem:
             t0 = time.perf_counter()
-            last = None
+            last, gaps, first, tokens = None, [], None, 0
             stream = await client.completions.create(
                 model="smollm2",
                 prompt=ids,
@@ -97,21 +101,29 @@ async def run_load(base: str, jobs, concurrency: int) -> dict:
                 now = time.perf_counter()
                 if chunk.choices and chunk.choices[0].text:
                     if last is None:
-                        ttft.append(now - t0)
+                        first = now - t0
                     else:
-                        itl.append(now - last)
+                        gaps.append(now - last)
                     last = now
                 if chunk.usage:
-                    tokens += chunk.usage.completion_tokens
+                    tokens = chunk.usage.completion_tokens
+            records[i] = {"ttft": first, "itl": gaps, "tokens": tokens}
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one(ids, m) for ids, m in jobs))
-    wall = time.perf_counter() - t0
+    await asyncio.gather(*(one(i, ids, m) for i, (ids, m) in enumerate(jobs)))
+    wall = time.perf_counter() - start
+    return {"summary": summarize(records, wall), "records": records}
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    ttft = [r["ttft"] for r in records if r.get("ttft") is not None]
+    itl = [g for r in records for g in r.get("itl", [])]
+    tokens = sum(r.get("tokens", 0) for r in records)
     return {
+        "requests": len(records),
         "wall_s": wall,
         "output_tokens": tokens,
         "tok_per_s": tokens / wall,
-        "req_per_s": len(jobs) / wall,
+        "req_per_s": len(records) / wall,
         "ttft_p50": pct(ttft, 50),
         "ttft_p99": pct(ttft, 99),
         "itl_p50": pct(itl, 50),
@@ -207,7 +219,7 @@ def main() -> int:
     try:
         server.wait_ready(timeout=1800)
         results["server_ready_s"] = time.perf_counter() - t0
-        results["spyre_serve"] = asyncio.run(run_load(server.base, jobs, args.concurrency))
+        results["spyre_serve"] = asyncio.run(run_load(server.base, jobs, args.concurrency))["summary"]
     finally:
         server.stop()
     results.update(hf_baselines(jobs[: args.hf_requests], 8))
