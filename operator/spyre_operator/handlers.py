@@ -12,10 +12,19 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from spyre_operator import manifests
-from spyre_operator.plan import plan_pods
-from spyre_operator.settings import GROUP, HASH_LABEL, MODEL_LABEL, PLURAL, VERSION, OperatorSettings
+from spyre_operator.plan import PodPlan, plan_pods
+from spyre_operator.settings import (
+    CACHE_KEY_LABEL,
+    COMPILE_LABEL,
+    GROUP,
+    HASH_LABEL,
+    MODEL_LABEL,
+    PLURAL,
+    VERSION,
+    OperatorSettings,
+)
 from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.status import compute_status, merge_conditions, observe_pod, status_changed
+from spyre_operator.status import compute_status, merge_conditions, observe_job, observe_pod, status_changed
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +34,7 @@ class Reconciler:
         self.settings = settings
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
+        self.batch = client.BatchV1Api(api_client)
         self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 
     def reconcile(self, namespace: str, name: str) -> None:
@@ -74,12 +84,16 @@ class Reconciler:
                 self.core.read_namespaced_persistent_volume_claim,
             )
 
+        cache = self._precompile(model, spec) if spec.cache.precompile and not spec.suspend else None
+
         pod_spec = manifests.pod_template(name, spec, self.settings)
         thash = manifests.template_hash(pod_spec)
         pods = self._list_pods(namespace, selector)
         observed = [observe_pod(p, self.settings.card_resource, HASH_LABEL) for p in pods]
         views = [v for v, _ in observed]
         plan = plan_pods(spec.replicas, thash, views, suspend=spec.suspend)
+        if cache is not None and not cache.is_ready:
+            plan = PodPlan(0, (), {})  # the rollout waits for the cache; the old pods keep serving
 
         for _ in range(plan.create):
             created = self.core.create_namespaced_pod(
@@ -109,6 +123,7 @@ class Reconciler:
             service_address=f"http://{name}.{namespace}.svc:{self.settings.runtime_port}",
             card_resource=self.settings.card_resource,
             suspended=spec.suspend,
+            cache=cache,
         )
         old = model.get("status") or {}
         if self._write_status(model, new):
@@ -121,6 +136,45 @@ class Reconciler:
             degraded = {c["type"]: c for c in new["conditions"]}["Degraded"]
             if degraded["status"] == "True" and was.get("reason") != degraded["reason"]:
                 kopf.warn(model, reason=degraded["reason"], message=degraded["message"])
+
+    def _precompile(self, model: dict, spec):
+        """Ensures the compile Job of the current cache key; returns what it observed. Once it succeeded,
+        compile Jobs of older keys are removed."""
+        meta = model["metadata"]
+        key = manifests.cache_key(spec, self.settings)
+        jobs = self._list(
+            self.batch.list_namespaced_job, meta["namespace"], f"{COMPILE_LABEL}={meta['name']}"
+        )
+        current = next((j for j in jobs if j["metadata"]["labels"].get(CACHE_KEY_LABEL) == key), None)
+        if current is None:
+            body = manifests.build_compile_job(model, spec, self.settings, key)
+            try:
+                self.batch.create_namespaced_job(meta["namespace"], body)
+            except ApiException as e:
+                if e.status != 409:
+                    raise
+            kopf.info(
+                model,
+                reason="CompileJobCreated",
+                message=f"compile Job {body['metadata']['name']} for cache key {key}",
+            )
+        state = observe_job(current, key)
+        if state.is_ready:
+            for job in jobs:
+                if job is not current:
+                    self._delete_job(job["metadata"]["name"], meta["namespace"])
+        return state
+
+    def _delete_job(self, name: str, namespace: str) -> None:
+        try:
+            self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    def _list(self, lister, namespace: str, selector: str) -> list[dict]:
+        resp = lister(namespace, label_selector=selector, _preload_content=False)
+        return json.loads(resp.data)["items"]
 
     def _list_pods(self, namespace: str, selector: str) -> list[dict]:
         resp = self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
@@ -219,6 +273,10 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.event("", "v1", "pods", labels={MODEL_LABEL: kopf.PRESENT}, id="pod", registry=registry)
     def pod_event(namespace, labels, memo, **_):
         memo.reconciler.reconcile(namespace, labels[MODEL_LABEL])
+
+    @kopf.on.event("batch", "v1", "jobs", labels={COMPILE_LABEL: kopf.PRESENT}, id="job", registry=registry)
+    def job_event(namespace, labels, memo, **_):
+        memo.reconciler.reconcile(namespace, labels[COMPILE_LABEL])
 
     # The periodic resync is a plain thread, not a kopf timer: kopf puts a finalizer on objects with
     # timers, which would block deleting a SpyreModel while the operator is down.

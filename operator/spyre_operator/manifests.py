@@ -6,6 +6,8 @@ import hashlib
 import json
 
 from spyre_operator.settings import (
+    CACHE_KEY_LABEL,
+    COMPILE_LABEL,
     COMPONENT_LABEL,
     GROUP,
     HASH_LABEL,
@@ -44,8 +46,9 @@ def cache_claim_name(name: str, spec: ModelSpec) -> str | None:
     return spec.cache.existing_claim or f"{name}-graph-cache"
 
 
-def runtime_env(spec: ModelSpec) -> list[dict]:
-    """The environment contract of shared/DESIGN.md section 2, derived from the spec."""
+def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
+    """The environment contract of shared/DESIGN.md section 2, derived from the spec. Serving pods of a
+    precompiled model must find their graphs in the cache (the compile Job, `serving=False`, fills it)."""
     env = [
         {"name": "SENDNN_INFERENCE_DYNAMO_BACKEND", "value": spec.backend},
         {"name": "SENDNN_INFERENCE_USE_CB", "value": "1" if spec.mode == "continuous" else "0"},
@@ -70,6 +73,8 @@ def runtime_env(spec: ModelSpec) -> list[dict]:
             {"name": "TORCH_SENDNN_CACHE_ENABLE", "value": "1"},
             {"name": "TORCH_SENDNN_CACHE_DIR", "value": f"{CACHE_MOUNT}/graphs"},
         ]
+        if spec.cache.precompile and serving:
+            env.append({"name": "SENDNN_INFERENCE_REQUIRE_PRECOMPILED_DECODERS", "value": "1"})
     env += [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
@@ -80,18 +85,13 @@ def runtime_env(spec: ModelSpec) -> list[dict]:
 
 
 def runtime_args(spec: ModelSpec, settings: OperatorSettings) -> list[str]:
-    args = [
-        "serve",
-        spec.model_path_in_pod,
-        "--served-model-name",
-        spec.served_model_name,
-        "--host",
-        "$(POD_IP)",
-        "--port",
-        str(settings.runtime_port),
-        "--tensor-parallel-size",
-        str(spec.cards),
-    ]
+    serving = ["--served-model-name", spec.served_model_name, "--host", "$(POD_IP)", "--port"]
+    return ["serve", spec.model_path_in_pod, *serving, str(settings.runtime_port), *engine_args(spec)]
+
+
+def engine_args(spec: ModelSpec) -> list[str]:
+    """The flags that shape the compiled graphs (serving pods and the compile Job share them)."""
+    args = ["--tensor-parallel-size", str(spec.cards)]
     if spec.mode == "continuous":
         args += ["--max-num-seqs", str(spec.max_num_seqs), "--max-model-len", str(spec.max_model_len)]
         if spec.max_num_batched_tokens:
@@ -118,13 +118,8 @@ def startup_failure_threshold(spec: ModelSpec, settings: OperatorSettings) -> in
     return max(6, (60 + num_shapes * settings.startup_seconds_per_shape) // PROBE_PERIOD)
 
 
-def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict:
-    """The pod spec every replica shares; its hash detects drift."""
-    port = settings.runtime_port
-    probe = {"httpGet": {"path": "/health", "port": port}}
-    resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
-    resources.setdefault("requests", {})[settings.card_resource] = str(spec.cards)
-    resources.setdefault("limits", {})[settings.card_resource] = str(spec.cards)
+def _storage(name: str, spec: ModelSpec) -> tuple[list[dict], list[dict]]:
+    """(volumeMounts, volumes): shared memory, /tmp, the model claim and the graph cache."""
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
     volumes = [
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
@@ -139,6 +134,29 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
     if claim:
         mounts.append({"name": "graph-cache", "mountPath": CACHE_MOUNT})
         volumes.append({"name": "graph-cache", "persistentVolumeClaim": {"claimName": claim}})
+    return mounts, volumes
+
+
+SECURITY = {
+    "container": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True},
+    "pod": {
+        "runAsNonRoot": True,
+        "runAsUser": 1000,
+        "runAsGroup": 1000,
+        "fsGroup": 1000,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    },
+}
+
+
+def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict:
+    """The pod spec every replica shares; its hash detects drift."""
+    port = settings.runtime_port
+    probe = {"httpGet": {"path": "/health", "port": port}}
+    resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
+    resources.setdefault("requests", {})[settings.card_resource] = str(spec.cards)
+    resources.setdefault("limits", {})[settings.card_resource] = str(spec.cards)
+    mounts, volumes = _storage(name, spec)
     container = {
         "name": "runtime",
         "image": spec.image or settings.runtime_image,
@@ -155,11 +173,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         },
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "runAsNonRoot": True,
-        },
+        "securityContext": dict(SECURITY["container"]),
     }
     pod_spec = {
         "containers": [container],
@@ -168,14 +182,13 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         "terminationGracePeriodSeconds": 60,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": 1000,
-            "runAsGroup": 1000,
-            "fsGroup": 1000,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": dict(SECURITY["pod"]),
     }
+    _placement(pod_spec, spec, settings)
+    return pod_spec
+
+
+def _placement(pod_spec: dict, spec: ModelSpec, settings: OperatorSettings) -> None:
     scheduler = spec.scheduler_name or settings.scheduler_name
     if scheduler:
         pod_spec["schedulerName"] = scheduler
@@ -187,7 +200,6 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         pod_spec["affinity"] = spec.affinity
     if spec.priority_class_name:
         pod_spec["priorityClassName"] = spec.priority_class_name
-    return pod_spec
 
 
 def template_hash(pod_spec: dict) -> str:
@@ -257,3 +269,70 @@ def build_cache_claim(model: dict, spec: ModelSpec, settings: OperatorSettings) 
     if storage_class:
         claim_spec["storageClassName"] = storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim_spec}
+
+
+# ---- precompile ----------------------------------------------------------------------------------
+
+
+def cache_key(spec: ModelSpec, settings: OperatorSettings) -> str:
+    """Names one compile configuration: what the graphs depend on as far as the operator can see (the
+    model source, backend, shapes or limits, cards, runtime image and user environment). The runtime keys
+    its entries finer still (weights digest, library versions)."""
+    config = {
+        "source": spec.source,
+        "backend": spec.backend,
+        "mode": spec.mode,
+        "shapes": [[s.prompt_length, s.new_tokens, s.batch_size] for s in spec.shapes]
+        if spec.mode == "static"
+        else None,
+        "engine": engine_args(spec),
+        "image": spec.image or settings.runtime_image,
+        "env": list(spec.env),
+    }
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def compile_job_name(name: str, key: str) -> str:
+    return f"{name[:40]}-compile-{key[:10]}"
+
+
+def build_compile_job(model: dict, spec: ModelSpec, settings: OperatorSettings, key: str) -> dict:
+    """A Job that runs `spyre-runtime compile` into the shared cache. It requests no cards: inductor
+    compiles on CPU and sendnn uses its card-less compile-only backend."""
+    name = model["metadata"]["name"]
+    mounts, volumes = _storage(name, spec)
+    resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
+    labels = {COMPILE_LABEL: name, CACHE_KEY_LABEL: key, COMPONENT_LABEL: "compile", **MANAGED_BY}
+    container = {
+        "name": "compile",
+        "image": spec.image or settings.runtime_image,
+        "command": ["spyre-runtime"],
+        "args": ["compile", spec.model_path_in_pod, *engine_args(spec)],
+        "env": runtime_env(spec, serving=False),
+        "resources": resources,
+        "volumeMounts": mounts,
+        "securityContext": dict(SECURITY["container"]),
+    }
+    pod_spec = {
+        "containers": [container],
+        "volumes": volumes,
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": dict(SECURITY["pod"]),
+    }
+    _placement(pod_spec, spec, settings)
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": compile_job_name(name, key),
+            "namespace": model["metadata"]["namespace"],
+            "labels": labels,
+            "ownerReferences": [owner_reference(model)],
+        },
+        "spec": {
+            "backoffLimit": 1,
+            "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+        },
+    }

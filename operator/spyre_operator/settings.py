@@ -15,6 +15,8 @@ KIND = "SpyreModel"
 
 MODEL_LABEL = f"{GROUP}/model"
 HASH_LABEL = f"{GROUP}/template-hash"
+COMPILE_LABEL = f"{GROUP}/compile-for"  # on compile Jobs and their pods (not MODEL_LABEL: not replicas)
+CACHE_KEY_LABEL = f"{GROUP}/cache-key"
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "spyre-operator"}
 RESOURCE_NAME = re.compile(

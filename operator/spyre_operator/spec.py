@@ -34,6 +34,7 @@ class GraphCache:
     access_mode: str = "ReadWriteMany"
     existing_claim: str | None = None
     retention: str = "Retain"
+    precompile: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,10 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     retention = gc.get("retention", "Retain")
     if retention not in ("Retain", "Delete"):
         raise InvalidSpec("graphCache.retention", f"must be Retain or Delete, got {retention!r}")
+    if gc.get("precompile") and not gc.get("enabled", True):
+        raise InvalidSpec("graphCache.precompile", "needs the graph cache: graphCache.enabled is false")
     cache = GraphCache(
+        precompile=bool(gc.get("precompile", False)),
         enabled=bool(gc.get("enabled", True)),
         size=size,
         storage_class=gc.get("storageClassName"),

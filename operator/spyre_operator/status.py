@@ -66,6 +66,38 @@ def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+@dataclass(frozen=True)
+class CacheState:
+    """The compile Job of the current cache key, as observed."""
+
+    key: str
+    is_ready: bool
+    is_failed: bool
+    reason: str
+    message: str
+
+
+def observe_job(job: dict | None, key: str) -> CacheState:
+    """Reads a compile Job's status (None: not created yet)."""
+    if job is None:
+        return CacheState(key, False, False, "Compiling", f"creating the compile Job for cache key {key}")
+    status = job.get("status") or {}
+    name = job["metadata"]["name"]
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    failed = conditions.get("Failed", {})
+    if status.get("succeeded"):
+        return CacheState(key, True, False, "Compiled", f"compile Job {name} filled the cache for key {key}")
+    if failed.get("status") == "True":
+        reason = failed.get("reason") or "JobFailed"
+        detail = failed.get("message") or "the compile Job failed"
+        return CacheState(
+            key, False, True, "CompileJobFailed", f"compile Job {name} failed ({reason}): {detail}"
+        )
+    return CacheState(
+        key, False, False, "Compiling", f"compile Job {name} is filling the cache for key {key}"
+    )
+
+
 def condition(type_: str, status: bool, reason: str, message: str) -> dict:
     return {"type": type_, "status": "True" if status else "False", "reason": reason, "message": message}
 
@@ -90,6 +122,7 @@ def _compute_status(
     card_resource: str,
     invalid: str | None = None,
     suspended: bool = False,
+    cache: CacheState | None = None,
 ) -> dict:
     live = [p for p in pods if not p.is_terminating]
     current = [p for p in live if p.template_hash == template_hash]
@@ -135,8 +168,12 @@ def _compute_status(
             "Warming",
             f"{ready_current}/{replicas} replicas ready; the rest are compiling and warming up",
         )
+    if cache is not None and not cache.is_ready and not done:
+        progressing = condition("Progressing", True, "WaitingForCache", cache.message)
     if failures:
         degraded = condition("Degraded", True, failures[0].failure_reason, failures[0].failure_message)
+    elif cache is not None and cache.is_failed:
+        degraded = condition("Degraded", True, cache.reason, cache.message)
     else:
         degraded = condition("Degraded", False, "AsExpected", "no pod is failing")
     ready_reason = (
@@ -150,8 +187,13 @@ def _compute_status(
         ready = condition("Ready", True, "ScaledToZero", "replicas is 0")
     else:
         ready = condition("Ready", done, ready_reason, f"{ready_current}/{replicas} replicas ready")
-    phase = "Ready" if done or replicas == 0 else "Degraded" if failures else progressing["reason"]
-    return {**base, "phase": phase, "conditions": [ready, progressing, degraded]}
+    is_degraded = degraded["status"] == "True"
+    phase = "Ready" if done or replicas == 0 else "Degraded" if is_degraded else progressing["reason"]
+    conditions = [ready, progressing, degraded]
+    if cache is not None:
+        base["cacheKey"] = cache.key
+        conditions.append(condition("CacheReady", cache.is_ready, cache.reason, cache.message))
+    return {**base, "phase": phase, "conditions": conditions}
 
 
 def _at_rest(base: dict, phase: str, reason: str, message: str, degraded: bool = False) -> dict:

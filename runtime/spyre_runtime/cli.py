@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=_positive_int, default=None)
 
+    comp = sub.add_parser(
+        "compile",
+        help="warm every shape into the graph cache (TORCH_SENDNN_CACHE_DIR) and exit: a Job's work",
+    )
+    engine_flags(comp)
+
     gen = sub.add_parser("generate", help="offline batch inference: JSONL prompts in, JSONL results out")
     engine_flags(gen)
     gen.add_argument(
@@ -100,18 +106,49 @@ def _config(args):
 
 def cmd_serve(args) -> int:
     from spyre_runtime.executor import compiler_for
+    from spyre_runtime.graph_cache import check_precompiled
     from spyre_runtime.server import serve
 
     config = _config(args)
     compiler_for(config.backend)  # fail before binding the port when the backend is missing
+    check_precompiled(config)
     return serve(config)
+
+
+def cmd_compile(args) -> int:
+    from spyre_runtime.executor import ModelExecutor, configure_threads
+    from spyre_runtime.graph_cache import loading, warmup_with_cache
+
+    config = _config(args)
+    if not config.cache_enabled:
+        raise ConfigError(
+            "spyre-runtime compile needs TORCH_SENDNN_CACHE_ENABLE=1 and TORCH_SENDNN_CACHE_DIR"
+        )
+    if config.backend == "eager":
+        raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
+    configure_threads(config)
+    with loading(config):
+        result = warmup_with_cache(ModelExecutor(config, compile_only=True), config)
+    print(
+        json.dumps(
+            {
+                "key": result.key,
+                "cache": result.cache,
+                "graphs_compiled": result.num_compiled,
+                "warmup_seconds": round(result.seconds, 2),
+            }
+        )
+    )
+    return 0
 
 
 def cmd_generate(args) -> int:
     from spyre_runtime.engine import LLM
+    from spyre_runtime.graph_cache import check_precompiled
     from spyre_runtime.sampling import SamplingParams
 
     config = _config(args)
+    check_precompiled(config)
     rows = []
     for number, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
         if not line.strip():
@@ -192,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "serve": cmd_serve,
         "generate": cmd_generate,
+        "compile": cmd_compile,
         "prepare-model": cmd_prepare,
         "tiny-model": cmd_tiny,
     }

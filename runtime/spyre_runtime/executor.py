@@ -26,8 +26,9 @@ from spyre_runtime.scheduler import StaticStep
 log = logging.getLogger(__name__)
 
 
-def compiler_for(backend: str):
-    """Returns the torch.compile backend, or None for eager. torch_sendnn is imported only for sendnn."""
+def compiler_for(backend: str, compile_only: bool = False):
+    """Returns the torch.compile backend, or None for eager. torch_sendnn is imported only for sendnn;
+    `compile_only` (a precompile Job) uses its card-less `sendnn_compile_only` backend."""
     if backend == "eager":
         return None
     if backend == "sendnn":
@@ -38,6 +39,8 @@ def compiler_for(backend: str):
                 "SENDNN_INFERENCE_DYNAMO_BACKEND=sendnn needs the torch_sendnn package (IBM Spyre stack), "
                 "which is not installed; on CPU use SENDNN_INFERENCE_DYNAMO_BACKEND=inductor or eager"
             ) from None
+        if compile_only:
+            return "sendnn_compile_only"
     return backend
 
 
@@ -100,7 +103,7 @@ def load_fms_model(model_dir: Path):
 
 
 class ModelExecutor:
-    def __init__(self, config: RuntimeConfig, model=None) -> None:
+    def __init__(self, config: RuntimeConfig, model=None, compile_only: bool = False) -> None:
         self.config = config
         kv_cache.register()
         self.model = model if model is not None else load_fms_model(config.model_dir)
@@ -111,7 +114,7 @@ class ModelExecutor:
         else:
             num_blocks = 1 + max(s.batch_size * blocks_for(s.max_len) for s in config.shapes)
         self.kv = KVCachePool(self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim)
-        backend = compiler_for(config.backend)
+        backend = compiler_for(config.backend, compile_only)
         self._step_fn = (
             self._forward if backend is None else torch.compile(self._forward, backend=backend, dynamic=False)
         )

@@ -1,5 +1,7 @@
 """A status-only stand-in for the kubelet (and a storage provisioner), for operator tests: it runs nothing.
-Pods bound to a node are reported Running (and Ready unless held back); pods being deleted are finalized,
+Pods bound to a node are reported Running (and Ready unless held back); run-to-completion pods
+(restartPolicy Never, e.g. a Job's) are reported Succeeded once `complete_jobs` is set, or Failed when their
+Job is in `failing_jobs`; pods being deleted are finalized,
 as a kubelet does once their containers stopped; pending claims get a volume. The end-to-end tests use the
 real local pod runner instead."""
 
@@ -49,6 +51,8 @@ class FakeKubelet:
         self.namespace = namespace
         self.ready = ready
         self.crashing: set[str] = set()
+        self.complete_jobs = True
+        self.failing_jobs: set[str] = set()
         self.period = period
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"fake-kubelet-{namespace}", daemon=True)
@@ -76,6 +80,9 @@ class FakeKubelet:
                 continue
             if not pod.spec.node_name:
                 continue
+            if pod.spec.restart_policy == "Never":
+                self._finish(pod)
+                continue
             conditions = {c.type: c.status for c in pod.status.conditions or []}
             # `ready` gates pods not Ready yet (warming up); a Ready pod stays Ready unless it crashes
             want_ready = (self.ready or conditions.get("Ready") == "True") and name not in self.crashing
@@ -93,6 +100,33 @@ class FakeKubelet:
             self.core.patch_namespaced_pod_status(
                 name, self.namespace, self._status(pod, want_ready, crashing)
             )
+
+    def _finish(self, pod) -> None:
+        job = (pod.metadata.labels or {}).get("job-name", "")
+        if pod.status.phase in ("Succeeded", "Failed") or not (
+            self.complete_jobs or job in self.failing_jobs
+        ):
+            return
+        failed = job in self.failing_jobs
+        now = _now()
+        code, reason = (1, "Error") if failed else (0, "Completed")
+        terminated = {"exitCode": code, "reason": reason, "startedAt": now, "finishedAt": now}
+        status = {
+            "phase": "Failed" if failed else "Succeeded",
+            "startTime": now,
+            "containerStatuses": [
+                {
+                    "name": c.name,
+                    "image": c.image,
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": terminated},
+                }
+                for c in pod.spec.containers
+            ],
+        }
+        self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, {"status": status})
 
     def _status(self, pod, ready: bool, crashing: bool) -> dict:
         flag = "True" if ready else "False"

@@ -47,6 +47,8 @@ def test_schema_defaults_and_rejects(cluster, crd, ns):
         ("create", "services", True),
         ("create", "persistentvolumeclaims", True),
         ("create", "events", True),
+        ("create", "jobs.batch", True),
+        ("patch", "jobs.batch", False),
         ("get", "secrets", False),
         ("list", "secrets", False),
         ("create", "deployments.apps", False),
