@@ -1,0 +1,76 @@
+"""Warmup of SmolLM2 with 4 static shapes: cold graph cache vs warm graph cache, in one run.
+A script with a report, not a timed test.
+
+    .venv/bin/python bench/cache_bench.py
+
+Runs `spyre-runtime compile` twice against a fresh TORCH_SENDNN_CACHE_DIR: the first start compiles every
+graph and publishes the entry, the second loads it. Each is a fresh process with a fresh private inductor
+directory, so nothing but the shared cache carries over. Writes bench/results-cache.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL_DIR = Path.home() / ".cache/spyre-serve/models/smollm2"
+SHAPES = {
+    "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "64,128,192,256",
+    "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "32,64,64,128",
+    "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "1,4,8,8",
+}
+
+
+def compile_once(cache_dir: Path) -> dict:
+    env = {
+        **os.environ,
+        **SHAPES,
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
+        "TORCH_SENDNN_CACHE_ENABLE": "1",
+        "TORCH_SENDNN_CACHE_DIR": str(cache_dir),
+    }
+    t0 = time.perf_counter()
+    res = subprocess.run(
+        [sys.executable, "-m", "spyre_runtime.cli", "compile", str(MODEL_DIR)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    summary["process_seconds"] = time.perf_counter() - t0
+    return summary
+
+
+def main() -> int:
+    sys.path.insert(0, str(REPO / "runtime"))
+    from spyre_runtime.models import prepare_smollm2
+
+    prepare_smollm2(MODEL_DIR)
+    with tempfile.TemporaryDirectory(prefix="spyre-cache-bench-") as tmp:
+        cache = Path(tmp)
+        cold = compile_once(cache)
+        warm = compile_once(cache)
+        size = sum(p.stat().st_size for p in (cache / "entries").rglob("*") if p.is_file())
+    results = {
+        "machine": f"{os.cpu_count()} cores, SmolLM2-135M fp32, inductor, 4 static shapes",
+        "shapes": SHAPES,
+        "cold": cold,
+        "warm": warm,
+        "entry_bytes": size,
+        "warmup_speedup": cold["warmup_seconds"] / warm["warmup_seconds"],
+        "process_speedup": cold["process_seconds"] / warm["process_seconds"],
+    }
+    (REPO / "bench/results-cache.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
