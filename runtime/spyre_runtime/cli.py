@@ -90,7 +90,7 @@ def _config(args):
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model directory {model_dir} has no config.json")
-    return load_config(
+    config = load_config(
         model_dir,
         served_model_name=args.served_model_name,
         host=getattr(args, "host", None),
@@ -102,6 +102,10 @@ def _config(args):
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
     )
+    from spyre_runtime.workers import check_tensor_parallel
+
+    check_tensor_parallel(config)
+    return config
 
 
 def cmd_serve(args) -> int:
@@ -128,7 +132,11 @@ def cmd_compile(args) -> int:
         raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
     configure_threads(config)
     with loading(config):
-        result = warmup_with_cache(ModelExecutor(config, compile_only=True), config)
+        executor = ModelExecutor(config, compile_only=True)
+        try:
+            result = warmup_with_cache(executor, config)
+        finally:
+            executor.close()
     print(
         json.dumps(
             {
@@ -201,6 +209,7 @@ def cmd_generate(args) -> int:
                 }
             out.write(json.dumps(record) + "\n")
     finally:
+        llm.close()
         if out is not sys.stdout:
             out.close()
     return 0

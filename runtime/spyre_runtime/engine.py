@@ -184,6 +184,9 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def close(self) -> None:
+        self.executor.close()
+
     def step(self) -> list[RequestOutput]:
         step = self.scheduler.schedule()
         if step is None:
@@ -219,6 +222,10 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stops the tensor-parallel ranks, if any."""
+        self.engine.close()
 
     def generate(
         self,

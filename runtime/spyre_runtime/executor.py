@@ -22,6 +22,7 @@ from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
 from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
 from spyre_runtime.sampling import sample_batch
 from spyre_runtime.scheduler import StaticStep
+from spyre_runtime.workers import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -92,21 +93,29 @@ def model_dims(model) -> ModelDims:
     return ModelDims(len(attns), first.nheads, first.kvheads, first.emb_kq_per_head, vocab)
 
 
-def load_fms_model(model_dir: Path):
+def load_fms_model(model_dir: Path, tensor_parallel: bool = False):
+    """The whole model, or with `tensor_parallel` this rank's shard (FMS's "tp" strategy over the default
+    process group, which must already be initialized)."""
     from fms.models import get_model
 
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model directory {model_dir} has no config.json")
-    model = get_model("hf_pretrained", model_path=str(model_dir), device_type="cpu", data_type=torch.float32)
+    kwargs = {"distributed_strategy": "tp", "group": torch.distributed.group.WORLD} if tensor_parallel else {}
+    model = get_model(
+        "hf_pretrained", model_path=str(model_dir), device_type="cpu", data_type=torch.float32, **kwargs
+    )
     model.eval()
     return model
 
 
 class ModelExecutor:
-    def __init__(self, config: RuntimeConfig, model=None, compile_only: bool = False) -> None:
+    def __init__(self, config: RuntimeConfig, model=None, compile_only: bool = False, rank: int = 0) -> None:
+        """On rank 0 with --tensor-parallel-size N > 1 this spawns ranks 1..N-1 (see workers.py)."""
         self.config = config
         kv_cache.register()
-        self.model = model if model is not None else load_fms_model(config.model_dir)
+        tp = config.tensor_parallel_size > 1
+        self.workers = WorkerGroup(config) if tp and rank == 0 else None
+        self.model = model if model is not None else load_fms_model(config.model_dir, tensor_parallel=tp)
         self.dims = model_dims(self.model)
         self._prime_rotary(max(config.max_model_len, max(s.max_len for s in config.shapes)))
         if config.use_cb:
@@ -151,11 +160,26 @@ class ModelExecutor:
         return logits[:, -1, :]
 
     def _run(self, *args) -> torch.Tensor:
+        if self.workers is not None:
+            self.workers.send("run", args)
+        return self.run_local(*args)
+
+    def run_local(self, *args) -> torch.Tensor:
         with torch.inference_mode():
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._step_fn(*args)
             return self._step_fn(*args)
+
+    def set_env(self, values: dict[str, str]) -> None:
+        """Sets environment variables here and on every tensor-parallel rank (before compiling)."""
+        os.environ.update(values)
+        if self.workers is not None:
+            self.workers.send("env", values)
+
+    def close(self) -> None:
+        if self.workers is not None:
+            self.workers.stop()
 
     # ---- static shapes ---------------------------------------------------------------------------
 
@@ -291,6 +315,8 @@ class ModelExecutor:
                 self._warm_static()
         self.warmup_seconds = time.monotonic() - t_all
         self.is_warm = True
+        if self.workers is not None:
+            self.workers.send("warm")
         log.info("Warmup finished in %.2f s", self.warmup_seconds)
         return self.warmup_seconds
 

@@ -324,7 +324,7 @@ def warmup_with_cache(executor, config: RuntimeConfig) -> WarmupResult:
         hit = cache.is_valid()
         if not hit and config.require_precompiled:
             raise ConfigError(missing_entry_message(config, cache.key))
-        work = _private_inductor_dir() if config.backend == "inductor" else None
+        work = _private_inductor_dir(executor) if config.backend == "inductor" else None
         if hit and work is not None:
             cache.copy_to(work)
         seconds = executor.warmup()
@@ -337,9 +337,10 @@ def warmup_with_cache(executor, config: RuntimeConfig) -> WarmupResult:
     return WarmupResult(seconds, "hit" if hit else "miss", cache.key, compiled)
 
 
-def _private_inductor_dir() -> Path:
-    """A fresh inductor cache directory for this process: only the published entry can warm it. Inductor
-    reads TORCHINDUCTOR_CACHE_DIR when it first compiles, which is after this call."""
+def _private_inductor_dir(executor) -> Path:
+    """A fresh inductor cache directory for this process (and its tensor-parallel ranks): only the
+    published entry can warm it. Inductor reads TORCHINDUCTOR_CACHE_DIR when it first compiles, which is
+    after this call."""
     work = Path(tempfile.mkdtemp(prefix="spyre-inductor-"))
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(work)
+    executor.set_env({"TORCHINDUCTOR_CACHE_DIR": str(work)})
     return work

@@ -489,7 +489,13 @@ def serve(config: RuntimeConfig) -> int:
         server.should_exit = True
 
     state.on_fatal = fatal
-    server.run()
+    try:
+        server.run()
+    finally:
+        if state.worker is not None:
+            state.worker.stop()
+        if state.engine is not None:
+            state.engine.close()  # stops the tensor-parallel ranks
     if state.boot_error is not None:
         log.error("start-up failed: %s", state.boot_error)
         return 1
