@@ -10,14 +10,13 @@ Rank 0 owns the scheduler and sends every step's input tensors to the others; ev
 compiled shapes in the same order, so collectives always pair up. Messages are ("run", args), ("env", dict)
 (e.g. the inductor cache directory before the first compile), ("warm", None) and ("stop", None).
 A monitor thread on rank 0 watches the workers: if one dies, it logs which, kills the others and ends
-the process with exit code 3 within a second, so nothing waits on a collective forever. Workers die with
-rank 0 (PR_SET_PDEATHSIG). Collectives time out after SENDNN_INFERENCE_GLOO_TIMEOUT_MINUTES.
+the process with exit code 3 within a second, so nothing waits on a collective forever. Workers end within
+a second of rank 0. Collectives time out after SENDNN_INFERENCE_GLOO_TIMEOUT_MINUTES.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import json
 import logging
@@ -125,11 +124,16 @@ class WorkerGroup:
 
 
 def _die_with_parent() -> None:
-    with_libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    pr_set_pdeathsig = 1
-    with_libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-    if os.getppid() == 1:  # the parent died before prctl
+    """Ends this rank when rank 0 is gone. (Not PR_SET_PDEATHSIG: it fires when the *thread* that spawned
+    us ends, and rank 0 spawns workers from its start-up thread.)"""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            threading.Event().wait(0.5)
         os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _redirect_output(config: RuntimeConfig, rank: int) -> None:
