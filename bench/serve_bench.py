@@ -1,7 +1,7 @@
 """Seeded load generator against the runtime's OpenAI endpoint, with HF transformers baselines measured in the
 same run on the same model and prompts. A script with a report, not a timed test.
 
-    .venv/bin/python bench/serve_bench.py [--requests 64] [--concurrency 8] [--hf-requests 16]
+    .venv/bin/python bench/serve_bench.py [--requests 64] [--concurrency 8] [--hf-requests 16] [--cb]
 
 Workload: prompts of 32-256 tokens, max_tokens 16-128 (ignore_eos, so every system generates the same
 counts), greedy, streaming, concurrency 8. Writes bench/results-serve.json and prints a markdown table.
@@ -24,6 +24,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 from tests.runtime.serverproc import ServerProcess  # noqa: E402
 
 MODEL_DIR = Path.home() / ".cache/spyre-serve/models/smollm2"
@@ -205,6 +206,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--hf-requests", type=int, default=16, help="baselines run on the first N requests")
+    ap.add_argument("--cb", action="store_true", help="also serve the workload with continuous batching")
     args = ap.parse_args()
     from spyre_runtime.models import prepare_smollm2
     from transformers import AutoTokenizer
@@ -213,19 +215,28 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     jobs = workload(tok, args.requests)
     results: dict = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}, SmolLM2-135M fp32"}
-    env = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES}
-    t0 = time.perf_counter()
-    server = ServerProcess(MODEL_DIR, env, Path("/tmp/spyre-bench-server.log"), served_name="smollm2")
-    try:
-        server.wait_ready(timeout=1800)
-        results["server_ready_s"] = time.perf_counter() - t0
-        results["spyre_serve"] = asyncio.run(run_load(server.base, jobs, args.concurrency))["summary"]
-    finally:
-        server.stop()
+    modes = {"spyre_serve": ({"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES}, ())}
+    if args.cb:
+        from cb_bench import CB_ARGS, CB_ENV
+
+        modes["spyre_serve_continuous"] = ({"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **CB_ENV}, CB_ARGS)
+    for label, (env, extra) in modes.items():
+        t0 = time.perf_counter()
+        server = ServerProcess(
+            MODEL_DIR, env, Path(f"/tmp/spyre-bench-{label}.log"), served_name="smollm2", extra_args=extra
+        )
+        try:
+            server.wait_ready(timeout=3600)
+            ready = time.perf_counter() - t0
+            results[label] = asyncio.run(run_load(server.base, jobs, args.concurrency))["summary"]
+            results[label]["ready_s"] = ready
+        finally:
+            server.stop()
     results.update(hf_baselines(jobs[: args.hf_requests], 8))
     results["step_overhead"] = step_overhead(jobs)
-    ours, hf1 = results["spyre_serve"]["tok_per_s"], results["hf_one_at_a_time"]["tok_per_s"]
-    results["speedup_vs_hf_one_at_a_time"] = ours / hf1
+    hf1 = results["hf_one_at_a_time"]["tok_per_s"]
+    for label in modes:
+        results[f"{label}_vs_hf_one_at_a_time"] = results[label]["tok_per_s"] / hf1
     (REPO / "bench/results-serve.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0

@@ -111,9 +111,9 @@ def startup_failure_threshold(spec: ModelSpec, settings: OperatorSettings) -> in
     if spec.mode == "static":
         num_shapes = len(spec.shapes)
     else:
-        graphs = _num_doublings(64, spec.max_num_batched_tokens or 256) + _num_doublings(
-            1, spec.max_num_seqs
-        ) * _num_doublings(64, spec.max_model_len)
+        chunk = spec.max_num_batched_tokens or 256
+        chunk_graphs = min(chunk, 256) // 64 + (_num_doublings(256, chunk) - 1 if chunk > 256 else 0)
+        graphs = chunk_graphs + _num_doublings(1, spec.max_num_seqs) * _num_doublings(64, spec.max_model_len)
         num_shapes = -(-graphs // 2)
     return max(6, (60 + num_shapes * settings.startup_seconds_per_shape) // PROBE_PERIOD)
 

@@ -10,9 +10,10 @@ sampled tokens; `update(step)` returns the requests that finished and left.
 
 A step is either one prefill chunk of one request, or one decode step of every running request:
 - Chunks hold at most `max_num_batched_tokens` tokens and run at the smallest chunk bucket that fits.
-- With `interleave` (SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1), a prefill step is never followed by another
-  prefill step while requests are decoding: running requests keep streaming while a long prompt arrives.
-  Without it, prefills go first (all chunks of a prompt, then the next admission), decodes after.
+- Prefills go first: a waiting request is admitted as soon as a sequence slot and blocks are free, so the
+  decode batch fills up. With `interleave` (SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1) a decode step runs
+  between two chunks of one prompt: running requests keep streaming while a long prompt arrives. Without
+  it, all chunks of a prompt run back to back.
 - A decode step runs at the smallest (batch, KV length) bucket holding every running request.
 - When a running request needs a new block and none is free, the most recently admitted running request is
   preempted (recompute): its blocks are freed, its whole prompt + output is prefilled again when it is
@@ -161,7 +162,8 @@ class ContinuousScheduler:
 
     def schedule(self) -> ContinuousStep | None:
         step = None
-        if not (self.interleave and self._last_was_prefill and self.running):
+        mid_prompt = self.prefilling is not None and self.prefilling.num_computed_tokens > 0
+        if not (self.interleave and mid_prompt and self._last_was_prefill and self.running):
             step = self._prefill_step()
         if step is None:
             step = self._decode_step() or self._prefill_step()  # (the latter: every decoder was preempted)

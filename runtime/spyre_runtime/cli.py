@@ -121,7 +121,7 @@ def cmd_serve(args) -> int:
 
 def cmd_compile(args) -> int:
     from spyre_runtime.executor import ModelExecutor, configure_threads
-    from spyre_runtime.graph_cache import loading, warmup_with_cache
+    from spyre_runtime.graph_cache import warmup_with_cache
 
     config = _config(args)
     if not config.cache_enabled:
@@ -131,12 +131,11 @@ def cmd_compile(args) -> int:
     if config.backend == "eager":
         raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
     configure_threads(config)
-    with loading(config):
-        executor = ModelExecutor(config, compile_only=True)
-        try:
-            result = warmup_with_cache(executor, config)
-        finally:
-            executor.close()
+    executor = ModelExecutor(config, compile_only=True)
+    try:
+        result = warmup_with_cache(executor, config)
+    finally:
+        executor.close()
     print(
         json.dumps(
             {

@@ -163,7 +163,9 @@ class RuntimeConfig:
 
     @property
     def chunk_buckets(self) -> tuple[int, ...]:
-        return _doubling(PROMPT_LEN_MULTIPLE, self.max_num_batched_tokens)
+        """Every multiple of 64 up to 256 (short prompts pad little), then doubling up to the chunk size."""
+        fine = range(PROMPT_LEN_MULTIPLE, min(256, self.max_num_batched_tokens) + 1, PROMPT_LEN_MULTIPLE)
+        return tuple(sorted(set(fine) | set(_doubling(256, self.max_num_batched_tokens))))
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:

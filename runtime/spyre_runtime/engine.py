@@ -17,7 +17,7 @@ from pathlib import Path
 from spyre_runtime.cb_scheduler import ContinuousScheduler
 from spyre_runtime.config import RuntimeConfig, load_config
 from spyre_runtime.executor import ModelExecutor, configure_threads
-from spyre_runtime.graph_cache import loading, warmup_with_cache
+from spyre_runtime.graph_cache import warmup_with_cache
 from spyre_runtime.request import Request
 from spyre_runtime.sampling import SamplingParams
 from spyre_runtime.scheduler import StaticScheduler
@@ -215,9 +215,8 @@ class LLM:
         environ = overrides.pop("environ", None)
         self.config = load_config(model_dir, environ=environ, **overrides)
         configure_threads(self.config)
-        with loading(self.config):
-            self.engine = LLMEngine(self.config)
-            self.warmup = warmup_with_cache(self.engine.executor, self.config) if warmup else None
+        self.engine = LLMEngine(self.config)
+        self.warmup = warmup_with_cache(self.engine.executor, self.config) if warmup else None
 
     @property
     def tokenizer(self):

@@ -19,6 +19,7 @@ import torch
 from spyre_runtime import kv_cache
 from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
+from spyre_runtime.graph_cache import loading
 from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
 from spyre_runtime.sampling import sample_batch
 from spyre_runtime.scheduler import StaticStep
@@ -115,7 +116,13 @@ class ModelExecutor:
         kv_cache.register()
         tp = config.tensor_parallel_size > 1
         self.workers = WorkerGroup(config) if tp and rank == 0 else None
-        self.model = model if model is not None else load_fms_model(config.model_dir, tensor_parallel=tp)
+        if model is None:
+            with loading(config):
+                model = load_fms_model(config.model_dir, tensor_parallel=tp)
+        if tp:
+            # every rank has loaded (and left its load slot) before rank 0 may take a slot to compile
+            torch.distributed.barrier()
+        self.model = model
         self.dims = model_dims(self.model)
         self._prime_rotary(max(config.max_model_len, max(s.max_len for s in config.shapes)))
         if config.use_cb:

@@ -149,8 +149,9 @@ def load_slot(slots_dir: Path, num_slots: int, poll_seconds: float = 0.2) -> Ite
 
 
 def loading(config: RuntimeConfig):
-    """Wraps loading and compiling: at most SENDNN_INFERENCE_MAX_LOAD_PROCESSES processes at once, counted
-    on the shared cache directory when there is one, else on this host's temporary directory."""
+    """Wraps loading a model, and compiling: at most SENDNN_INFERENCE_MAX_LOAD_PROCESSES processes at once,
+    counted on the shared cache directory when there is one, else on this host's temporary directory.
+    Nobody may wait on another rank while holding a slot (see ModelExecutor's barrier)."""
     if config.cache_enabled and config.cache_dir is not None:
         slots = config.cache_dir / "load-slots"
     else:
@@ -312,8 +313,14 @@ def missing_entry_message(config: RuntimeConfig, key: str) -> str:
 
 
 def warmup_with_cache(executor, config: RuntimeConfig) -> WarmupResult:
-    """Warms every shape, through the graph cache when it is enabled. Holding the key's lock, a second
-    process compiling the same key waits for the first and then loads its entry: they compile once."""
+    """Warms every shape, through the graph cache when it is enabled, in a load slot (a tensor-parallel
+    group compiles in lockstep and takes one slot, rank 0's). Holding the key's lock, a second process
+    compiling the same key waits for the first and then loads its entry: they compile once."""
+    with loading(config):
+        return _warmup(executor, config)
+
+
+def _warmup(executor, config: RuntimeConfig) -> WarmupResult:
     cache = open_cache(config)
     before = _inductor_misses()
     if cache is None:

@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine import EngineThread, LLMEngine, RequestOutput
 from spyre_runtime.executor import configure_threads
-from spyre_runtime.graph_cache import loading, warmup_with_cache
+from spyre_runtime.graph_cache import warmup_with_cache
 from spyre_runtime.metrics import Metrics
 from spyre_runtime.sampling import SamplingParams
 
@@ -105,10 +105,9 @@ class ServerState:
         try:
             t0 = time.monotonic()
             threads = configure_threads(self.config)
-            with loading(self.config):
-                self.engine = LLMEngine(self.config)
-                self.startup_timings["load_seconds"] = time.monotonic() - t0
-                warm = warmup_with_cache(self.engine.executor, self.config)
+            self.engine = LLMEngine(self.config)
+            self.startup_timings["load_seconds"] = time.monotonic() - t0
+            warm = warmup_with_cache(self.engine.executor, self.config)
             self.startup_timings["warmup_seconds"] = warm.seconds
             self.startup_timings["graphs_compiled"] = warm.num_compiled
             self.metrics.warmup_seconds.set(warm.seconds)

@@ -159,12 +159,10 @@ def worker_main(config: RuntimeConfig, rank: int, port: int) -> None:
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
     )
     from spyre_runtime.executor import ModelExecutor, configure_threads
-    from spyre_runtime.graph_cache import loading
 
     configure_threads(config)
     _init_process_group(config, rank, port)
-    with loading(config):
-        executor = ModelExecutor(config, rank=rank)
+    executor = ModelExecutor(config, rank=rank)  # loads in a load slot, then meets the others at a barrier
     # rank 0 warms under a raised recompile limit; the same shapes arrive here in the same order
     torch._dynamo.config.recompile_limit = 1 << 12
     torch._dynamo.config.accumulated_recompile_limit = 1 << 14

@@ -178,9 +178,10 @@ def test_chunk_size_maps_to_the_flag_and_the_startup_budget_counts_buckets():
     )
     args = build_pod(MODEL, big, settings)["spec"]["containers"][0]["args"]
     assert args[args.index("--max-num-batched-tokens") + 1] == "512"
-    # small: 1 chunk + 1x1 decode = 2 graphs -> 1 shape; big: 4 chunks + 4 batch x 6 KV buckets = 28 -> 14
+    # small: 1 chunk + 1x1 decode = 2 graphs -> 1 shape;
+    # big: 5 chunks (64, 128, 192, 256, 512) + 4 batch x 6 KV buckets = 29 graphs -> 15 shapes
     assert startup_failure_threshold(small, settings) == max(6, (60 + 100) // PROBE_PERIOD)
-    assert startup_failure_threshold(big, settings) == (60 + 14 * 100) // PROBE_PERIOD
+    assert startup_failure_threshold(big, settings) == (60 + 15 * 100) // PROBE_PERIOD
 
 
 def test_service_and_claim():

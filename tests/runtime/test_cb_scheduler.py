@@ -55,21 +55,18 @@ def drive(sched: ContinuousScheduler, arrivals: dict[int, list[Request]], num_st
     return rows
 
 
-def test_requests_join_and_leave_the_running_batch_with_interleaved_chunks():
+def test_requests_join_and_leave_the_running_batch():
     s = ContinuousScheduler(config())
     a, b = req("a", 100, 3), req("b", 30, 4)
-    rows = drive(s, {0: [a], 1: [b]}, 10)
+    rows = drive(s, {0: [a], 1: [b]}, 7)
     assert rows == [
         (0, "prefill", ("a",), 64, 0, 1, 2, ()),  # a's first chunk; a holds 2 blocks (100 tokens)
         (1, "prefill", ("a",), 36, 1, 1, 2, ()),  # nobody decodes yet, so a's last chunk follows
-        (2, "decode", ("a",), 1, 1, 1, 2, ()),  # interleave: a decode step between prefills
-        (3, "prefill", ("b",), 30, 0, 2, 3, ()),  # b joins the running batch
+        (2, "prefill", ("b",), 30, 0, 2, 3, ()),  # prefills first: b joins at once
+        (3, "decode", ("a", "b"), 2, 0, 2, 3, ()),
         (4, "decode", ("a", "b"), 2, 0, 1, 1, ("a",)),  # a leaves at once, its blocks freed...
-        (5, "decode", ("b",), 1, 0, 1, 1, ()),  # ...b keeps going
-        (6, "decode", ("b",), 1, 0, 0, 0, ("b",)),
-        (7, "idle", (), 0, 0, 0, 0, ()),
-        (8, "idle", (), 0, 0, 0, 0, ()),
-        (9, "idle", (), 0, 0, 0, 0, ()),
+        (5, "decode", ("b",), 1, 0, 0, 0, ("b",)),  # ...b goes on alone
+        (6, "idle", (), 0, 0, 0, 0, ()),
     ]
     assert [a.num_output_tokens, b.num_output_tokens] == [3, 4]
 
@@ -88,16 +85,15 @@ def test_long_prompt_chunks_alternate_with_decodes_only_when_interleaving():
 
 def test_max_num_seqs_holds_back_admission_until_a_request_leaves():
     s = ContinuousScheduler(config(max_num_seqs=2))
-    rows = drive(s, {0: [req("a", 10, 3), req("b", 10, 4), req("c", 10, 1)]}, 8)
+    rows = drive(s, {0: [req("a", 10, 3), req("b", 10, 4), req("c", 10, 1)]}, 7)
     assert [
         (kind[0], ids, waiting, running, done) for _, kind, ids, _, waiting, running, _, done in rows
     ] == [
         ("p", ("a",), 2, 1, ()),
-        ("d", ("a",), 2, 1, ()),
         ("p", ("b",), 1, 2, ()),  # two running: c waits
+        ("d", ("a", "b"), 1, 2, ()),
         ("d", ("a", "b"), 1, 1, ("a",)),
         ("p", ("c",), 0, 1, ("c",)),  # a left, c is admitted (and done: max_tokens 1)
-        ("d", ("b",), 0, 1, ()),
         ("d", ("b",), 0, 0, ("b",)),
         ("i", (), 0, 0, ()),
     ]
@@ -125,22 +121,21 @@ def test_prefix_cache_hit_skips_computed_blocks_and_eviction_keeps_counts():
 def test_block_pressure_preempts_the_newest_request_and_resumes_it_without_loss():
     # scratch + 4 blocks. a and b hold 2 blocks each (120-token prompts); when a grows past 128 tokens it
     # needs a third block, so b (the newest) is preempted, and resumed once a has finished: b re-prefills
-    # prompt + its 8 tokens (128), of which the first prompt block is still in the prefix cache.
+    # prompt + its 9 tokens (129), of which the first prompt block is still in the prefix cache.
     s = ContinuousScheduler(config(num_kv_blocks=5, max_num_batched_tokens=128))
     a, b = req("a", list(range(3, 123)), 12), req("b", list(range(200, 320)), 12)
     rows = drive(s, {0: [a, b]}, 18)
     assert [row[1:] for row in rows] == [
         ("prefill", ("a",), 120, 1, 1, 2, ()),
-        ("decode", ("a",), 1, 1, 1, 2, ()),
         ("prefill", ("b",), 120, 0, 2, 4, ()),
-        *[("decode", ("a", "b"), 2, 0, 2, 4, ())] * 7,
+        *[("decode", ("a", "b"), 2, 0, 2, 4, ())] * 8,
         ("decode", ("a",), 1, 1, 1, 3, ()),  # b preempted: back to waiting, its blocks freed
         ("decode", ("a",), 1, 1, 1, 3, ()),
         ("decode", ("a",), 1, 1, 0, 0, ("a",)),
-        ("prefill", ("b",), 64, 0, 1, 2, ()),  # 128 tokens, 64 of them hit the cache
-        ("decode", ("b",), 1, 0, 1, 3, ()),
+        ("prefill", ("b",), 65, 0, 1, 3, ()),  # 129 tokens, 64 of them hit the cache
         ("decode", ("b",), 1, 0, 1, 3, ()),
         ("decode", ("b",), 1, 0, 0, 0, ("b",)),
+        ("idle", (), 0, 0, 0, 0, ()),
         ("idle", (), 0, 0, 0, 0, ()),
     ]
     assert (s.num_preemptions, a.num_preemptions, b.num_preemptions) == (1, 0, 1)
@@ -190,6 +185,6 @@ def test_buckets_pick_the_smallest_compiled_shape():
     chunk_sizes = [st.prefill.chunk_size for st in steps if st.is_prefill]
     decodes = [(len(st.decode), st.batch_size, st.kv_len) for st in steps if not st.is_prefill]
     assert chunk_sizes == [64, 64, 64, 64]  # 64 + 6 for the 70-token prompt, then 10 and 10
-    assert decodes[0] == (1, 1, 128)  # 71 tokens -> KV bucket 128
+    assert decodes[0] == (3, 4, 128)  # all three prefilled first; 71 tokens -> KV bucket 128
     assert (3, 4, 128) in decodes and all(b in (1, 2, 4, 8) for _, b, _ in decodes)
     assert all(r.status is Status.FINISHED for r in reqs)

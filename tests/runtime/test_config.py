@@ -110,7 +110,7 @@ def test_bad_flag_is_rejected(tiny_model):
 def test_continuous_batching_limits_and_buckets():
     cfg = load_config("/m", environ={"SENDNN_INFERENCE_USE_CB": "1"})
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.max_num_batched_tokens) == (512, 4, 256)
-    assert cfg.chunk_buckets == (64, 128, 256)
+    assert cfg.chunk_buckets == (64, 128, 192, 256)
     assert cfg.batch_buckets == (1, 2, 4)
     assert cfg.kv_buckets == (64, 128, 256, 512)
     assert cfg.cb_num_blocks == 1 + 4 * 8 and cfg.enable_prefix_caching

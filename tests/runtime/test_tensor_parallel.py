@@ -64,7 +64,8 @@ def test_greedy_outputs_at_two_ranks_equal_one_rank(model_8_4, mode):
             max_num_batched_tokens=64,
         )
     alone = run(base)
-    assert run(replace(base, tensor_parallel_size=2)) == alone
+    # one load slot on the host: the ranks load one after the other and still meet (no deadlock)
+    assert run(replace(base, tensor_parallel_size=2, max_load_processes=1)) == alone
     time.sleep(0.5)
     assert ranks_of(psutil.Process()) == []  # rank 1 exited with the engine
 
