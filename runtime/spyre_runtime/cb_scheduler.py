@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from spyre_runtime.block_manager import BlockManager
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.request import Request, Status
+from spyre_runtime.scheduler import abort_waiting, check_admissible
 
 
 @dataclass(frozen=True)
@@ -124,21 +125,14 @@ class ContinuousScheduler:
         )
 
     def add(self, request: Request) -> None:
-        if not self.can_admit(request.num_prompt_tokens, request.sampling.max_tokens):
-            raise ValueError(
-                f"request {request.request_id} ({request.num_prompt_tokens} prompt tokens, "
-                f"max_tokens={request.sampling.max_tokens}) exceeds the maximum model length "
-                f"{self.max_model_len}"
-            )
+        check_admissible(self, request)
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Removes the request wherever it is and frees its blocks at once."""
-        for req in self.waiting:
-            if req.request_id == request_id:
-                self.waiting.remove(req)
-                req.finish("abort")
-                return req
+        req = abort_waiting(self.waiting, request_id)
+        if req is not None:
+            return req
         holders = [self.prefilling] if self.prefilling is not None else []
         for req in holders + self.running:
             if req.request_id == request_id:

@@ -48,6 +48,24 @@ def _sequence_cost(shape: Shape) -> tuple[int, int, int]:
     return (shape.max_len, shape.prompt_len, shape.batch_size)
 
 
+def check_admissible(scheduler, request: Request) -> None:
+    """Raises ValueError naming the request and the scheduler's limits when it can never run."""
+    if not scheduler.can_admit(request.num_prompt_tokens, request.sampling.max_tokens):
+        raise ValueError(
+            f"request {request.request_id} ({request.num_prompt_tokens} prompt tokens, "
+            f"max_tokens={request.sampling.max_tokens}) {scheduler.describe_limits()}"
+        )
+
+
+def abort_waiting(waiting: deque[Request], request_id: str) -> Request | None:
+    for req in waiting:
+        if req.request_id == request_id:
+            waiting.remove(req)
+            req.finish("abort")
+            return req
+    return None
+
+
 class StaticScheduler:
     def __init__(self, shapes: tuple[Shape, ...]) -> None:
         if not shapes:
@@ -71,20 +89,14 @@ class StaticScheduler:
         return "fits no compiled shape; compiled shapes: " + ", ".join(str(s) for s in self.shapes)
 
     def add(self, request: Request) -> None:
-        if not self.can_admit(request.num_prompt_tokens, request.sampling.max_tokens):
-            raise ValueError(
-                f"request {request.request_id} ({request.num_prompt_tokens} prompt tokens, "
-                f"max_tokens={request.sampling.max_tokens}) fits no warmed shape"
-            )
+        check_admissible(self, request)
         self.waiting.append(request)
 
     def abort(self, request_id: str) -> Request | None:
         """Removes a waiting request, or finishes a running one (its row stays until the batch ends)."""
-        for req in self.waiting:
-            if req.request_id == request_id:
-                self.waiting.remove(req)
-                req.finish("abort")
-                return req
+        req = abort_waiting(self.waiting, request_id)
+        if req is not None:
+            return req
         for req in self.running:
             if req.request_id == request_id and not req.is_finished:
                 req.finish("abort")

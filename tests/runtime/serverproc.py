@@ -58,6 +58,20 @@ class ServerProcess:
             time.sleep(0.1)
         raise AssertionError(f"server not ready in {timeout} s:\n{self.log()}")
 
+    @contextlib.contextmanager
+    def serving(self, timeout: float = 300):
+        """Waits until ready and yields the server; stops it (by PID) whatever happens."""
+        try:
+            self.wait_ready(timeout)
+            yield self
+        finally:
+            self.stop()
+
+    def client(self, timeout: float = 60):
+        import openai
+
+        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
 

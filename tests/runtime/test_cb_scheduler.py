@@ -163,7 +163,7 @@ def test_admission_limit_is_prompt_plus_max_tokens(prompt, max_tokens, ok):
     s = ContinuousScheduler(config())
     assert s.can_admit(prompt, max_tokens) is ok
     if not ok:
-        with pytest.raises(ValueError, match="maximum model length 256"):
+        with pytest.raises(ValueError, match=r"prompt tokens \+ max_tokens must be at most 256"):
             s.add(req("x", prompt, max_tokens))
     assert s.max_tokens_for(prompt) == 256 - prompt
 

@@ -95,7 +95,7 @@ def test_abort_waiting_and_running():
 
 def test_request_that_fits_nothing_is_refused():
     s = StaticScheduler(SHAPES)
-    with pytest.raises(ValueError, match="fits no warmed shape"):
+    with pytest.raises(ValueError, match="fits no compiled shape"):
         s.add(req("x", 200, 5))
 
 

@@ -29,16 +29,13 @@ def server(tiny_model, tmp_path_factory):
     }
     srv = ServerProcess(tiny_model, env, tmp_path_factory.mktemp("logs") / "server.log")
     srv.perf_dir = perf_dir
-    try:
-        srv.wait_ready()
+    with srv.serving():
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return server.client()
 
 
 def test_health_is_503_until_warm_then_200(server):

@@ -24,16 +24,13 @@ CB_ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-t
 @pytest.fixture(scope="module")
 def cb_server(tiny_model, tmp_path_factory):
     srv = ServerProcess(tiny_model, CB_ENV, tmp_path_factory.mktemp("cb") / "server.log", extra_args=CB_ARGS)
-    try:
-        srv.wait_ready()
+    with srv.serving():
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture()
 def client(cb_server):
-    return openai.OpenAI(base_url=cb_server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return cb_server.client(timeout=120)
 
 
 # ~5, 121 (two prefill chunks), 6 and 21 prompt tokens
