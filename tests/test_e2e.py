@@ -48,14 +48,9 @@ def ask(ip: str, prompt: str | list[int] = "The capital of France") -> str:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = LocalStack(tmp_path_factory.mktemp("e2e"))
-    try:
-        s.start()
-        s.create_namespace(NS)
+    with LocalStack(tmp_path_factory.mktemp("e2e")).running(NS) as s:
         write_tiny_model(s.create_models_claim(NS) / "tiny")
         yield s
-    finally:
-        s.stop()
 
 
 def test_model_becomes_ready_and_answers_through_its_service(stack):

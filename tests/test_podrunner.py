@@ -14,13 +14,8 @@ NS = "runner"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = LocalStack(tmp_path_factory.mktemp("runner"))
-    try:
-        s.start()
-        s.create_namespace(NS)
+    with LocalStack(tmp_path_factory.mktemp("runner")).running(NS) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def pod_spec(command: list[str], restart: str, volumes=(), mounts=(), env=()) -> dict:

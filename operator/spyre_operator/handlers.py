@@ -91,9 +91,10 @@ class Reconciler:
         pods = self._list_pods(namespace, selector)
         observed = [observe_pod(p, self.settings.card_resource, HASH_LABEL) for p in pods]
         views = [v for v, _ in observed]
-        plan = plan_pods(spec.replicas, thash, views, suspend=spec.suspend)
         if cache is not None and not cache.is_ready:
-            plan = PodPlan(0, (), {})  # the rollout waits for the cache; the old pods keep serving
+            plan = PodPlan()  # the rollout waits for the cache; the old pods keep serving
+        else:
+            plan = plan_pods(spec.replicas, thash, views, suspend=spec.suspend)
 
         for _ in range(plan.create):
             created = self.core.create_namespaced_pod(
@@ -177,8 +178,7 @@ class Reconciler:
         return json.loads(resp.data)["items"]
 
     def _list_pods(self, namespace: str, selector: str) -> list[dict]:
-        resp = self.core.list_namespaced_pod(namespace, label_selector=selector, _preload_content=False)
-        return json.loads(resp.data)["items"]
+        return self._list(self.core.list_namespaced_pod, namespace, selector)
 
     def _ensure(self, obj: dict, create, read) -> None:
         meta = obj["metadata"]

@@ -176,16 +176,7 @@ def cmd_generate(args) -> int:
             rows.append((prompt, SamplingParams(**{"temperature": 0.0, **fields})))
         except (TypeError, ValueError) as e:
             raise ConfigError(f"--prompts {args.prompts} line {number}: {e}") from None
-    llm = LLM(
-        config.model_dir,
-        served_model_name=config.served_model_name,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        tensor_parallel_size=args.tensor_parallel_size,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=args.enable_prefix_caching,
-        num_kv_blocks=args.num_kv_blocks,
-    )
+    llm = LLM(config.model_dir, config=config)
     out = sys.stdout if args.output == "-" else open(args.output, "w")  # noqa: SIM115
     ids = [llm.tokenizer(prompt)["input_ids"] for prompt, _ in rows]
     admitted = [

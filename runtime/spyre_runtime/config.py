@@ -16,6 +16,7 @@ BACKENDS = ("sendnn", "inductor", "eager")
 PROMPT_LEN_MULTIPLE = 64
 CB_DEFAULT_MAX_MODEL_LEN = 512
 CB_DEFAULT_MAX_NUM_SEQS = 4
+CB_DEFAULT_CHUNK = 256
 ENV_PREFIX = "SENDNN_INFERENCE_"
 ALIAS_PREFIX = "VLLM_SPYRE_"
 
@@ -150,7 +151,7 @@ class RuntimeConfig:
     num_cpus: int = 0
     cp_interleave_steps: bool = True
     shutdown_grace_seconds: float = 30.0
-    max_num_batched_tokens: int = 256  # continuous batching: prefill chunk size, a multiple of 64
+    max_num_batched_tokens: int = CB_DEFAULT_CHUNK  # continuous batching: prefill chunk, a multiple of 64
     enable_prefix_caching: bool = True
     num_kv_blocks: int = 0  # 0: room for max_num_seqs sequences of max_model_len tokens (+ scratch)
     decode_batch_buckets: tuple[int, ...] = ()  # () : powers of two up to max_num_seqs
@@ -176,14 +177,17 @@ class RuntimeConfig:
         return self.kv_len_buckets or _doubling(PROMPT_LEN_MULTIPLE, round_up(self.max_model_len))
 
     @property
+    def blocks_per_sequence(self) -> int:
+        return round_up(self.max_model_len) // PROMPT_LEN_MULTIPLE
+
+    @property
     def min_kv_blocks(self) -> int:
         """Scratch plus one sequence of max_model_len tokens: any single request can always run."""
-        return 1 + round_up(self.max_model_len) // PROMPT_LEN_MULTIPLE
+        return 1 + self.blocks_per_sequence
 
     @property
     def cb_num_blocks(self) -> int:
-        per_sequence = round_up(self.max_model_len) // PROMPT_LEN_MULTIPLE
-        return self.num_kv_blocks or 1 + self.max_num_seqs * per_sequence
+        return self.num_kv_blocks or 1 + self.max_num_seqs * self.blocks_per_sequence
 
 
 def round_up(n: int, multiple: int = PROMPT_LEN_MULTIPLE) -> int:
@@ -241,7 +245,7 @@ def load_config(
         raise ConfigError("TORCH_SENDNN_CACHE_ENABLE=1 needs TORCH_SENDNN_CACHE_DIR")
     if use_cb:  # limits of their own, not the static shapes'
         longest, widest = CB_DEFAULT_MAX_MODEL_LEN, CB_DEFAULT_MAX_NUM_SEQS
-    chunk = max_num_batched_tokens or 256
+    chunk = max_num_batched_tokens or CB_DEFAULT_CHUNK
     if chunk % PROMPT_LEN_MULTIPLE:
         raise ConfigError(f"--max-num-batched-tokens={chunk} is not a multiple of {PROMPT_LEN_MULTIPLE}")
     config = RuntimeConfig(

@@ -211,9 +211,14 @@ class LLMEngine:
 class LLM:
     """Offline batch inference: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model_dir: str | Path, warmup: bool = True, **overrides) -> None:
-        environ = overrides.pop("environ", None)
-        self.config = load_config(model_dir, environ=environ, **overrides)
+    def __init__(
+        self, model_dir: str | Path, warmup: bool = True, config: RuntimeConfig | None = None, **overrides
+    ) -> None:
+        """`overrides` are load_config's arguments (`environ=`, flags); or pass a ready `config`."""
+        if config is None:
+            environ = overrides.pop("environ", None)
+            config = load_config(model_dir, environ=environ, **overrides)
+        self.config = config
         configure_threads(self.config)
         self.engine = LLMEngine(self.config)
         self.warmup = warmup_with_cache(self.engine.executor, self.config) if warmup else None

@@ -125,6 +125,7 @@ class ModelExecutor:
         self.model = model
         self.dims = model_dims(self.model)
         self._prime_rotary(max(config.max_model_len, max(s.max_len for s in config.shapes)))
+        self.prefill_kv_len = max(config.kv_buckets)  # chunks see up to the longest KV bucket
         if config.use_cb:
             num_blocks = config.cb_num_blocks
         else:
@@ -244,8 +245,7 @@ class ModelExecutor:
                 [r.output_token_ids[-1] for r in reqs],
                 step.decode_index,
             )
-        logits = self._run(*args)
-        return sample_batch(logits[: len(reqs)], [r.sampling for r in reqs], [r.generator for r in reqs])
+        return _sample(self._run(*args), reqs)
 
     # ---- continuous batching: paged, bucketed shapes ---------------------------------------------
 
@@ -289,13 +289,11 @@ class ModelExecutor:
 
     def execute_continuous(self, step: ContinuousStep) -> list[int]:
         if step.prefill is not None:
-            logits = self._run(*self.chunk_inputs(step.prefill, max(self.config.kv_buckets)))
+            logits = self._run(*self.chunk_inputs(step.prefill, self.prefill_kv_len))
         else:
             logits = self._run(*self.batch_decode_inputs(step))
-        reqs = step.requests
-        if not reqs:
-            return []  # a chunk that does not end its prompt: nothing is sampled
-        return sample_batch(logits[: len(reqs)], [r.sampling for r in reqs], [r.generator for r in reqs])
+        # a chunk that does not end its prompt has no requests: nothing is sampled
+        return _sample(logits, step.requests) if step.requests else []
 
     def execute(self, step: StaticStep | ContinuousStep) -> list[int]:
         """Runs one step; returns one sampled token per request of `step.requests`."""
@@ -310,8 +308,9 @@ class ModelExecutor:
         every chunk bucket and (batch, KV length) decode bucket of continuous batching."""
         t_all = time.monotonic()
         cfg = self.config
-        graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) * len(cfg.kv_buckets)
-        if not cfg.use_cb:
+        if cfg.use_cb:
+            graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) * len(cfg.kv_buckets)
+        else:
             graphs = 2 * len(cfg.shapes)
         with torch._dynamo.config.patch(
             recompile_limit=max(8, graphs + 2), accumulated_recompile_limit=max(256, graphs * 2)
@@ -341,7 +340,7 @@ class ModelExecutor:
     def _warm_continuous(self) -> None:
         """Dummy steps on the scratch block only: nothing a request owns is written."""
         cfg = self.config
-        kv_max = max(cfg.kv_buckets)
+        kv_max = self.prefill_kv_len
         for size in cfg.chunk_buckets:
             t0 = time.monotonic()
             chunk = PrefillChunk(None, (1,) * size, 0, size, (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE), True)
@@ -353,3 +352,8 @@ class ModelExecutor:
                 self._run(*self.batch_decode_inputs(ContinuousStep(batch_size=batch, kv_len=kv_len)))
                 seconds = time.monotonic() - t0
                 log.info("Warmup of decode batch %d x kv %d took %.2f s", batch, kv_len, seconds)
+
+
+def _sample(logits: torch.Tensor, reqs) -> list[int]:
+    """One token per request from the first len(reqs) rows (the rest are padding rows)."""
+    return sample_batch(logits[: len(reqs)], [r.sampling for r in reqs], [r.generator for r in reqs])

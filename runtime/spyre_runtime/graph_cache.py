@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import logging
@@ -46,8 +47,16 @@ MANIFEST = "manifest.json"
 
 
 def _sha256_file(path: Path) -> str:
+    """Memoized per (path, inode, size, mtime) within this process: strict mode's early check and the
+    warmup after it hash the weights (hundreds of MB) and the entry once, not twice."""
+    st = path.stat()
+    return _sha256_of(str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=256)
+def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()

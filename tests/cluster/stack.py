@@ -4,6 +4,7 @@ Used by the end-to-end test and by `make demo`. Test and demo infrastructure, ne
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -118,6 +119,16 @@ class LocalStack:
         if self.runner is not None:
             self.runner.stop()
         self.cp.stop()
+
+    @contextlib.contextmanager
+    def running(self, namespace: str):
+        """Starts the stack with one namespace for a test module; stops every process afterwards."""
+        try:
+            self.start()
+            self.create_namespace(namespace)
+            yield self
+        finally:
+            self.stop()
 
     # ---- helpers ---------------------------------------------------------------------------------
 
