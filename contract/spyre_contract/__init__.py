@@ -1,0 +1,53 @@
+"""The operator <-> runtime environment contract (shared/DESIGN.md section 2) in one place.
+
+The runtime reads its settings through `read_environment`; the operator calls the same function on the
+environment and flags it is about to give a pod, so a spec the runtime would refuse is refused before any
+pod exists. Neither side keeps a copy of these rules. This package imports neither side."""
+
+from spyre_contract.environment import (
+    ALIAS_PREFIX,
+    BACKEND_ALIASES,
+    BACKENDS,
+    CB_DEFAULT_CHUNK,
+    CB_DEFAULT_MAX_MODEL_LEN,
+    CB_DEFAULT_MAX_NUM_SEQS,
+    DTYPES,
+    ENV_PREFIX,
+    PROMPT_LEN_MULTIPLE,
+    ContractError,
+    EngineFlags,
+    Env,
+    EnvironmentSettings,
+    Shape,
+    batch_buckets,
+    chunk_buckets,
+    doubling,
+    kv_buckets,
+    parse_shapes,
+    read_environment,
+    round_up,
+)
+
+__all__ = [
+    "ALIAS_PREFIX",
+    "BACKENDS",
+    "BACKEND_ALIASES",
+    "CB_DEFAULT_CHUNK",
+    "CB_DEFAULT_MAX_MODEL_LEN",
+    "CB_DEFAULT_MAX_NUM_SEQS",
+    "DTYPES",
+    "ENV_PREFIX",
+    "PROMPT_LEN_MULTIPLE",
+    "ContractError",
+    "EngineFlags",
+    "Env",
+    "EnvironmentSettings",
+    "Shape",
+    "batch_buckets",
+    "chunk_buckets",
+    "doubling",
+    "kv_buckets",
+    "parse_shapes",
+    "read_environment",
+    "round_up",
+]

@@ -1,0 +1,318 @@
+"""Every rule of the environment contract: variable names, aliases, value syntax, and the rules that tie
+the variables to the engine flags (shapes, continuous-batching limits and buckets). Each problem raises
+ContractError, one readable line naming the variable (or flag) and the bad value."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("sendnn", "inductor", "eager")
+BACKEND_ALIASES = {"sendnn_decoder": "sendnn"}  # the v1 configuration docs' spelling
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+PROMPT_LEN_MULTIPLE = 64
+CB_DEFAULT_MAX_MODEL_LEN = 512
+CB_DEFAULT_MAX_NUM_SEQS = 4
+CB_DEFAULT_CHUNK = 256
+ENV_PREFIX = "SENDNN_INFERENCE_"
+ALIAS_PREFIX = "VLLM_SPYRE_"
+
+
+class ContractError(ValueError):
+    """A bad setting; the message is one readable line naming the variable or flag."""
+
+
+@dataclass(frozen=True, order=True)
+class Shape:
+    """One warmed static shape: prompts of up to `prompt_len` tokens, up to `new_tokens` generated
+    tokens, `batch_size` rows. Ordered smallest first."""
+
+    prompt_len: int
+    new_tokens: int
+    batch_size: int
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_len + self.new_tokens
+
+    def fits(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+        return num_prompt_tokens <= self.prompt_len and max_tokens <= self.new_tokens
+
+    def __str__(self) -> str:
+        return f"(prompt_len={self.prompt_len}, new_tokens={self.new_tokens}, batch_size={self.batch_size})"
+
+
+class Env:
+    """Reads `SENDNN_INFERENCE_<NAME>`, falling back to the deprecated `VLLM_SPYRE_<NAME>` alias."""
+
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self.environ = dict(os.environ if environ is None else environ)
+        self.deprecated_used: list[str] = []
+
+    def raw(self, name: str, full: bool = False) -> tuple[str, str | None]:
+        """Returns (variable name actually read, value or None). `full`: `name` is already complete."""
+        if full:
+            return name, self.environ.get(name)
+        canonical, alias = ENV_PREFIX + name, ALIAS_PREFIX + name
+        if canonical in self.environ:
+            return canonical, self.environ[canonical]
+        if alias in self.environ:
+            self.deprecate(alias, canonical)
+            return alias, self.environ[alias]
+        return canonical, None
+
+    def deprecate(self, old: str, new: str) -> None:
+        if old not in self.deprecated_used:
+            self.deprecated_used.append(old)
+            log.warning("%s is deprecated; use %s", old, new)
+
+    def str(self, name: str, default: str, full: bool = False) -> str:
+        value = self.raw(name, full)[1]
+        return default if value is None or value == "" else value
+
+    def int(self, name: str, default: int, minimum: int | None = None, full: bool = False) -> int:
+        var, value = self.raw(name, full)
+        if value is None or value.strip() == "":
+            return default
+        try:
+            parsed = int(value.strip())
+        except ValueError:
+            raise ContractError(f"{var}={value!r} is not an integer") from None
+        if minimum is not None and parsed < minimum:
+            raise ContractError(f"{var}={value!r} must be >= {minimum}")
+        return parsed
+
+    def bool(self, name: str, default: bool, full: bool = False) -> bool:
+        var, value = self.raw(name, full)
+        if value is None or value.strip() == "":
+            return default
+        lowered = value.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ContractError(f"{var}={value!r} is not a boolean (use 1 or 0)")
+
+    def int_list(self, name: str, default: str) -> tuple[str, list[int]]:
+        var, value = self.raw(name)
+        text = default if value is None or value.strip() == "" else value
+        items = [item.strip() for item in text.split(",")]
+        numbers = []
+        for item in items:
+            try:
+                numbers.append(int(item))
+            except ValueError:
+                raise ContractError(f"{var}={text!r}: {item!r} is not an integer") from None
+            if numbers[-1] <= 0:
+                raise ContractError(f"{var}={text!r}: {item} must be positive")
+        return var, numbers
+
+
+def parse_shapes(env: Env) -> tuple[Shape, ...]:
+    """Zips the three warmup lists into shapes (shared/DESIGN.md section 2)."""
+    p_var, prompt_lens = env.int_list("WARMUP_PROMPT_LENS", "64")
+    n_var, new_tokens = env.int_list("WARMUP_NEW_TOKENS", "20")
+    b_var, batch_sizes = env.int_list("WARMUP_BATCH_SIZES", "1")
+    if not len(prompt_lens) == len(new_tokens) == len(batch_sizes):
+        raise ContractError(
+            f"warmup lists differ in length: {p_var} has {len(prompt_lens)}, {n_var} has "
+            f"{len(new_tokens)}, {b_var} has {len(batch_sizes)} entries"
+        )
+    for p in prompt_lens:
+        if p % PROMPT_LEN_MULTIPLE:
+            raise ContractError(f"{p_var}: {p} is not a multiple of {PROMPT_LEN_MULTIPLE}")
+    return tuple(
+        sorted({Shape(p, n, b) for p, n, b in zip(prompt_lens, new_tokens, batch_sizes, strict=True)})
+    )
+
+
+def round_up(n: int, multiple: int = PROMPT_LEN_MULTIPLE) -> int:
+    return -(-n // multiple) * multiple
+
+
+def doubling(start: int, top: int) -> tuple[int, ...]:
+    """start, 2*start, 4*start, ... below top, then top itself."""
+    values, v = [], start
+    while v < top:
+        values.append(v)
+        v *= 2
+    return (*values, top)
+
+
+# ---- continuous batching: the static menu of compiled shapes --------------------------------------
+# Every decode step runs at a (batch size, KV length) bucket and every prefill chunk at a chunk-size
+# bucket; all of them are compiled at warmup (the Gaudi backend's bucketing, for static-shape backends).
+
+
+def chunk_buckets(chunk: int) -> tuple[int, ...]:
+    """Every multiple of 64 up to 256 (short prompts pad little), then doubling up to the chunk size."""
+    fine = range(PROMPT_LEN_MULTIPLE, min(256, chunk) + 1, PROMPT_LEN_MULTIPLE)
+    return tuple(sorted(set(fine) | set(doubling(256, chunk))))
+
+
+def batch_buckets(explicit: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
+    return explicit or doubling(1, max_num_seqs)
+
+
+def kv_buckets(explicit: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
+    return explicit or doubling(PROMPT_LEN_MULTIPLE, round_up(max_model_len))
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """The command-line flags that shape the engine (None: not given)."""
+
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    tensor_parallel_size: int | None = None
+    max_num_batched_tokens: int | None = None
+    num_kv_blocks: int | None = None
+    dtype: str | None = None
+
+
+@dataclass(frozen=True)
+class EnvironmentSettings:
+    """Everything the contract's variables and the engine flags say, validated together."""
+
+    backend: str = "sendnn"
+    dtype: str = "auto"
+    use_cb: bool = False
+    shapes: tuple[Shape, ...] = (Shape(64, 20, 1),)
+    max_model_len: int = 84
+    max_num_seqs: int = 1
+    tensor_parallel_size: int = 1
+    max_num_batched_tokens: int = CB_DEFAULT_CHUNK
+    num_kv_blocks: int = 0
+    decode_batch_buckets: tuple[int, ...] = ()
+    kv_len_buckets: tuple[int, ...] = ()
+    cache_enabled: bool = False
+    cache_dir: str = ""
+    require_precompiled: bool = False
+    max_load_processes: int = 0
+    gloo_timeout_minutes: int = 60
+    worker_log_redirect_dir: str = ""
+    perf_metric_logging_enabled: bool = False
+    perf_metric_logging_dir: str = "/tmp"
+    override_signals_handler: bool = True
+    update_thread_config: bool = True
+    num_cpus: int = 0
+    cp_interleave_steps: bool = True
+    deprecated_env: tuple[str, ...] = field(default=(), compare=False)
+
+
+def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlags | None = None):
+    """Parses and checks the contract's variables (environment) and the engine flags (a flag wins)."""
+    env = Env(environ)
+    flags = flags or EngineFlags()
+    for flag, value in (
+        ("--max-model-len", flags.max_model_len),
+        ("--max-num-seqs", flags.max_num_seqs),
+        ("--tensor-parallel-size", flags.tensor_parallel_size),
+        ("--max-num-batched-tokens", flags.max_num_batched_tokens),
+        ("--num-kv-blocks", flags.num_kv_blocks),
+    ):
+        if value is not None and value <= 0:
+            raise ContractError(f"{flag}={value} must be positive")
+    backend = _backend(env)
+    dtype = _dtype(env, flags.dtype)
+    shapes = parse_shapes(env)
+    use_cb = env.bool("USE_CB", False)
+    longest = max(s.max_len for s in shapes)
+    widest = max(s.batch_size for s in shapes)
+    if use_cb:  # limits of their own, not the static shapes'
+        longest, widest = CB_DEFAULT_MAX_MODEL_LEN, CB_DEFAULT_MAX_NUM_SEQS
+    chunk = flags.max_num_batched_tokens or CB_DEFAULT_CHUNK
+    if chunk % PROMPT_LEN_MULTIPLE:
+        raise ContractError(f"--max-num-batched-tokens={chunk} is not a multiple of {PROMPT_LEN_MULTIPLE}")
+    cache_enabled = env.bool("TORCH_SENDNN_CACHE_ENABLE", False, full=True)
+    cache_dir = env.str("TORCH_SENDNN_CACHE_DIR", "", full=True)
+    if cache_enabled and not cache_dir:
+        raise ContractError("TORCH_SENDNN_CACHE_ENABLE=1 needs TORCH_SENDNN_CACHE_DIR")
+    settings = EnvironmentSettings(
+        backend=backend,
+        dtype=dtype,
+        use_cb=use_cb,
+        shapes=shapes,
+        max_model_len=flags.max_model_len or longest,
+        max_num_seqs=flags.max_num_seqs or widest,
+        tensor_parallel_size=flags.tensor_parallel_size or 1,
+        max_num_batched_tokens=chunk,
+        num_kv_blocks=flags.num_kv_blocks or 0,
+        decode_batch_buckets=_buckets(env, "CB_DECODE_BATCH_SIZES", 1),
+        kv_len_buckets=_buckets(env, "CB_KV_LENS", PROMPT_LEN_MULTIPLE),
+        cache_enabled=cache_enabled,
+        cache_dir=cache_dir,
+        require_precompiled=env.bool("REQUIRE_PRECOMPILED_DECODERS", False),
+        max_load_processes=env.int("MAX_LOAD_PROCESSES", 0, minimum=0),
+        gloo_timeout_minutes=env.int("GLOO_TIMEOUT_MINUTES", 60, minimum=1),
+        worker_log_redirect_dir=env.str("WORKER_LOG_REDIRECT_DIR", ""),
+        perf_metric_logging_enabled=env.bool("PERF_METRIC_LOGGING_ENABLED", False),
+        perf_metric_logging_dir=env.str("PERF_METRIC_LOGGING_DIR", "/tmp"),
+        override_signals_handler=env.bool("OVERRIDE_SIGNALS_HANDLER", True),
+        update_thread_config=env.bool("UPDATE_THREAD_CONFIG", True),
+        num_cpus=env.int("NUM_CPUS", 0, minimum=0),
+        cp_interleave_steps=env.bool("CP_INTERLEAVE_STEPS", True),
+        deprecated_env=tuple(env.deprecated_used),
+    )
+    if use_cb:
+        _check_cb_limits(settings, env, chunk_given=flags.max_num_batched_tokens is not None)
+    return settings
+
+
+def _backend(env: Env) -> str:
+    var, raw = env.raw("DYNAMO_BACKEND")
+    backend = (raw or "sendnn").strip().lower() or "sendnn"
+    if backend in BACKEND_ALIASES:
+        env.deprecate(f"{var}={backend}", f"{var}={BACKEND_ALIASES[backend]}")
+        backend = BACKEND_ALIASES[backend]
+    if backend not in BACKENDS:
+        raise ContractError(f"{var}={backend!r} is not one of {', '.join(BACKENDS)}")
+    return backend
+
+
+def _dtype(env: Env, flag: str | None) -> str:
+    var, value = ("--dtype", flag) if flag is not None else env.raw("DTYPE")
+    dtype = (value or "auto").strip().lower() or "auto"
+    if dtype not in DTYPES:
+        raise ContractError(f"{var}={dtype!r} is not one of {', '.join(DTYPES)}")
+    return dtype
+
+
+def _buckets(env: Env, name: str, multiple: int) -> tuple[int, ...]:
+    if env.raw(name)[1] in (None, ""):
+        return ()
+    var, values = env.int_list(name, "")
+    for v in values:
+        if v % multiple:
+            raise ContractError(f"{var}: {v} is not a multiple of {multiple}")
+    return tuple(sorted(set(values)))
+
+
+def _check_cb_limits(s: EnvironmentSettings, env: Env, chunk_given: bool) -> None:
+    blocks_per_sequence = round_up(s.max_model_len) // PROMPT_LEN_MULTIPLE
+    if s.num_kv_blocks and s.num_kv_blocks < 1 + blocks_per_sequence:
+        raise ContractError(
+            f"--num-kv-blocks={s.num_kv_blocks} cannot hold one sequence of --max-model-len="
+            f"{s.max_model_len} tokens; it needs at least {1 + blocks_per_sequence} blocks"
+        )
+    if chunk_given and s.max_num_batched_tokens > round_up(s.max_model_len):
+        raise ContractError(
+            f"--max-num-batched-tokens={s.max_num_batched_tokens} is larger than --max-model-len="
+            f"{s.max_model_len} (rounded up to {round_up(s.max_model_len)}): no prompt fills such a chunk"
+        )
+    largest_batch = max(batch_buckets(s.decode_batch_buckets, s.max_num_seqs))
+    if largest_batch < s.max_num_seqs:
+        raise ContractError(
+            f"{env.raw('CB_DECODE_BATCH_SIZES')[0]}: the largest bucket {largest_batch} is below "
+            f"--max-num-seqs={s.max_num_seqs}"
+        )
+    largest_kv = max(kv_buckets(s.kv_len_buckets, s.max_model_len))
+    if largest_kv < s.max_model_len:
+        raise ContractError(
+            f"{env.raw('CB_KV_LENS')[0]}: the largest bucket {largest_kv} is below "
+            f"--max-model-len={s.max_model_len}"
+        )
