@@ -9,7 +9,7 @@ import sys
 import kopf
 from kubernetes import client, config
 
-from spyre_operator.handlers import Reconciler, build_registry
+from spyre_operator.handlers import build_memo, build_registry
 from spyre_operator.settings import SettingsError, add_flags, load_settings
 
 
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigException:
         config.load_kube_config()
     api_client = client.ApiClient()
-    memo = kopf.Memo(reconciler=Reconciler(settings, api_client), settings=settings)
+    memo = build_memo(settings, api_client)
     kopf.run(
         registry=build_registry(settings),
         memo=memo,

@@ -1,32 +1,137 @@
-"""kopf handlers (thin) and the one idempotent reconcile they all call: read, decide (pure), act, report."""
+"""kopf handlers (thin: they only enqueue the model's key) and the one idempotent reconcile the work queue
+runs per key: read, validate, decide (pure), act, report. Whatever fails while acting ends in the model's
+status (a condition naming the object and the API server's message) and one Event per distinct error, and
+the key is retried with back-off; nothing raises into kopf."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import threading
-from collections import defaultdict
+from collections import Counter
+from dataclasses import dataclass, field
 
 import kopf
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from spyre_operator import manifests
-from spyre_operator.plan import PodPlan, plan_pods
+from spyre_operator.plan import Budget, PodPlan, plan_pods
 from spyre_operator.settings import (
+    ATTEMPT_ANNOTATION,
     CACHE_KEY_LABEL,
     COMPILE_LABEL,
     GROUP,
     HASH_LABEL,
+    KIND,
+    MANAGED_BY,
     MODEL_LABEL,
     PLURAL,
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.status import compute_status, merge_conditions, observe_job, observe_pod, status_changed
+from spyre_operator.spec import InvalidSpec, ModelSpec, parse_spec
+from spyre_operator.status import (
+    CacheState,
+    Problem,
+    compute_status,
+    merge_conditions,
+    observe_job,
+    observe_pod,
+    status_changed,
+)
+from spyre_operator.workqueue import Result, WorkQueue
 
 log = logging.getLogger(__name__)
+
+Key = tuple[str, str]
+
+
+def api_message(e: ApiException) -> str:
+    """The API server's own message (its Status body), else the HTTP reason."""
+    try:
+        body = json.loads(e.body or "")
+        if isinstance(body, dict) and body.get("message"):
+            return str(body["message"])
+    except (TypeError, ValueError):
+        pass
+    return f"{e.status} {e.reason}".strip()
+
+
+def is_quota(e: ApiException) -> bool:
+    return e.status == 403 and "exceeded quota" in api_message(e)
+
+
+def problem_of(kind: str, e: Exception) -> Problem:
+    """A failed action on an object of `kind`: refused (4xx, needs a human: Stalled) or failed (5xx,
+    timeouts: retried)."""
+    if isinstance(e, ApiException):
+        if is_quota(e):
+            return Problem("QuotaExceeded", f"{kind} refused: {api_message(e)}", is_stalled=False)
+        if e.status and 400 <= e.status < 500 and e.status not in (408, 409, 429):
+            return Problem(f"{kind}Rejected", api_message(e))
+        return Problem("APIError", f"{kind}: {api_message(e)}", is_stalled=False)
+    return Problem("APIError", f"{kind}: {type(e).__name__}: {e}", is_stalled=False)
+
+
+class Conflict(Exception):
+    """The model changed under us (409 on the status write): reconcile again from a fresh read."""
+
+
+class EventRecorder:
+    """Posts core/v1 Events from any thread (no kopf context needed), at most once per distinct
+    (object, type, reason, message)."""
+
+    def __init__(self, core: client.CoreV1Api, timeout: float) -> None:
+        self.core = core
+        self.timeout = timeout
+        self._seen: dict[tuple, None] = {}
+        self._lock = threading.Lock()
+
+    def post(self, model: dict, type_: str, reason: str, message: str, once: bool = True) -> None:
+        meta = model["metadata"]
+        fingerprint = (meta["uid"], type_, reason, message)
+        with self._lock:
+            if once and fingerprint in self._seen:
+                return
+            self._seen[fingerprint] = None
+            while len(self._seen) > 20000:
+                self._seen.pop(next(iter(self._seen)))
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": f"{GROUP}/{VERSION}",
+                "kind": KIND,
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": "spyre-operator"},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body, _request_timeout=self.timeout)
+        except (ApiException, OSError) as e:  # an Event is best effort; the status holds the truth
+            log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e)
+
+
+@dataclass
+class Pass:
+    """What one reconcile pass gathered while acting."""
+
+    problems: list[Problem] = field(default_factory=list)
+    waiting: str = ""
+    after: float | None = None  # run again in this many seconds
+
+    def later(self, seconds: float) -> None:
+        self.after = seconds if self.after is None else min(self.after, seconds)
 
 
 class Reconciler:
@@ -35,183 +140,587 @@ class Reconciler:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.batch = client.BatchV1Api(api_client)
-        self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+        self.timeout = settings.api_timeout_seconds
+        self.events = EventRecorder(self.core, self.timeout)
+        self._validated: dict[Key, tuple] = {}  # key -> (uid, generation, template hash) dry-run passed
+        self._quota_blocked: set[Key] = set()
+        self._lock = threading.Lock()
 
-    def reconcile(self, namespace: str, name: str) -> None:
-        with self._locks[(namespace, name)]:
-            self._reconcile(namespace, name)
+    # ---- the pass -----------------------------------------------------------------------------------
 
-    def _reconcile(self, namespace: str, name: str) -> None:
+    def reconcile(self, key: Key) -> Result:
+        namespace, name = key
         try:
-            model = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            model = self.custom.get_namespaced_custom_object(
+                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=self.timeout
+            )
         except ApiException as e:
             if e.status == 404:
-                return
-            raise
+                self.forget(key)
+                return Result()
+            log.warning("reading SpyreModel %s/%s: %s", namespace, name, api_message(e))
+            return Result(failed=True)
         if model["metadata"].get("deletionTimestamp"):
-            return
+            return Result()
+        try:
+            return self._reconcile(key, model)
+        except Conflict:
+            return Result(after=0.5)
+        except Exception as e:  # a bug or an unexpected failure: it still reaches the status
+            log.exception("reconcile of %s/%s failed", namespace, name)
+            problem = problem_of("Reconcile", e) if isinstance(e, ApiException) else None
+            problem = problem or Problem("ReconcileError", f"{type(e).__name__}: {e}", is_stalled=False)
+            try:
+                self._report_failure(model, problem)
+            except Exception:
+                log.exception("could not report the failure of %s/%s", namespace, name)
+            return Result(failed=True)
+
+    def _reconcile(self, key: Key, model: dict) -> Result:
+        namespace, name = key
         selector = f"{MODEL_LABEL}={name}"
         try:
             spec = parse_spec(name, model.get("spec") or {})
+            manifests.check_runtime_contract(spec)
+            self._dry_run(key, model, spec)
         except InvalidSpec as e:
-            pods = self._list_pods(namespace, selector)
-            views = [observe_pod(p, self.settings.card_resource, HASH_LABEL)[0] for p in pods]
-            new = compute_status(
-                generation=model["metadata"].get("generation", 0),
-                replicas=0,
-                template_hash="",
-                pods=views,
-                health=[],
-                selector=selector,
-                service_address=None,
-                card_resource=self.settings.card_resource,
-                invalid=str(e),
-            )
-            if self._write_status(model, new):
-                kopf.warn(model, reason="InvalidSpec", message=str(e))
-            return
+            self._write(model, self._status(model, selector, invalid=str(e)))
+            return Result()
 
-        self._ensure(
-            manifests.build_service(model, self.settings),
-            self.core.create_namespaced_service,
-            self.core.read_namespaced_service,
-        )
-        claim = manifests.build_cache_claim(model, spec, self.settings)
-        if claim is not None:
-            self._ensure(
-                claim,
-                self.core.create_namespaced_persistent_volume_claim,
-                self.core.read_namespaced_persistent_volume_claim,
-            )
-
-        cache = self._precompile(model, spec) if spec.cache.precompile and not spec.suspend else None
+        work = Pass()
+        self._ensure_service(model, work)  # pods do not depend on their Service: made even when it fails
+        claim_ok = self._ensure_claim(model, spec, work)
+        cache = None
+        if spec.cache.precompile and not spec.suspend and claim_ok:
+            cache = self._precompile(model, spec, work)
 
         pod_spec = manifests.pod_template(name, spec, self.settings)
         thash = manifests.template_hash(pod_spec)
-        pods = self._list_pods(namespace, selector)
-        observed = [observe_pod(p, self.settings.card_resource, HASH_LABEL) for p in pods]
-        views = [v for v, _ in observed]
-        if cache is not None and not cache.is_ready:
-            plan = PodPlan()  # the rollout waits for the cache; the old pods keep serving
+        pods = self._list(self.core.list_namespaced_pod, namespace, selector)
+        if claim_ok:
+            self._roll(key, model, spec, thash, pods, cache, work)
+            pods = self._list(self.core.list_namespaced_pod, namespace, selector)
         else:
-            plan = plan_pods(spec.replicas, thash, views, suspend=spec.suspend)
+            work.waiting = "the pods wait for their graph-cache claim"
 
-        for _ in range(plan.create):
-            created = self.core.create_namespaced_pod(
-                namespace, manifests.build_pod(model, spec, self.settings)
+        new = self._status(
+            model,
+            selector,
+            spec=spec,
+            thash=thash,
+            pods=pods,
+            cache=cache,
+            problems=tuple(work.problems),
+            waiting=work.waiting,
+        )
+        self._write(model, new)
+        if work.problems:
+            return Result(failed=True)
+        return Result(after=work.after)
+
+    # ---- validation --------------------------------------------------------------------------------
+
+    def _dry_run(self, key: Key, model: dict, spec: ModelSpec) -> None:
+        """Asks the API server (dryRun=All: admission and validation, nothing stored) whether it would
+        accept every object of this spec; a refusal is an InvalidSpec. Done once per generation."""
+        meta = model["metadata"]
+        pod = manifests.build_pod(model, spec, self.settings)
+        stamp = (meta["uid"], meta.get("generation"), pod["metadata"]["labels"][HASH_LABEL])
+        if self._validated.get(key) == stamp:
+            return
+        ns = meta["namespace"]
+        attempts = [
+            ("Pod", self.core.create_namespaced_pod, pod),
+            ("Service", self.core.create_namespaced_service, manifests.build_service(model, self.settings)),
+        ]
+        claim = manifests.build_cache_claim(model, spec, self.settings)
+        if claim is not None:
+            attempts.append(
+                ("PersistentVolumeClaim", self.core.create_namespaced_persistent_volume_claim, claim)
             )
-            kopf.info(
-                model, reason="PodCreated", message=f"created pod {created.metadata.name} (template {thash})"
+        if spec.cache.precompile:
+            job = manifests.build_compile_job(
+                model, spec, self.settings, manifests.cache_key(spec, self.settings)
             )
+            attempts.append(("Job", self.batch.create_namespaced_job, job))
+        for kind, create, body in attempts:
+            try:
+                create(ns, body, dry_run="All", _request_timeout=self.timeout)
+            except ApiException as e:
+                if e.status in (408, 409, 429) or is_quota(e) or (e.status or 500) >= 500:
+                    continue  # exists already, quota (a rollout matter), or the server's trouble
+                raise InvalidSpec("", f"the API server refuses the {kind}: {api_message(e)}") from None
+        self._validated[key] = stamp
+
+    # ---- owned objects -----------------------------------------------------------------------------
+
+    def _owned_by(self, obj: dict, model: dict) -> bool:
+        uid = model["metadata"]["uid"]
+        return any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])
+
+    def _read(self, read, name: str, namespace: str) -> dict | None:
+        try:
+            resp = read(name, namespace, _preload_content=False, _request_timeout=self.timeout)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        return json.loads(resp.data)
+
+    def _ensure_service(self, model: dict, work: Pass) -> bool:
+        want = manifests.build_service(model, self.settings)
+        meta = want["metadata"]
+        try:
+            have = self._read(self.core.read_namespaced_service, meta["name"], meta["namespace"])
+            if have is None:
+                self.core.create_namespaced_service(meta["namespace"], want, _request_timeout=self.timeout)
+                return True
+            if not self._owned_by(have, model):
+                work.problems.append(
+                    Problem(
+                        "ServiceConflict",
+                        f"Service {meta['name']} exists and is not owned by this SpyreModel: rename the model"
+                        " or remove the Service",
+                    )
+                )
+                return False
+            ports = [
+                {k: p.get(k) for k in ("name", "port", "targetPort", "protocol")}
+                for p in have["spec"].get("ports") or []
+            ]
+            if have["spec"].get("selector") != want["spec"]["selector"] or ports != want["spec"]["ports"]:
+                patch = {"spec": {"selector": want["spec"]["selector"], "ports": want["spec"]["ports"]}}
+                self.core.patch_namespaced_service(
+                    meta["name"], meta["namespace"], patch, _request_timeout=self.timeout
+                )
+                self.events.post(
+                    model, "Normal", "ServiceRepaired", f"Service {meta['name']}: selector and ports restored"
+                )
+            return True
+        except ApiException as e:
+            work.problems.append(problem_of("Service", e))
+            return False
+
+    def _ensure_claim(self, model: dict, spec: ModelSpec, work: Pass) -> bool:
+        want = manifests.build_cache_claim(model, spec, self.settings)
+        if want is None:
+            return True
+        meta = want["metadata"]
+        name, ns = meta["name"], meta["namespace"]
+        try:
+            have = self._read(self.core.read_namespaced_persistent_volume_claim, name, ns)
+            if have is None:
+                self.core.create_namespaced_persistent_volume_claim(ns, want, _request_timeout=self.timeout)
+                return True
+            labels = have["metadata"].get("labels") or {}
+            owners = have["metadata"].get("ownerReferences") or []
+            ours = labels.get(MODEL_LABEL) == model["metadata"]["name"] and all(
+                labels.get(k) == v for k, v in MANAGED_BY.items()
+            )
+            if not ours or (owners and not self._owned_by(have, model)):
+                work.problems.append(
+                    Problem(
+                        "ClaimConflict",
+                        f"PersistentVolumeClaim {name} exists and belongs to another object: set "
+                        "graphCache.existingClaim to use it, or remove it",
+                    )
+                )
+                return False
+            patch: dict = {}
+            have_size = have["spec"]["resources"]["requests"]["storage"]
+            if quantity_bytes(spec.cache.size) > quantity_bytes(have_size):
+                patch["spec"] = {"resources": {"requests": {"storage": spec.cache.size}}}
+            want_owned = spec.cache.retention == "Delete"
+            if want_owned != bool(owners):
+                patch["metadata"] = {"ownerReferences": meta.get("ownerReferences", [])}
+            if patch:
+                self.core.patch_namespaced_persistent_volume_claim(
+                    name, ns, patch, _request_timeout=self.timeout
+                )
+                self.events.post(model, "Normal", "ClaimUpdated", f"claim {name}: {sorted(patch)} updated")
+            want_class = want["spec"].get("storageClassName")
+            mismatch = []
+            if want_class and have["spec"].get("storageClassName") != want_class:
+                mismatch.append(f"storage class {have['spec'].get('storageClassName')} (spec: {want_class})")
+            if have["spec"].get("accessModes") != want["spec"]["accessModes"]:
+                mismatch.append(
+                    f"access modes {have['spec'].get('accessModes')} (spec: {want['spec']['accessModes']})"
+                )
+            if quantity_bytes(spec.cache.size) < quantity_bytes(have_size):
+                mismatch.append(f"size {have_size} (spec: {spec.cache.size}; claims do not shrink)")
+            if mismatch:
+                work.problems.append(
+                    Problem(
+                        "ClaimNeedsReplacement",
+                        f"claim {name} has {', '.join(mismatch)}: delete the claim to have it recreated",
+                    )
+                )
+            return True
+        except ApiException as e:
+            work.problems.append(problem_of("PersistentVolumeClaim", e))
+            return False
+
+    # ---- compile Job -------------------------------------------------------------------------------
+
+    def _precompile(self, model: dict, spec: ModelSpec, work: Pass) -> CacheState | None:
+        """Ensures the compile Job of the current cache key (retried with back-off up to the settings'
+        attempts); returns what it observed. Once it succeeded, compile Jobs of older keys are removed."""
+        meta = model["metadata"]
+        ns = meta["namespace"]
+        key = manifests.cache_key(spec, self.settings)
+        attempts = self.settings.compile_attempts
+        try:
+            jobs = self._list(self.batch.list_namespaced_job, ns, f"{COMPILE_LABEL}={meta['name']}")
+            current = next((j for j in jobs if j["metadata"]["labels"].get(CACHE_KEY_LABEL) == key), None)
+            state = observe_job(current, key, attempts, ATTEMPT_ANNOTATION)
+            if current is None:
+                self._create_job(model, spec, key, 1)
+            elif state.can_retry:
+                delay = self.settings.compile_retry_seconds * 2 ** (state.attempt - 1)
+                waited = _seconds_since(state.failed_at)
+                if waited >= delay:
+                    self._delete_job(current["metadata"]["name"], ns)
+                    self._create_job(model, spec, key, state.attempt + 1)
+                    state = observe_job(None, key)
+                else:
+                    work.later(delay - waited)
+            if state.is_ready:
+                for job in jobs:
+                    if job is not current:
+                        self._delete_job(job["metadata"]["name"], ns)
+            return state
+        except ApiException as e:
+            work.problems.append(problem_of("Job", e))
+            return None
+
+    def _create_job(self, model: dict, spec: ModelSpec, key: str, attempt: int) -> None:
+        body = manifests.build_compile_job(model, spec, self.settings, key, attempt)
+        try:
+            self.batch.create_namespaced_job(
+                model["metadata"]["namespace"], body, _request_timeout=self.timeout
+            )
+        except ApiException as e:
+            if e.status != 409:  # 409: the previous attempt is still being removed; the next pass retries
+                raise
+            return
+        self.events.post(
+            model,
+            "Normal",
+            "CompileJobCreated",
+            f"compile Job {body['metadata']['name']} for cache key {key} (attempt {attempt})",
+        )
+
+    def _delete_job(self, name: str, namespace: str) -> None:
+        try:
+            self.batch.delete_namespaced_job(
+                name, namespace, propagation_policy="Background", _request_timeout=self.timeout
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise
+
+    # ---- pods --------------------------------------------------------------------------------------
+
+    def _roll(
+        self,
+        key: Key,
+        model: dict,
+        spec: ModelSpec,
+        thash: str,
+        pods: list[dict],
+        cache: CacheState | None,
+        work: Pass,
+    ) -> None:
+        observed = [self._observe(p) for p in pods]
+        views = [v for v, _ in observed]
+        by_name = {p["metadata"]["name"]: p for p in pods}
+        if cache is not None and not cache.is_ready:
+            # the new template waits for its cache; the pods of the serving template are kept whole
+            serving = _serving_hash(views)
+            if serving is None:
+                return
+            plan = plan_pods(spec.replicas, serving, views, suspend=spec.suspend)
+            template = next(p for p in pods if p["metadata"]["labels"].get(HASH_LABEL) == serving)
+            build = lambda: manifests.clone_pod(template)  # noqa: E731
+        else:
+            surge, unavailable = spec.rollout.resolve(spec.replicas)
+            can_host = None
+            starving = key in self._quota_blocked or any(
+                v.lacks_cards and v.template_hash == thash for v in views
+            )
+            if starving:
+                can_host = self._can_host(spec, views, by_name)
+            plan = plan_pods(
+                spec.replicas,
+                thash,
+                views,
+                suspend=spec.suspend,
+                budget=Budget(surge, unavailable),
+                can_host=can_host,
+                quota_blocked=key in self._quota_blocked,
+            )
+            build = lambda: manifests.build_pod(model, spec, self.settings)  # noqa: E731
+        work.waiting = plan.waiting
+        self._apply(key, model, plan, build, work)
+        # stuck pods are replaced after their grace period: look again then
+        for view, health in observed:
+            if health.failure_reason and not view.is_dead and not view.is_terminating:
+                work.later(self.settings.stuck_grace_seconds / 2)
+
+    def _apply(self, key: Key, model: dict, plan: PodPlan, build, work: Pass) -> None:
+        ns = model["metadata"]["namespace"]
         for pod_name in plan.delete:
             try:
-                self.core.delete_namespaced_pod(pod_name, namespace)
+                self.core.delete_namespaced_pod(pod_name, ns, _request_timeout=self.timeout)
             except ApiException as e:
                 if e.status != 404:
-                    raise
-            kopf.info(model, reason="PodDeleted", message=f"deleted pod {pod_name}: {plan.reasons[pod_name]}")
-        if not plan.is_noop:
-            pods = self._list_pods(namespace, selector)
-            observed = [observe_pod(p, self.settings.card_resource, HASH_LABEL) for p in pods]
+                    work.problems.append(problem_of("Pod", e))
+                    continue
+            reason = plan.reasons[pod_name]
+            kind = "Warning" if reason.startswith(("pod ended", "stuck")) else "Normal"
+            event = "PodReplaced" if kind == "Warning" else "PodDeleted"
+            self.events.post(model, kind, event, f"deleted pod {pod_name}: {reason}", once=False)
+        with self._lock:
+            self._quota_blocked.discard(key)
+        for _ in range(plan.create):
+            try:
+                created = self.core.create_namespaced_pod(ns, build(), _request_timeout=self.timeout)
+            except ApiException as e:
+                if is_quota(e):
+                    with self._lock:
+                        self._quota_blocked.add(key)
+                work.problems.append(problem_of("Pod", e))
+                break
+            self.events.post(
+                model, "Normal", "PodCreated", f"created pod {created.metadata.name}", once=False
+            )
 
-        new = compute_status(
-            generation=model["metadata"].get("generation", 0),
-            replicas=spec.replicas,
+    def _observe(self, pod: dict):
+        return observe_pod(
+            pod,
+            self.settings.card_resource,
+            HASH_LABEL,
+            stuck_grace_seconds=self.settings.stuck_grace_seconds,
+        )
+
+    def _can_host(self, spec: ModelSpec, views, by_name: dict) -> frozenset[str] | None:
+        """Old pods whose node could host a pod of the current template once they leave: the node
+        matches the spec's nodeSelector and has the cards (its allocatable cards, less what other pods
+        there hold, plus the leaving pod's). None when nodes cannot be read (namespaced RBAC)."""
+        res = self.settings.card_resource
+        hosts = set()
+        try:
+            for view in views:
+                if view.template_hash == "" or not view.node or view.is_terminating:
+                    continue
+                node = self.core.read_node(view.node, _preload_content=False, _request_timeout=self.timeout)
+                node = json.loads(node.data)
+                labels = node["metadata"].get("labels") or {}
+                if any(labels.get(k) != v for k, v in spec.node_selector.items()):
+                    continue
+                allocatable = _cards(node["status"].get("allocatable", {}).get(res))
+                used = 0
+                resp = self.core.list_pod_for_all_namespaces(
+                    field_selector=f"spec.nodeName={view.node}",
+                    _preload_content=False,
+                    _request_timeout=self.timeout,
+                )
+                for other in json.loads(resp.data)["items"]:
+                    if (other.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+                        continue
+                    for c in other["spec"]["containers"]:
+                        used += _cards(((c.get("resources") or {}).get("requests") or {}).get(res))
+                leaving = sum(
+                    _cards(((c.get("resources") or {}).get("requests") or {}).get(res))
+                    for c in by_name[view.name]["spec"]["containers"]
+                )
+                if allocatable - used + leaving >= spec.cards:
+                    hosts.add(view.name)
+        except ApiException as e:
+            if e.status in (401, 403):
+                return None
+            raise
+        return frozenset(hosts)
+
+    # ---- status ------------------------------------------------------------------------------------
+
+    def _status(
+        self,
+        model: dict,
+        selector: str,
+        spec: ModelSpec | None = None,
+        thash: str = "",
+        pods: list[dict] | None = None,
+        cache: CacheState | None = None,
+        problems: tuple[Problem, ...] = (),
+        waiting: str = "",
+        invalid: str | None = None,
+    ) -> dict:
+        meta = model["metadata"]
+        if pods is None:
+            pods = self._list(self.core.list_namespaced_pod, meta["namespace"], selector)
+        observed = [self._observe(p) for p in pods]
+        return compute_status(
+            generation=meta.get("generation", 0),
+            replicas=spec.replicas if spec else 0,
             template_hash=thash,
             pods=[v for v, _ in observed],
             health=[h for _, h in observed],
             selector=selector,
-            service_address=f"http://{name}.{namespace}.svc:{self.settings.runtime_port}",
+            service_address=(
+                f"http://{meta['name']}.{meta['namespace']}.svc:{self.settings.runtime_port}"
+                if spec
+                else None
+            ),
             card_resource=self.settings.card_resource,
-            suspended=spec.suspend,
+            invalid=invalid,
+            suspended=bool(spec and spec.suspend),
             cache=cache,
+            problems=problems,
+            waiting=waiting,
         )
+
+    def _report_failure(self, model: dict, problem: Problem) -> None:
         old = model.get("status") or {}
-        if self._write_status(model, new):
-            was = {c["type"]: c for c in old.get("conditions") or []}.get("Progressing", {})
-            now = {c["type"]: c for c in new["conditions"]}["Progressing"]
-            if now["reason"] == "RolloutComplete" and was.get("reason") != "RolloutComplete":
-                kopf.info(model, reason="RolloutComplete", message=now["message"])
-            elif now["reason"] == "WaitingForCards" and was.get("reason") != "WaitingForCards":
-                kopf.warn(model, reason="WaitingForCards", message=now["message"])
-            degraded = {c["type"]: c for c in new["conditions"]}["Degraded"]
-            if degraded["status"] == "True" and was.get("reason") != degraded["reason"]:
-                kopf.warn(model, reason=degraded["reason"], message=degraded["message"])
+        new = {
+            **{k: v for k, v in old.items() if k != "conditions"},
+            "observedGeneration": model["metadata"].get("generation", 0),
+        }
+        conditions = {c["type"]: dict(c) for c in old.get("conditions") or []}
+        for type_, status in (("Ready", "False"), ("Reconciling", "True"), ("Degraded", "True")):
+            conditions[type_] = {
+                "type": type_,
+                "status": status,
+                "reason": problem.reason,
+                "message": problem.message,
+                "observedGeneration": new["observedGeneration"],
+            }
+        new["conditions"] = list(conditions.values())
+        self._write(model, new)
 
-    def _precompile(self, model: dict, spec):
-        """Ensures the compile Job of the current cache key; returns what it observed. Once it succeeded,
-        compile Jobs of older keys are removed."""
-        meta = model["metadata"]
-        key = manifests.cache_key(spec, self.settings)
-        jobs = self._list(
-            self.batch.list_namespaced_job, meta["namespace"], f"{COMPILE_LABEL}={meta['name']}"
-        )
-        current = next((j for j in jobs if j["metadata"]["labels"].get(CACHE_KEY_LABEL) == key), None)
-        if current is None:
-            body = manifests.build_compile_job(model, spec, self.settings, key)
-            try:
-                self.batch.create_namespaced_job(meta["namespace"], body)
-            except ApiException as e:
-                if e.status != 409:
-                    raise
-            kopf.info(
-                model,
-                reason="CompileJobCreated",
-                message=f"compile Job {body['metadata']['name']} for cache key {key}",
-            )
-        state = observe_job(current, key)
-        if state.is_ready:
-            for job in jobs:
-                if job is not current:
-                    self._delete_job(job["metadata"]["name"], meta["namespace"])
-        return state
-
-    def _delete_job(self, name: str, namespace: str) -> None:
-        try:
-            self.batch.delete_namespaced_job(name, namespace, propagation_policy="Background")
-        except ApiException as e:
-            if e.status != 404:
-                raise
-
-    def _list(self, lister, namespace: str, selector: str) -> list[dict]:
-        resp = lister(namespace, label_selector=selector, _preload_content=False)
-        return json.loads(resp.data)["items"]
-
-    def _list_pods(self, namespace: str, selector: str) -> list[dict]:
-        return self._list(self.core.list_namespaced_pod, namespace, selector)
-
-    def _ensure(self, obj: dict, create, read) -> None:
-        meta = obj["metadata"]
-        try:
-            read(meta["name"], meta["namespace"], _preload_content=False)
-        except ApiException as e:
-            if e.status != 404:
-                raise
-            try:
-                create(meta["namespace"], obj)
-            except ApiException as e2:
-                if e2.status != 409:
-                    raise
-
-    def _write_status(self, model: dict, new: dict) -> bool:
-        """Writes status only when it changed; returns whether it wrote."""
+    def _write(self, model: dict, new: dict) -> bool:
+        """Replaces the status (stale keys vanish) when it changed; posts Events on transitions."""
         old = model.get("status") or {}
         if not status_changed(new, old):
             return False
         merged = merge_conditions(new, old)
         meta = model["metadata"]
-        body = {"status": merged}
-        self.custom.patch_namespaced_custom_object_status(
-            GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body
-        )
+        body = {
+            "apiVersion": f"{GROUP}/{VERSION}",
+            "kind": KIND,
+            "metadata": {
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "resourceVersion": meta["resourceVersion"],
+            },
+            "spec": model.get("spec") or {},
+            "status": merged,
+        }
+        try:
+            self.custom.replace_namespaced_custom_object_status(
+                GROUP, VERSION, meta["namespace"], PLURAL, meta["name"], body, _request_timeout=self.timeout
+            )
+        except ApiException as e:
+            if e.status == 409:
+                raise Conflict() from None
+            raise
+        self._post_transitions(model, old, merged)
         return True
+
+    def _post_transitions(self, model: dict, old: dict, new: dict) -> None:
+        before = {c["type"]: c for c in old.get("conditions") or []}
+        after = {c["type"]: c for c in new.get("conditions") or []}
+        progressing, was = after.get("Progressing", {}), before.get("Progressing", {})
+        if progressing.get("reason") != was.get("reason"):
+            if progressing.get("reason") == "RolloutComplete":
+                self.events.post(model, "Normal", "RolloutComplete", progressing["message"], once=False)
+            elif progressing.get("reason") in ("WaitingForCards", "WaitingForCapacity"):
+                self.events.post(model, "Warning", progressing["reason"], progressing["message"])
+        degraded, was = after.get("Degraded", {}), before.get("Degraded", {})
+        if degraded.get("status") == "True" and (degraded.get("reason"), degraded.get("message")) != (
+            was.get("reason"),
+            was.get("message"),
+        ):
+            self.events.post(model, "Warning", degraded["reason"], degraded["message"])
+
+    # ---- helpers -----------------------------------------------------------------------------------
+
+    def _list(self, lister, namespace: str, selector: str) -> list[dict]:
+        resp = lister(
+            namespace, label_selector=selector, _preload_content=False, _request_timeout=self.timeout
+        )
+        return json.loads(resp.data)["items"]
+
+    def forget(self, key: Key) -> None:
+        self._validated.pop(key, None)
+        with self._lock:
+            self._quota_blocked.discard(key)
+
+
+def _serving_hash(views) -> str | None:
+    """The template most live pods run (ready ones first): the rollout that serves now."""
+    live = [v for v in views if not v.is_terminating and not v.is_dead]
+    if not live:
+        return None
+    counts = Counter((v.is_ready, v.template_hash) for v in live)
+    return max(counts, key=lambda k: (counts[k] if k[0] else 0, counts[k]))[1]
+
+
+def _cards(value) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _seconds_since(stamp: str) -> float:
+    try:
+        then = datetime.datetime.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return float("inf")
+    return (datetime.datetime.now(datetime.UTC) - then).total_seconds()
+
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+
+def quantity_bytes(text: str) -> float:
+    """A storage quantity (10Gi, 500M, 1.5Ti) in bytes."""
+    text = str(text).strip()
+    for suffix in sorted({**_BINARY, **_DECIMAL}, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            return float(text[: -len(suffix)]) * {**_BINARY, **_DECIMAL}[suffix]
+    return float(text)
+
+
+class KnownModels:
+    """The models kopf's watch has seen (added by events, removed on deletion): what the resync visits,
+    with no list call of its own."""
+
+    def __init__(self) -> None:
+        self._keys: set[Key] = set()
+        self._lock = threading.Lock()
+
+    def add(self, key: Key) -> None:
+        with self._lock:
+            self._keys.add(key)
+
+    def discard(self, key: Key) -> None:
+        with self._lock:
+            self._keys.discard(key)
+
+    def snapshot(self) -> list[Key]:
+        with self._lock:
+            return sorted(self._keys)
 
 
 class Resync:
-    """Reconciles every SpyreModel in the watched namespaces every `resync_seconds`."""
+    """Enqueues every known model once per `resync_seconds`, spread over the period (not all at once)."""
 
-    def __init__(self, reconciler: Reconciler, settings: OperatorSettings) -> None:
-        self.reconciler = reconciler
+    def __init__(self, queue: WorkQueue, known: KnownModels, settings: OperatorSettings) -> None:
+        self.queue = queue
+        self.known = known
         self.settings = settings
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="resync", daemon=True)
@@ -223,31 +732,17 @@ class Resync:
         self._stop.set()
         self._thread.join(timeout=10)
 
-    def _models(self) -> list[tuple[str, str]]:
-        custom = self.reconciler.custom
-        if self.settings.namespaces:
-            items = [
-                m
-                for ns in self.settings.namespaces
-                for m in custom.list_namespaced_custom_object(GROUP, VERSION, ns, PLURAL)["items"]
-            ]
-        else:
-            items = custom.list_cluster_custom_object(GROUP, VERSION, PLURAL)["items"]
-        return [(m["metadata"]["namespace"], m["metadata"]["name"]) for m in items]
-
     def _loop(self) -> None:
-        while not self._stop.wait(self.settings.resync_seconds):
-            try:
-                for namespace, name in self._models():
-                    if self._stop.is_set():
-                        return
-                    self.reconciler.reconcile(namespace, name)
-            except Exception:  # the next period retries; one bad pass must not end the resync
-                log.exception("resync pass failed")
+        period = self.settings.resync_seconds
+        while not self._stop.wait(period):
+            keys = self.known.snapshot()
+            for i, key in enumerate(keys):
+                self.queue.add(key, delay=period * i / max(1, len(keys)))
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
-    """All handlers, registered against a registry of our own (no import-time global state)."""
+    """All handlers, registered against a registry of our own (no import-time global state). Each one
+    only enqueues its model's key; the work queue's workers reconcile."""
     registry = kopf.OperatorRegistry()
 
     @kopf.on.login(registry=registry)
@@ -255,38 +750,52 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
     @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, **_):
+    def configure(settings: kopf.OperatorSettings, memo, **_):
         # kopf's bookkeeping lives in annotations, never in the (pruned, schema-checked) status
         settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=GROUP, key="last-handled-configuration"
         )
         settings.posting.level = logging.INFO
-        settings.execution.max_workers = 8
+        memo.queue.start()
+        memo.resync.start()
 
-    @kopf.on.resume(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
-    @kopf.on.create(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
-    @kopf.on.update(GROUP, VERSION, PLURAL, id="reconcile", registry=registry)
-    def model_changed(namespace, name, memo, **_):
-        memo.reconciler.reconcile(namespace, name)
+    # Event handlers, not create/update handlers: no finalizer and no bookkeeping writes on the model;
+    # the reconcile decides from what it reads, whatever the event was.
+    @kopf.on.event(GROUP, VERSION, PLURAL, id="model", registry=registry)
+    def model_event(type, namespace, name, memo, **_):
+        key = (namespace, name)
+        if type == "DELETED":
+            memo.known.discard(key)
+            memo.reconciler.forget(key)
+            return
+        memo.known.add(key)
+        memo.queue.add(key)
 
     @kopf.on.event("", "v1", "pods", labels={MODEL_LABEL: kopf.PRESENT}, id="pod", registry=registry)
     def pod_event(namespace, labels, memo, **_):
-        memo.reconciler.reconcile(namespace, labels[MODEL_LABEL])
+        memo.queue.add((namespace, labels[MODEL_LABEL]))
 
     @kopf.on.event("batch", "v1", "jobs", labels={COMPILE_LABEL: kopf.PRESENT}, id="job", registry=registry)
     def job_event(namespace, labels, memo, **_):
-        memo.reconciler.reconcile(namespace, labels[COMPILE_LABEL])
-
-    # The periodic resync is a plain thread, not a kopf timer: kopf puts a finalizer on objects with
-    # timers, which would block deleting a SpyreModel while the operator is down.
-    @kopf.on.startup(registry=registry)
-    def start_resync(memo, **_):
-        memo.resync = Resync(memo.reconciler, settings)
-        memo.resync.start()
+        memo.queue.add((namespace, labels[COMPILE_LABEL]))
 
     @kopf.on.cleanup(registry=registry)
-    def stop_resync(memo, **_):
+    def stop(memo, **_):
         memo.resync.stop()
+        memo.queue.stop()
 
     return registry
+
+
+def build_memo(settings: OperatorSettings, api_client: client.ApiClient) -> kopf.Memo:
+    reconciler = Reconciler(settings, api_client)
+    queue = WorkQueue(reconciler.reconcile, workers=settings.workers)
+    known = KnownModels()
+    return kopf.Memo(
+        reconciler=reconciler,
+        queue=queue,
+        known=known,
+        resync=Resync(queue, known, settings),
+        settings=settings,
+    )

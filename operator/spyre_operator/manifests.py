@@ -5,7 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 
+from spyre_contract import ContractError, EngineFlags, read_environment
+
 from spyre_operator.settings import (
+    ATTEMPT_ANNOTATION,
     CACHE_KEY_LABEL,
     COMPILE_LABEL,
     COMPONENT_LABEL,
@@ -17,7 +20,7 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.spec import ModelSpec
+from spyre_operator.spec import InvalidSpec, ModelSpec
 
 CACHE_MOUNT = "/cache"
 MODEL_MOUNT = "/models"
@@ -53,6 +56,8 @@ def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
         {"name": "SENDNN_INFERENCE_DYNAMO_BACKEND", "value": spec.backend},
         {"name": "SENDNN_INFERENCE_USE_CB", "value": "1" if spec.mode == "continuous" else "0"},
     ]
+    if spec.dtype != "auto":
+        env.append({"name": "SENDNN_INFERENCE_DTYPE", "value": spec.dtype})
     if spec.mode == "static":
         env += [
             {
@@ -97,6 +102,38 @@ def engine_args(spec: ModelSpec) -> list[str]:
         if spec.max_num_batched_tokens:
             args += ["--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     return args
+
+
+# the runtime's flags, as the SpyreModel spells them
+SPEC_FIELD_OF_FLAG = {
+    "--max-num-batched-tokens": "batching.maxNumBatchedTokens",
+    "--max-model-len": "batching.maxModelLen",
+    "--max-num-seqs": "batching.maxNumSeqs",
+    "--tensor-parallel-size": "cards",
+}
+
+
+def check_runtime_contract(spec: ModelSpec) -> None:
+    """Runs the runtime's own rules (the shared contract) on the environment and flags a serving pod
+    would get, user `env` included; raises InvalidSpec with the runtime's one-line reason."""
+    environ = {v["name"]: v["value"] for v in runtime_env(spec) if "value" in v}
+    args = engine_args(spec)
+    flag_values = {args[i]: int(args[i + 1]) for i in range(0, len(args), 2)}
+    flags = EngineFlags(
+        max_model_len=flag_values.get("--max-model-len"),
+        max_num_seqs=flag_values.get("--max-num-seqs"),
+        tensor_parallel_size=flag_values.get("--tensor-parallel-size"),
+        max_num_batched_tokens=flag_values.get("--max-num-batched-tokens"),
+    )
+    try:
+        read_environment(environ, flags)
+    except ContractError as e:
+        message = str(e)
+        for flag, path in SPEC_FIELD_OF_FLAG.items():
+            message = message.replace(flag, f"spec.{path}")
+        user = {v["name"] for v in spec.env}
+        named = next((n for n in user if n in message), None)
+        raise InvalidSpec("env" if named else "batching", f"the runtime would refuse it: {message}") from None
 
 
 def _num_doublings(start: int, top: int) -> int:
@@ -172,6 +209,8 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
             "failureThreshold": startup_failure_threshold(spec, settings),
         },
         "readinessProbe": {**probe, "periodSeconds": 5, "failureThreshold": 2},
+        # the runtime's one-line start-up error reaches the pod's status (and the model's condition)
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
         "securityContext": dict(SECURITY["container"]),
     }
@@ -225,6 +264,24 @@ def build_pod(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict:
             "ownerReferences": [owner_reference(model)],
         },
         "spec": pod_spec,
+    }
+
+
+def clone_pod(pod: dict) -> dict:
+    """A new pod like `pod` (a replica of a template the current spec no longer produces: it keeps an
+    older rollout's pods whole while the new one waits, e.g. for its compile Job)."""
+    meta = pod["metadata"]
+    spec = {k: v for k, v in pod["spec"].items() if k != "nodeName"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "generateName": meta.get("generateName") or meta["name"].rsplit("-", 1)[0] + "-",
+            "namespace": meta["namespace"],
+            "labels": dict(meta.get("labels") or {}),
+            "ownerReferences": list(meta.get("ownerReferences") or []),
+        },
+        "spec": spec,
     }
 
 
@@ -296,7 +353,9 @@ def compile_job_name(name: str, key: str) -> str:
     return f"{name[:40]}-compile-{key[:10]}"
 
 
-def build_compile_job(model: dict, spec: ModelSpec, settings: OperatorSettings, key: str) -> dict:
+def build_compile_job(
+    model: dict, spec: ModelSpec, settings: OperatorSettings, key: str, attempt: int = 1
+) -> dict:
     """A Job that runs `spyre-runtime compile` into the shared cache. It requests no cards: inductor
     compiles on CPU and sendnn uses its card-less compile-only backend."""
     name = model["metadata"]["name"]
@@ -311,6 +370,7 @@ def build_compile_job(model: dict, spec: ModelSpec, settings: OperatorSettings, 
         "env": runtime_env(spec, serving=False),
         "resources": resources,
         "volumeMounts": mounts,
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": dict(SECURITY["container"]),
     }
     pod_spec = {
@@ -329,6 +389,7 @@ def build_compile_job(model: dict, spec: ModelSpec, settings: OperatorSettings, 
             "name": compile_job_name(name, key),
             "namespace": model["metadata"]["namespace"],
             "labels": labels,
+            "annotations": {ATTEMPT_ANNOTATION: str(attempt)},
             "ownerReferences": [owner_reference(model)],
         },
         "spec": {

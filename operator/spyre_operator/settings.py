@@ -17,6 +17,7 @@ MODEL_LABEL = f"{GROUP}/model"
 HASH_LABEL = f"{GROUP}/template-hash"
 COMPILE_LABEL = f"{GROUP}/compile-for"  # on compile Jobs and their pods (not MODEL_LABEL: not replicas)
 CACHE_KEY_LABEL = f"{GROUP}/cache-key"
+ATTEMPT_ANNOTATION = f"{GROUP}/attempt"  # on compile Jobs: which attempt of the current cache key
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "spyre-operator"}
 RESOURCE_NAME = re.compile(
@@ -38,6 +39,11 @@ class OperatorSettings:
     resync_seconds: float = 30.0
     startup_seconds_per_shape: int = 600  # the startup probe's budget for compiling one shape
     runtime_port: int = 8000
+    api_timeout_seconds: float = 30.0  # every API call
+    stuck_grace_seconds: float = 120.0  # image never pulls / container config missing: then replaced
+    compile_attempts: int = 3  # compile Job attempts per cache key before the model is Stalled
+    compile_retry_seconds: float = 30.0  # back-off before the 2nd attempt, doubling after
+    workers: int = 4  # reconcile workers (one key at a time each)
 
 
 ENV = {
@@ -48,6 +54,11 @@ ENV = {
     "namespaces": "SPYRE_OPERATOR_NAMESPACES",
     "resync_seconds": "SPYRE_OPERATOR_RESYNC_SECONDS",
     "startup_seconds_per_shape": "SPYRE_OPERATOR_STARTUP_SECONDS_PER_SHAPE",
+    "api_timeout_seconds": "SPYRE_OPERATOR_API_TIMEOUT_SECONDS",
+    "stuck_grace_seconds": "SPYRE_OPERATOR_STUCK_GRACE_SECONDS",
+    "compile_attempts": "SPYRE_OPERATOR_COMPILE_ATTEMPTS",
+    "compile_retry_seconds": "SPYRE_OPERATOR_COMPILE_RETRY_SECONDS",
+    "workers": "SPYRE_OPERATOR_WORKERS",
 }
 
 
@@ -80,7 +91,15 @@ def load_settings(
             values[field] = raw[field][0]
     if "namespaces" in raw:
         values["namespaces"] = tuple(n.strip() for n in raw["namespaces"][0].split(",") if n.strip())
-    for field, cast in (("resync_seconds", float), ("startup_seconds_per_shape", int)):
+    for field, cast in (
+        ("resync_seconds", float),
+        ("startup_seconds_per_shape", int),
+        ("api_timeout_seconds", float),
+        ("stuck_grace_seconds", float),
+        ("compile_attempts", int),
+        ("compile_retry_seconds", float),
+        ("workers", int),
+    ):
         if field in raw:
             value, source = raw[field]
             try:

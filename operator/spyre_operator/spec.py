@@ -6,15 +6,28 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
+
 VALID_CARDS = (1, 2, 4, 8)
-BACKENDS = ("sendnn", "inductor", "eager")
 SOURCE = re.compile(r"^(pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)/(?P<path>.*)|file://(?P<file>/.+))$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+# Kubernetes' resource.Quantity syntax: a number and a binary-SI, decimal-SI or exponent suffix
+K8S_QUANTITY = re.compile(
+    r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
+)
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service name (RFC 1035 label)
+ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
+# The model's name becomes a Service name and a label value; pod names add "-<hash>-<random>".
+MAX_NAME = 63
 
 
 class InvalidSpec(ValueError):
     def __init__(self, field_path: str, rule: str) -> None:
-        super().__init__(f"spec.{field_path}: {rule}")
+        where = field_path if field_path.startswith("metadata.") else f"spec.{field_path}".rstrip(".")
+        super().__init__(f"{where}: {rule}")
         self.field_path = field_path
         self.rule = rule
 
@@ -38,12 +51,38 @@ class GraphCache:
 
 
 @dataclass(frozen=True)
+class Rollout:
+    """How many pods above `replicas` may exist during a rollout, and how many of `replicas` may be
+    unavailable (only used when there are no cards for a surge). Integers or percentages of replicas."""
+
+    max_surge: int | str = "100%"
+    max_unavailable: int | str = 1
+
+    def resolve(self, replicas: int) -> tuple[int, int]:
+        """(surge, unavailable) as pod counts: surge rounds up, unavailable rounds down (Deployment's
+        rule), and at least one of them is positive so a rollout can always move."""
+        surge = _scaled(self.max_surge, replicas, up=True)
+        unavailable = _scaled(self.max_unavailable, replicas, up=False)
+        if surge == 0 and unavailable == 0:
+            unavailable = 1
+        return surge, unavailable
+
+
+def _scaled(value: int | str, replicas: int, up: bool) -> int:
+    if isinstance(value, int):
+        return value
+    percent = int(value.rstrip("%"))
+    return -(-replicas * percent // 100) if up else replicas * percent // 100
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     source: str
     served_model_name: str
     cards: int = 1
     replicas: int = 1
     backend: str = "sendnn"
+    dtype: str = "auto"
     mode: str = "static"
     shapes: tuple[StaticShape, ...] = (StaticShape(64, 20, 1),)
     max_num_seqs: int | None = None
@@ -59,6 +98,7 @@ class ModelSpec:
     scheduler_name: str | None = None
     priority_class_name: str | None = None
     suspend: bool = False
+    rollout: Rollout = field(default_factory=Rollout)
 
     @property
     def pvc_claim(self) -> str | None:
@@ -83,23 +123,47 @@ def _int(spec: dict, path: str, value, minimum: int | None = None, maximum: int 
     return value
 
 
+def check_name(name: str) -> None:
+    """The model's name names its Service (an RFC 1035 label) and is a label value of its pods."""
+    if len(name) > MAX_NAME:
+        raise InvalidSpec(
+            "", f"metadata.name {name!r} is {len(name)} characters; at most {MAX_NAME} fit a Service name"
+        )
+    if not DNS_LABEL.match(name):
+        raise InvalidSpec(
+            "metadata.name",
+            f"{name!r} must be a DNS label (lower-case letters, digits and '-', starting with a letter): "
+            "it becomes the model's Service name",
+        )
+
+
 def parse_spec(name: str, spec: dict) -> ModelSpec:
     """Validates a SpyreModel spec (as stored, defaults applied or not) into a ModelSpec."""
+    check_name(name)
+    if not isinstance(spec, dict):
+        raise InvalidSpec("", "must be an object")
     model = spec.get("model")
     if not isinstance(model, dict) or not model.get("source"):
         raise InvalidSpec("model.source", "is required")
     source = model["source"]
     if not isinstance(source, str) or not SOURCE.match(source):
         raise InvalidSpec("model.source", f"must be pvc://CLAIM/PATH or file:///PATH, got {source!r}")
+    served = model.get("servedModelName")
+    if served is not None and (not isinstance(served, str) or not served.strip()):
+        raise InvalidSpec("model.servedModelName", f"must be a non-empty string, got {served!r}")
     cards = spec.get("cards", 1)
     if cards not in VALID_CARDS or isinstance(cards, bool):
         raise InvalidSpec("cards", f"must be one of 1, 2, 4, 8, got {cards!r}")
     replicas = _int(spec, "replicas", spec.get("replicas", 1), minimum=0)
     backend = spec.get("backend", "sendnn")
-    if backend not in BACKENDS:
+    if backend not in BACKENDS and backend not in BACKEND_ALIASES:
         raise InvalidSpec("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    backend = BACKEND_ALIASES.get(backend, backend)
+    dtype = spec.get("dtype", "auto")
+    if dtype not in DTYPES:
+        raise InvalidSpec("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
 
-    batching = spec.get("batching") or {}
+    batching = _object(spec, "batching")
     mode = batching.get("mode", "static")
     if mode not in ("static", "continuous"):
         raise InvalidSpec("batching.mode", f"must be static or continuous, got {mode!r}")
@@ -109,6 +173,8 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         raw_shapes = batching.get("shapes")
         if not raw_shapes:
             raise InvalidSpec("batching.shapes", "static batching needs at least one shape")
+        if not isinstance(raw_shapes, list):
+            raise InvalidSpec("batching.shapes", f"must be a list of shapes, got {raw_shapes!r}")
         parsed = []
         for i, s in enumerate(raw_shapes):
             at = f"batching.shapes[{i}]"
@@ -131,12 +197,14 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
             if chunk % 64:
                 raise InvalidSpec("batching.maxNumBatchedTokens", f"must be a multiple of 64, got {chunk}")
 
-    gc = spec.get("graphCache") or {}
+    gc = _object(spec, "graphCache")
     if gc.get("existingClaim") and gc.get("storageClassName"):
         raise InvalidSpec("graphCache", "existingClaim and storageClassName exclude each other")
     size = gc.get("size", "10Gi")
     if not isinstance(size, str) or not QUANTITY.match(size):
         raise InvalidSpec("graphCache.size", f"must be a quantity like 10Gi, got {size!r}")
+    if not re.search(r"[1-9]", size.rstrip("KMGTi")):
+        raise InvalidSpec("graphCache.size", f"must be larger than zero, got {size!r}")
     access = gc.get("accessMode", "ReadWriteMany")
     if access not in ("ReadWriteMany", "ReadWriteOnce"):
         raise InvalidSpec("graphCache.accessMode", f"must be ReadWriteMany or ReadWriteOnce, got {access!r}")
@@ -145,6 +213,10 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         raise InvalidSpec("graphCache.retention", f"must be Retain or Delete, got {retention!r}")
     if gc.get("precompile") and not gc.get("enabled", True):
         raise InvalidSpec("graphCache.precompile", "needs the graph cache: graphCache.enabled is false")
+    for key in ("existingClaim", "storageClassName"):
+        value = gc.get(key)
+        if value is not None and (not isinstance(value, str) or not LABEL_PREFIX.match(value)):
+            raise InvalidSpec(f"graphCache.{key}", f"must be a DNS name, got {value!r}")
     cache = GraphCache(
         precompile=bool(gc.get("precompile", False)),
         enabled=bool(gc.get("enabled", True)),
@@ -154,29 +226,153 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         existing_claim=gc.get("existingClaim"),
         retention=retention,
     )
-    env = spec.get("env") or []
-    for i, var in enumerate(env):
-        if not isinstance(var, dict) or not var.get("name"):
-            raise InvalidSpec(f"env[{i}]", "must be an object with a name")
     return ModelSpec(
         source=source,
-        served_model_name=model.get("servedModelName") or name,
+        served_model_name=served or name,
         cards=cards,
         replicas=replicas,
         backend=backend,
+        dtype=dtype,
         mode=mode,
         shapes=shapes,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=chunk,
         cache=cache,
-        image=spec.get("image"),
-        resources=spec.get("resources") or {},
-        env=tuple(env),
-        node_selector=spec.get("nodeSelector") or {},
-        tolerations=tuple(spec.get("tolerations") or ()),
-        affinity=spec.get("affinity"),
-        scheduler_name=spec.get("schedulerName"),
-        priority_class_name=spec.get("priorityClassName"),
-        suspend=bool(spec.get("suspend", False)),
+        image=_string(spec, "image"),
+        resources=_resources(spec.get("resources")),
+        env=_env(spec.get("env")),
+        node_selector=_node_selector(spec.get("nodeSelector")),
+        tolerations=_tolerations(spec.get("tolerations")),
+        affinity=_object(spec, "affinity") or None,
+        scheduler_name=_string(spec, "schedulerName"),
+        priority_class_name=_string(spec, "priorityClassName"),
+        suspend=_bool(spec, "suspend"),
+        rollout=_rollout(_object(spec, "rollout")),
     )
+
+
+def _object(spec: dict, key: str) -> dict:
+    value = spec.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidSpec(key, f"must be an object, got {value!r}")
+    return value
+
+
+def _string(spec: dict, key: str) -> str | None:
+    value = spec.get(key)
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise InvalidSpec(key, f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _bool(spec: dict, key: str) -> bool:
+    value = spec.get(key, False)
+    if not isinstance(value, bool):
+        raise InvalidSpec(key, f"must be true or false, got {value!r}")
+    return value
+
+
+def _resources(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidSpec("resources", f"must be an object with requests and limits, got {value!r}")
+    for part, amounts in value.items():
+        if part not in ("requests", "limits"):
+            raise InvalidSpec(f"resources.{part}", "is not supported (use requests and limits)")
+        if not isinstance(amounts, dict):
+            raise InvalidSpec(f"resources.{part}", f"must map resource names to quantities, got {amounts!r}")
+        for resource, amount in amounts.items():
+            if isinstance(amount, bool) or not (
+                isinstance(amount, int | float) or (isinstance(amount, str) and K8S_QUANTITY.match(amount))
+            ):
+                raise InvalidSpec(
+                    f"resources.{part}.{resource}", f"must be a quantity like 4, 500m or 16Gi, got {amount!r}"
+                )
+    return value
+
+
+def _env(value) -> tuple:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidSpec("env", f"must be a list of {{name, value}} objects, got {value!r}")
+    seen = set()
+    for i, var in enumerate(value):
+        if not isinstance(var, dict) or not var.get("name"):
+            raise InvalidSpec(f"env[{i}]", "must be an object with a name")
+        name = var["name"]
+        if not isinstance(name, str) or not ENV_NAME.match(name):
+            raise InvalidSpec(f"env[{i}].name", f"{name!r} is not a valid environment variable name")
+        if name in seen:
+            raise InvalidSpec(f"env[{i}].name", f"{name} is set twice")
+        seen.add(name)
+        if "value" in var and "valueFrom" in var:
+            raise InvalidSpec(f"env[{i}]", f"{name}: value and valueFrom exclude each other")
+        if "value" in var and not isinstance(var["value"], str):
+            raise InvalidSpec(
+                f"env[{i}].value", f"{name}: must be a string (quote it in YAML), got {var['value']!r}"
+            )
+        if "valueFrom" in var and not isinstance(var["valueFrom"], dict):
+            raise InvalidSpec(f"env[{i}].valueFrom", f"{name}: must be an object")
+        unknown = set(var) - {"name", "value", "valueFrom"}
+        if unknown:
+            raise InvalidSpec(f"env[{i}]", f"{name}: unknown fields {sorted(unknown)}")
+    return tuple(value)
+
+
+def _label_key_ok(key: str) -> bool:
+    prefix, _, name = key.rpartition("/")
+    return (
+        0 < len(name) <= 63
+        and bool(LABEL_NAME.match(name))
+        and (not prefix or (len(prefix) <= 253 and bool(LABEL_PREFIX.match(prefix))))
+    )
+
+
+def _node_selector(value) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidSpec("nodeSelector", f"must map label keys to values, got {value!r}")
+    for key, label in value.items():
+        if not isinstance(key, str) or not _label_key_ok(key):
+            raise InvalidSpec("nodeSelector", f"{key!r} is not a valid label key")
+        if not isinstance(label, str) or len(label) > 63 or not LABEL_NAME.match(label):
+            raise InvalidSpec(f"nodeSelector.{key}", f"{label!r} is not a valid label value")
+    return value
+
+
+def _tolerations(value) -> tuple:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidSpec("tolerations", f"must be a list, got {value!r}")
+    for i, t in enumerate(value):
+        if not isinstance(t, dict):
+            raise InvalidSpec(f"tolerations[{i}]", f"must be an object, got {t!r}")
+        op = t.get("operator", "Equal")
+        if op not in ("Equal", "Exists"):
+            raise InvalidSpec(f"tolerations[{i}].operator", f"must be Equal or Exists, got {op!r}")
+        if op == "Exists" and t.get("value"):
+            raise InvalidSpec(f"tolerations[{i}].value", "must be empty when operator is 'Exists'")
+        if t.get("effect") not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
+            raise InvalidSpec(f"tolerations[{i}].effect", f"is not a taint effect: {t.get('effect')!r}")
+    return tuple(value)
+
+
+def _rollout(value: dict) -> Rollout:
+    parsed = {}
+    for key, attr in (("maxSurge", "max_surge"), ("maxUnavailable", "max_unavailable")):
+        if key not in value or value[key] is None:
+            continue
+        v = value[key]
+        if isinstance(v, bool) or not (
+            (isinstance(v, int) and v >= 0) or (isinstance(v, str) and PERCENT.match(v))
+        ):
+            raise InvalidSpec(f"rollout.{key}", f"must be a count >= 0 or a percentage like 25%, got {v!r}")
+        parsed[attr] = v
+    return Rollout(**parsed)

@@ -1,5 +1,8 @@
-"""Status as a pure function of what was observed, in kstatus conventions (observedGeneration, Ready,
-Progressing, Degraded), so Argo CD and Flux read health correctly. Written only when it changed."""
+"""Status as a pure function of what was observed, in kstatus conventions so Argo CD and Flux read health
+correctly: `observedGeneration`, `Ready` (set from the first reconcile), the abnormal-true `Reconciling` (the
+spec is not fully rolled out yet) and `Stalled` (progress needs a human: invalid spec, a request the API
+server refused, a failed compile, pods that crash or never pull), and the older `Progressing` / `Degraded`.
+The status is replaced as a whole and written only when it changed."""
 
 from __future__ import annotations
 
@@ -8,7 +11,15 @@ from dataclasses import dataclass
 
 from spyre_operator.plan import PodView
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Progressing", "Degraded")
+# container waiting reasons that never resolve by waiting; replaced after a grace period
+STUCK_REASONS = (
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+)
 
 
 @dataclass(frozen=True)
@@ -16,48 +27,92 @@ class PodHealth:
     """Failures read off one pod's status."""
 
     name: str
-    failure_reason: str | None = None  # CrashLoop | ContainerFailed
+    failure_reason: str | None = None  # CrashLoop | ContainerFailed | PodFailed | one of STUCK_REASONS
     failure_message: str = ""
     unschedulable_message: str = ""
 
 
-def observe_pod(pod: dict, card_resource: str, hash_label: str) -> tuple[PodView, PodHealth]:
+@dataclass(frozen=True)
+class Problem:
+    """Something that went wrong while acting (an API error, a refused object) or was seen (a failing
+    pod): a reason, a message naming the object, and whether progress needs a human (Stalled)."""
+
+    reason: str
+    message: str
+    is_stalled: bool = True
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _age_seconds(created: str, now: datetime.datetime) -> float:
+    try:
+        then = datetime.datetime.strptime(created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return 0.0
+    return (now - then).total_seconds()
+
+
+def observe_pod(
+    pod: dict,
+    card_resource: str,
+    hash_label: str,
+    now: datetime.datetime | None = None,
+    stuck_grace_seconds: float = 120.0,
+) -> tuple[PodView, PodHealth]:
     meta, status = pod["metadata"], pod.get("status") or {}
+    now = now or datetime.datetime.now(datetime.UTC)
     conditions = {c["type"]: c for c in status.get("conditions") or []}
     ready = conditions.get("Ready", {}).get("status") == "True"
     scheduled = conditions.get("PodScheduled", {})
     unschedulable = ""
     if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
         unschedulable = scheduled.get("message", "")
-    failure, message = None, ""
+    failure, message, dead = None, "", ""
     for cs in status.get("containerStatuses") or []:
         waiting = (cs.get("state") or {}).get("waiting") or {}
         terminated = (cs.get("state") or {}).get("terminated") or {}
         last = (cs.get("lastState") or {}).get("terminated") or {}
         if waiting.get("reason") == "CrashLoopBackOff":
             failure = "CrashLoop"
+            words = _last_line(last.get("message"))
             message = (
-                f"container {cs['name']} is crash-looping (last exit: {last.get('reason', 'unknown')}, "
-                f"code {last.get('exitCode', '?')}, restarts {cs.get('restartCount', 0)})"
+                f"pod {meta['name']}: container {cs['name']} is crash-looping (last exit: "
+                f"{last.get('reason', 'unknown')}, code {last.get('exitCode', '?')}, restarts "
+                f"{cs.get('restartCount', 0)})" + (f": {words}" if words else "")
             )
+        elif waiting.get("reason") in STUCK_REASONS:
+            failure = waiting["reason"]
+            message = (
+                f"pod {meta['name']}: container {cs['name']} cannot start ({waiting['reason']}, image "
+                f"{cs.get('image', '?')}): {waiting.get('message', '')}".rstrip(": ")
+            )
+            if _age_seconds(meta.get("creationTimestamp") or "", now) > stuck_grace_seconds:
+                dead = f"stuck in {waiting['reason']} for more than {stuck_grace_seconds:.0f} s"
         elif terminated and terminated.get("exitCode", 0) != 0:
             failure = "ContainerFailed"
+            words = _last_line(terminated.get("message"))
             message = (
-                f"container {cs['name']} exited: {terminated.get('reason', 'Error')} "
-                f"(code {terminated.get('exitCode')})"
+                f"pod {meta['name']}: container {cs['name']} exited: {terminated.get('reason', 'Error')} "
+                f"(code {terminated.get('exitCode')})" + (f": {words}" if words else "")
             )
-    if status.get("phase") == "Failed" and failure is None:
-        failure, message = (
-            "ContainerFailed",
-            f"pod failed: {status.get('reason', '')} {status.get('message', '')}".strip(),
-        )
+    phase = status.get("phase")
+    if phase in ("Failed", "Succeeded"):
+        why = " ".join(x for x in (status.get("reason"), status.get("message")) if x) or f"phase {phase}"
+        dead = f"pod ended ({phase}): {why}"
+        if failure is None:
+            failure, message = "PodFailed", f"pod {meta['name']} ended ({phase}): {why}"
     view = PodView(
         name=meta["name"],
         template_hash=(meta.get("labels") or {}).get(hash_label, ""),
-        is_ready=ready,
+        is_ready=ready and not dead,
         is_terminating=bool(meta.get("deletionTimestamp")),
         lacks_cards=f"Insufficient {card_resource}" in unschedulable,
         created=meta.get("creationTimestamp") or "",
+        node=(pod.get("spec") or {}).get("nodeName") or "",
+        dead_reason=dead,
     )
     return view, PodHealth(meta["name"], failure, message, unschedulable)
 
@@ -75,14 +130,27 @@ class CacheState:
     is_failed: bool
     reason: str
     message: str
+    attempt: int = 1
+    max_attempts: int = 1
+    failed_at: str = ""  # when the current attempt failed
+
+    @property
+    def can_retry(self) -> bool:
+        return self.is_failed and self.attempt < self.max_attempts
 
 
-def observe_job(job: dict | None, key: str) -> CacheState:
+def observe_job(
+    job: dict | None, key: str, max_attempts: int = 1, attempt_annotation: str = ""
+) -> CacheState:
     """Reads a compile Job's status (None: not created yet)."""
     if job is None:
         return CacheState(key, False, False, "Compiling", f"creating the compile Job for cache key {key}")
     status = job.get("status") or {}
     name = job["metadata"]["name"]
+    try:
+        attempt = int((job["metadata"].get("annotations") or {}).get(attempt_annotation, 1))
+    except ValueError:
+        attempt = 1
     conditions = {c.get("type"): c for c in status.get("conditions") or []}
     failed = conditions.get("Failed", {})
     if status.get("succeeded"):
@@ -90,11 +158,30 @@ def observe_job(job: dict | None, key: str) -> CacheState:
     if failed.get("status") == "True":
         reason = failed.get("reason") or "JobFailed"
         detail = failed.get("message") or "the compile Job failed"
+        tail = (
+            f"attempt {attempt} of {max_attempts}, retrying with back-off"
+            if attempt < max_attempts
+            else f"failed {attempt} of {max_attempts} attempts: fix the cause, then delete the Job to retry"
+        )
         return CacheState(
-            key, False, True, "CompileJobFailed", f"compile Job {name} failed ({reason}): {detail}"
+            key,
+            False,
+            True,
+            "CompileJobFailed",
+            f"compile Job {name} failed ({reason}): {detail} ({tail})",
+            attempt,
+            max_attempts,
+            failed.get("lastTransitionTime") or "",
         )
     return CacheState(
-        key, False, False, "Compiling", f"compile Job {name} is filling the cache for key {key}"
+        key,
+        False,
+        False,
+        "Compiling",
+        f"compile Job {name} is filling the cache for key {key}"
+        + (f" (attempt {attempt} of {max_attempts})" if attempt > 1 else ""),
+        attempt,
+        max_attempts,
     )
 
 
@@ -123,8 +210,10 @@ def _compute_status(
     invalid: str | None = None,
     suspended: bool = False,
     cache: CacheState | None = None,
+    problems: tuple[Problem, ...] = (),
+    waiting: str = "",
 ) -> dict:
-    live = [p for p in pods if not p.is_terminating]
+    live = [p for p in pods if not p.is_terminating and not p.is_dead]
     current = [p for p in live if p.template_hash == template_hash]
     ready_current = sum(p.is_ready for p in current)
     ready_all = sum(p.is_ready for p in live)
@@ -139,19 +228,31 @@ def _compute_status(
     if service_address:
         base["serviceAddress"] = service_address
     if invalid:
-        return _at_rest(base, "Failed", "InvalidSpec", invalid, degraded=True)
-    if suspended:
+        return _at_rest(base, "Failed", "InvalidSpec", invalid, stalled=True)
+    if suspended and not problems:
         return _at_rest(
             base, "Suspended", "Suspended", "spec.suspend is true: pods removed, cache and Service kept"
         )
-    failures = [h for h in health if h.failure_reason and h.name in {p.name for p in live}]
+    names = {p.name for p in pods if not p.is_terminating}
+    failures = [
+        Problem(h.failure_reason, h.failure_message) for h in health if h.failure_reason and h.name in names
+    ]
     starving = [h for h in health if f"Insufficient {card_resource}" in h.unschedulable_message]
-    done = len(current) == replicas and ready_current == replicas and len(live) == replicas
+    done = (
+        not suspended
+        and len(current) == replicas
+        and ready_current == replicas
+        and len(live) == replicas
+        and not problems
+    )
     if done:
         msg = f"{ready_current}/{replicas} replicas ready"
         progressing = condition("Progressing", False, "RolloutComplete", msg)
     elif starving:
-        progressing = condition("Progressing", True, "WaitingForCards", starving[0].unschedulable_message)
+        message = starving[0].unschedulable_message + (f"; {waiting}" if waiting else "")
+        progressing = condition("Progressing", True, "WaitingForCards", message)
+    elif waiting:
+        progressing = condition("Progressing", True, "WaitingForCapacity", waiting)
     elif (
         len(current) < replicas or len(live) > replicas or any(p.template_hash != template_hash for p in live)
     ):
@@ -170,41 +271,58 @@ def _compute_status(
         )
     if cache is not None and not cache.is_ready and not done:
         progressing = condition("Progressing", True, "WaitingForCache", cache.message)
-    if failures:
-        degraded = condition("Degraded", True, failures[0].failure_reason, failures[0].failure_message)
-    elif cache is not None and cache.is_failed:
-        degraded = condition("Degraded", True, cache.reason, cache.message)
+    # what needs a human first, then what the operator is retrying
+    all_problems = list(problems) + failures
+    if cache is not None and cache.is_failed:
+        all_problems.append(Problem(cache.reason, cache.message, is_stalled=not cache.can_retry))
+    stalled = next((p for p in all_problems if p.is_stalled), None)
+    worst = stalled or (all_problems[0] if all_problems else None)
+    if worst is not None:
+        degraded = condition("Degraded", True, worst.reason, worst.message)
     else:
         degraded = condition("Degraded", False, "AsExpected", "no pod is failing")
-    ready_reason = (
-        "AllReplicasReady"
-        if done
-        else progressing["reason"]
-        if progressing["status"] == "True"
-        else "NotReady"
-    )
-    if replicas == 0:
+    if replicas == 0 and not problems:
         ready = condition("Ready", True, "ScaledToZero", "replicas is 0")
+    elif done:
+        ready = condition("Ready", True, "AllReplicasReady", f"{ready_current}/{replicas} replicas ready")
     else:
-        ready = condition("Ready", done, ready_reason, f"{ready_current}/{replicas} replicas ready")
-    is_degraded = degraded["status"] == "True"
-    phase = "Ready" if done or replicas == 0 else "Degraded" if is_degraded else progressing["reason"]
-    conditions = [ready, progressing, degraded]
+        reason = worst.reason if worst else progressing["reason"]
+        detail = f"{ready_current}/{replicas} replicas ready" + (f"; {worst.message}" if worst else "")
+        ready = condition("Ready", False, reason, detail)
+    is_done = done or (replicas == 0 and not problems)
+    if stalled is not None:
+        stalled_c = condition("Stalled", True, stalled.reason, stalled.message)
+    else:
+        stalled_c = condition("Stalled", False, "AsExpected", "nothing needs a human")
+    if is_done:
+        reconciling = condition("Reconciling", False, "RolloutComplete", progressing["message"])
+    elif stalled is not None:
+        reconciling = condition("Reconciling", False, stalled.reason, "stalled: " + stalled.message)
+    elif worst is not None:
+        reconciling = condition("Reconciling", True, worst.reason, "retrying: " + worst.message)
+    else:
+        reconciling = condition("Reconciling", True, progressing["reason"], progressing["message"])
+    phase = "Ready" if is_done else "Degraded" if worst is not None else progressing["reason"]
+    if suspended:
+        phase = "Suspended"
+    conditions = [ready, reconciling, stalled_c, progressing, degraded]
     if cache is not None:
         base["cacheKey"] = cache.key
         conditions.append(condition("CacheReady", cache.is_ready, cache.reason, cache.message))
     return {**base, "phase": phase, "conditions": conditions}
 
 
-def _at_rest(base: dict, phase: str, reason: str, message: str, degraded: bool = False) -> dict:
+def _at_rest(base: dict, phase: str, reason: str, message: str, stalled: bool = False) -> dict:
     """A model the operator does not roll out (invalid or suspended): not Ready, not Progressing."""
     return {
         **base,
         "phase": phase,
         "conditions": [
             condition("Ready", False, reason, message),
+            condition("Reconciling", False, reason, message),
+            condition("Stalled", stalled, reason, message),
             condition("Progressing", False, reason, message),
-            condition("Degraded", degraded, reason, message),
+            condition("Degraded", stalled, reason, message),
         ],
     }
 

@@ -357,7 +357,10 @@ class ControlPlane:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                "--service-cluster-ip-range=10.96.0.0/24",
+                "--service-cluster-ip-range=10.96.0.0/16",
+                # what a production cluster adds to 1.20's defaults (ResourceQuota and Priority are on by
+                # default): owner references that block deletion need the owner's finalizers permission
+                "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=none",
                 "--enable-priority-and-fairness=false",

@@ -1,5 +1,8 @@
 """A status-only stand-in for the kubelet (and a storage provisioner), for operator tests: it runs nothing.
-Pods bound to a node are reported Running (and Ready unless held back); run-to-completion pods
+Pods bound to a node are reported Running and become Ready `ready_delay` seconds later (unless held back
+with `ready = False`); and, as a real cluster does to them: crash-loop with a termination message
+(`crashing`, `messages`), get evicted (`evict`: phase Failed), never pull their image (`bad_images`), or
+lose readiness when their node goes NotReady (`set_node_ready`). Run-to-completion pods
 (restartPolicy Never, e.g. a Job's) are reported Succeeded once `complete_jobs` is set, or Failed when their
 Job is in `failing_jobs`; pods being deleted are finalized,
 as a kubelet does once their containers stopped; pending claims get a volume. The end-to-end tests use the
@@ -10,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import threading
+import time
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -50,7 +54,13 @@ class FakeKubelet:
         self.core = client.CoreV1Api(api_client)
         self.namespace = namespace
         self.ready = ready
+        self.ready_delay = 0.0  # seconds from Running to Ready (warm-up)
         self.crashing: set[str] = set()
+        self.messages: dict[str, str] = {}  # pod -> the container's termination message
+        self.evicted: set[str] = set()
+        self.bad_images: set[str] = set()
+        self.not_ready_nodes: set[str] = set()
+        self._running_since: dict[str, float] = {}
         self.complete_jobs = True
         self.failing_jobs: set[str] = set()
         self.period = period
@@ -70,6 +80,35 @@ class FakeKubelet:
             with contextlib.suppress(ApiException):
                 self.sync()
 
+    def evict(self, name: str) -> None:
+        self.evicted.add(name)
+
+    def set_node_ready(self, node: str, ready: bool) -> None:
+        """As the node lifecycle controller does for a node that stopped posting heartbeats: the node's
+        Ready condition turns Unknown and its pods turn not Ready."""
+        (self.not_ready_nodes.discard if ready else self.not_ready_nodes.add)(node)
+        now = _now()
+        status = "True" if ready else "Unknown"
+        self.core.patch_node_status(
+            node,
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "Ready",
+                            "status": status,
+                            "reason": "KubeletReady" if ready else "NodeStatusUnknown",
+                            "message": "kubelet is posting ready status"
+                            if ready
+                            else "Kubelet stopped posting",
+                            "lastHeartbeatTime": now,
+                            "lastTransitionTime": now,
+                        }
+                    ]
+                }
+            },
+        )
+
     def sync(self) -> None:
         provision_pending_claims(self.core, self.namespace)
         for pod in self.core.list_namespaced_pod(self.namespace).items:
@@ -77,15 +116,29 @@ class FakeKubelet:
             if pod.metadata.deletion_timestamp:
                 with contextlib.suppress(ApiException):
                     self.core.delete_namespaced_pod(name, self.namespace, grace_period_seconds=0)
+                self._running_since.pop(name, None)
                 continue
-            if not pod.spec.node_name:
+            if not pod.spec.node_name or pod.status.phase in ("Failed", "Succeeded"):
                 continue
             if pod.spec.restart_policy == "Never":
                 self._finish(pod)
                 continue
+            if name in self.evicted:
+                self.core.patch_namespaced_pod_status(name, self.namespace, self._evicted(pod))
+                continue
+            if any(c.image in self.bad_images for c in pod.spec.containers):
+                if pod.status.phase != "Pending" or not pod.status.container_statuses:
+                    self.core.patch_namespaced_pod_status(name, self.namespace, self._pull_failing(pod))
+                continue
             conditions = {c.type: c.status for c in pod.status.conditions or []}
+            started = self._running_since.setdefault(name, time.monotonic())
+            warmed = self.ready and time.monotonic() - started >= self.ready_delay
             # `ready` gates pods not Ready yet (warming up); a Ready pod stays Ready unless it crashes
-            want_ready = (self.ready or conditions.get("Ready") == "True") and name not in self.crashing
+            want_ready = (
+                (warmed or conditions.get("Ready") == "True")
+                and name not in self.crashing
+                and pod.spec.node_name not in self.not_ready_nodes
+            )
             crashing = name in self.crashing
             has_crash = any(
                 cs.state and cs.state.waiting and cs.state.waiting.reason == "CrashLoopBackOff"
@@ -128,6 +181,60 @@ class FakeKubelet:
         }
         self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, {"status": status})
 
+    def _evicted(self, pod) -> dict:
+        now = _now()
+        return {
+            "status": {
+                "phase": "Failed",
+                "reason": "Evicted",
+                "message": "The node was low on resource: memory.",
+                "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}],
+                "containerStatuses": [
+                    {
+                        "name": c.name,
+                        "image": c.image,
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {
+                            "terminated": {
+                                "exitCode": 137,
+                                "reason": "Error",
+                                "startedAt": now,
+                                "finishedAt": now,
+                            }
+                        },
+                    }
+                    for c in pod.spec.containers
+                ],
+            }
+        }
+
+    def _pull_failing(self, pod) -> dict:
+        now = _now()
+        return {
+            "status": {
+                "phase": "Pending",
+                "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}],
+                "containerStatuses": [
+                    {
+                        "name": c.name,
+                        "image": c.image,
+                        "imageID": "",
+                        "ready": False,
+                        "restartCount": 0,
+                        "state": {
+                            "waiting": {
+                                "reason": "ImagePullBackOff",
+                                "message": f'Back-off pulling image "{c.image}"',
+                            }
+                        },
+                    }
+                    for c in pod.spec.containers
+                ],
+            }
+        }
+
     def _status(self, pod, ready: bool, crashing: bool) -> dict:
         flag = "True" if ready else "False"
         now = _now()
@@ -135,7 +242,15 @@ class FakeKubelet:
             state = {
                 "waiting": {"reason": "CrashLoopBackOff", "message": "back-off restarting failed container"}
             }
-            last = {"terminated": {"reason": "Error", "exitCode": 1, "startedAt": now, "finishedAt": now}}
+            last = {
+                "terminated": {
+                    "reason": "Error",
+                    "exitCode": 1,
+                    "startedAt": now,
+                    "finishedAt": now,
+                    "message": self.messages.get(pod.metadata.name, ""),
+                }
+            }
             restarts = 3
         else:
             state, last, restarts = {"running": {"startedAt": now}}, {}, 0
