@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=None,
             help="continuous batching: KV cache blocks of 64 tokens (default: max-num-seqs full sequences)",
         )
+        p.add_argument(
+            "--dtype",
+            default=None,
+            help="auto (default: the checkpoint's dtype on CPU backends, float16 for sendnn), float32, "
+            "bfloat16 or float16; env SENDNN_INFERENCE_DTYPE",
+        )
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
     engine_flags(serve)
@@ -101,6 +107,7 @@ def _config(args):
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
+        dtype=args.dtype,
     )
     from spyre_runtime.workers import check_tensor_parallel
 

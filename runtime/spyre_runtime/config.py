@@ -52,6 +52,7 @@ class RuntimeConfig:
     model_dir: Path
     served_model_name: str
     backend: str = "sendnn"
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CPU backends, float16 for sendnn (executor.py)
     use_cb: bool = False
     shapes: tuple[Shape, ...] = (Shape(64, 20, 1),)
     max_model_len: int = 84
@@ -121,6 +122,7 @@ def load_config(
     max_num_batched_tokens: int | None = None,
     enable_prefix_caching: bool | None = None,
     num_kv_blocks: int | None = None,
+    dtype: str | None = None,
 ) -> RuntimeConfig:
     """Environment first, then flags (any argument that is not None wins)."""
     flags = EngineFlags(
@@ -129,6 +131,7 @@ def load_config(
         tensor_parallel_size=tensor_parallel_size,
         max_num_batched_tokens=max_num_batched_tokens,
         num_kv_blocks=num_kv_blocks,
+        dtype=dtype,
     )
     if port is not None and not 0 < port <= 65535:
         raise ConfigError(f"--port={port} must be between 1 and 65535")

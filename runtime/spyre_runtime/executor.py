@@ -8,6 +8,8 @@ raises instead of silently compiling.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import time
@@ -44,6 +46,19 @@ def compiler_for(backend: str, compile_only: bool = False):
         if compile_only:
             return "sendnn_compile_only"
     return backend
+
+
+def compile_settings(backend: str):
+    """Inductor settings while a graph is traced and compiled (warmup): `freezing` turns the weights into
+    constants, folded and prepacked for oneDNN (2-3x faster small-batch GEMMs on CPU). It must be on while
+    dynamo traces, not only while inductor compiles: dynamo installs the parameters as graph attributes
+    (constants) only then; otherwise they are graph inputs and nothing is frozen. The KV cache tensors are
+    never parameters: they stay graph inputs, mutated in place."""
+    if backend != "inductor":
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(freezing=True)
 
 
 def cgroup_cpu_limit() -> int | None:
@@ -94,7 +109,24 @@ def model_dims(model) -> ModelDims:
     return ModelDims(len(attns), first.nheads, first.kvheads, first.emb_kq_per_head, vocab)
 
 
-def load_fms_model(model_dir: Path, tensor_parallel: bool = False):
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, backend: str, model_dir: Path) -> torch.dtype:
+    """--dtype to a torch dtype. `auto`: float16 for sendnn (what Spyre cards run), else the checkpoint's
+    dtype from config.json (`dtype` or `torch_dtype`), float32 when it names none or an unknown one."""
+    if dtype != "auto":
+        return TORCH_DTYPES[dtype]
+    if backend == "sendnn":
+        return torch.float16
+    try:
+        hf = json.loads((model_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return torch.float32
+    return TORCH_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype")), torch.float32)
+
+
+def load_fms_model(model_dir: Path, tensor_parallel: bool = False, dtype: torch.dtype = torch.float32):
     """The whole model, or with `tensor_parallel` this rank's shard (FMS's "tp" strategy over the default
     process group, which must already be initialized)."""
     from fms.models import get_model
@@ -103,7 +135,7 @@ def load_fms_model(model_dir: Path, tensor_parallel: bool = False):
         raise ConfigError(f"model directory {model_dir} has no config.json")
     kwargs = {"distributed_strategy": "tp", "group": torch.distributed.group.WORLD} if tensor_parallel else {}
     model = get_model(
-        "hf_pretrained", model_path=str(model_dir), device_type="cpu", data_type=torch.float32, **kwargs
+        "hf_pretrained", model_path=str(model_dir), device_type="cpu", data_type=dtype, **kwargs
     )
     model.eval()
     return model
@@ -116,9 +148,12 @@ class ModelExecutor:
         kv_cache.register()
         tp = config.tensor_parallel_size > 1
         self.workers = WorkerGroup(config) if tp and rank == 0 else None
+        self.dtype = resolve_dtype(config.dtype, config.backend, config.model_dir)
         if model is None:
             with loading(config):
-                model = load_fms_model(config.model_dir, tensor_parallel=tp)
+                model = load_fms_model(config.model_dir, tensor_parallel=tp, dtype=self.dtype)
+        else:
+            self.dtype = next(model.parameters()).dtype
         if tp:
             # every rank has loaded (and left its load slot) before rank 0 may take a slot to compile
             torch.distributed.barrier()
@@ -130,10 +165,15 @@ class ModelExecutor:
             num_blocks = config.cb_num_blocks
         else:
             num_blocks = 1 + max(s.batch_size * blocks_for(s.max_len) for s in config.shapes)
-        self.kv = KVCachePool(self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim)
+        self.kv = KVCachePool(
+            self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=self.dtype
+        )
         backend = compiler_for(config.backend, compile_only)
+        # fullgraph: a graph break would split the forward and run Python between its pieces; it fails
         self._step_fn = (
-            self._forward if backend is None else torch.compile(self._forward, backend=backend, dynamic=False)
+            self._forward
+            if backend is None
+            else torch.compile(self._forward, backend=backend, dynamic=False, fullgraph=True)
         )
         self.is_warm = False
         self.warmup_seconds: float | None = None
@@ -177,7 +217,8 @@ class ModelExecutor:
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._step_fn(*args)
-            return self._step_fn(*args)
+            with compile_settings(self.config.backend):
+                return self._step_fn(*args)
 
     def set_env(self, values: dict[str, str]) -> None:
         """Sets environment variables here and on every tensor-parallel rank (before compiling)."""

@@ -1,0 +1,119 @@
+"""Where the time of one continuous-batching step goes: a decode step at batch 8 and one prefill chunk,
+through the runtime's own ModelExecutor on SmolLM2 (inductor). A script with a report, not a timed test.
+
+    .venv/bin/python bench/profile_step.py [--batch 8] [--kv 256] [--chunk 256] [--dtype float32]
+                                           [--iters 20] [--trace DIR] [--out bench/results-profile.json]
+
+Prints the median time of the compiled forward and of the whole executor step (inputs built, forward,
+sampling), and torch.profiler's top operators for both. `--trace DIR` also keeps inductor's output code
+(TORCH_COMPILE_DEBUG-style) under DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from serve_bench import MODEL_DIR  # noqa: E402
+
+
+def timed(fn, iters: int) -> float:
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def top_ops(fn, rows: int = 12) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            fn()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [
+        {"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 3e3, "calls_per_step": e.count / 3}
+        for e in events[:rows]
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--kv", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--backend", default="inductor")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    from spyre_runtime.cb_scheduler import ContinuousStep, DecodeRow, PrefillChunk
+    from spyre_runtime.config import load_config
+    from spyre_runtime.executor import ModelExecutor
+
+    env = {
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": args.backend,
+        "SENDNN_INFERENCE_USE_CB": "1",
+        "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": str(args.batch),
+        "SENDNN_INFERENCE_CB_KV_LENS": str(args.kv),
+        "SENDNN_INFERENCE_DTYPE": args.dtype,
+    }
+    cfg = load_config(
+        MODEL_DIR,
+        environ=env,
+        max_num_seqs=args.batch,
+        max_model_len=args.kv,
+        max_num_batched_tokens=args.chunk,
+    )
+    t0 = time.perf_counter()
+    ex = ModelExecutor(cfg)
+    load_s = time.perf_counter() - t0
+    warm_s = ex.warmup()
+    nb = args.kv // 64
+    rows = tuple(
+        DecodeRow(
+            request=None,
+            token_id=100 + r,
+            position=args.kv // 2 + r,
+            block_table=tuple(range(1 + r * nb, 1 + (r + 1) * nb)),
+        )
+        for r in range(args.batch)
+    )
+    decode = ContinuousStep(batch_size=args.batch, kv_len=args.kv, decode=rows)
+    chunk = PrefillChunk(None, tuple(range(1, args.chunk + 1)), 0, args.chunk, tuple(range(1, 1 + nb)), True)
+    decode_args = ex.batch_decode_inputs(decode)
+    chunk_args = ex.chunk_inputs(chunk, ex.prefill_kv_len)
+    res = {
+        "config": vars(args) | {"out": None},
+        "load_s": load_s,
+        "warmup_s": warm_s,
+        "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters),
+        "decode_inputs_ms": timed(lambda: ex.batch_decode_inputs(decode), args.iters),
+        "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4)),
+        "chunk_inputs_ms": timed(lambda: ex.chunk_inputs(chunk, ex.prefill_kv_len), args.iters),
+        "decode_top_ops": top_ops(lambda: ex.run_local(*decode_args)),
+        "chunk_top_ops": top_ops(lambda: ex.run_local(*chunk_args)),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpus": os.cpu_count(),
+    }
+    text = json.dumps(res, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

