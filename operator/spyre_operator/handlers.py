@@ -184,7 +184,9 @@ class Reconciler:
             manifests.check_runtime_contract(spec)
             self._dry_run(key, model, spec)
         except InvalidSpec as e:
-            self._write(model, self._status(model, selector, invalid=str(e)))
+            # a name that is no label value cannot select pods (and none can carry it)
+            pods = [] if e.field_path == "metadata.name" else None
+            self._write(model, self._status(model, selector, pods=pods, invalid=str(e)))
             return Result()
 
         work = Pass()
@@ -225,8 +227,13 @@ class Reconciler:
         accept every object of this spec; a refusal is an InvalidSpec. Done once per generation."""
         meta = model["metadata"]
         pod = manifests.build_pod(model, spec, self.settings)
+        # a fixed name, so the API server's message (and the condition) is the same at every pass
+        pod["metadata"]["name"] = pod["metadata"].pop("generateName").rstrip("-")
         stamp = (meta["uid"], meta.get("generation"), pod["metadata"]["labels"][HASH_LABEL])
-        if self._validated.get(key) == stamp:
+        seen = self._validated.get(key)
+        if seen is not None and seen[0] == stamp:
+            if seen[1]:
+                raise InvalidSpec("", seen[1])
             return
         ns = meta["namespace"]
         attempts = [
@@ -249,8 +256,10 @@ class Reconciler:
             except ApiException as e:
                 if e.status in (408, 409, 429) or is_quota(e) or (e.status or 500) >= 500:
                     continue  # exists already, quota (a rollout matter), or the server's trouble
-                raise InvalidSpec("", f"the API server refuses the {kind}: {api_message(e)}") from None
-        self._validated[key] = stamp
+                refusal = f"the API server refuses the {kind}: {api_message(e)}"
+                self._validated[key] = (stamp, refusal)
+                raise InvalidSpec("", refusal) from None
+        self._validated[key] = (stamp, "")
 
     # ---- owned objects -----------------------------------------------------------------------------
 
@@ -623,6 +632,8 @@ class Reconciler:
         except ApiException as e:
             if e.status == 409:
                 raise Conflict() from None
+            if e.status == 404:  # deleted meanwhile: nothing to report on
+                return False
             raise
         self._post_transitions(model, old, merged)
         return True

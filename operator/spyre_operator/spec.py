@@ -127,7 +127,7 @@ def check_name(name: str) -> None:
     """The model's name names its Service (an RFC 1035 label) and is a label value of its pods."""
     if len(name) > MAX_NAME:
         raise InvalidSpec(
-            "", f"metadata.name {name!r} is {len(name)} characters; at most {MAX_NAME} fit a Service name"
+            "metadata.name", f"{name!r} is {len(name)} characters; at most {MAX_NAME} fit a Service name"
         )
     if not DNS_LABEL.match(name):
         raise InvalidSpec(

@@ -27,6 +27,8 @@ class OperatorProcess:
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
             "SPYRE_OPERATOR_RESYNC_SECONDS": "3",
+            "SPYRE_OPERATOR_STUCK_GRACE_SECONDS": "6",
+            "SPYRE_OPERATOR_COMPILE_RETRY_SECONDS": "1",
             **(extra_env or {}),
         }
         self.log_path = log_path
