@@ -79,18 +79,56 @@ def test_values_reach_the_operator():
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz" and c["readinessProbe"]
     namespaced = render({"watchNamespaces": ["team-a", "team-b"]})
     assert env_of(by_kind(namespaced, "Deployment")[0])["SPYRE_OPERATOR_NAMESPACES"] == "team-a,team-b"
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(namespaced, "Role")) == ["team-a", "team-b"]
-    assert not by_kind(namespaced, "ClusterRole")
+    roles = sorted(r["metadata"]["namespace"] for r in by_kind(namespaced, "Role"))
+    assert roles == ["spyre-system", "team-a", "team-b"]  # + the Lease's Role
+    assert not [
+        r for r in by_kind(namespaced, "ClusterRole") if r["metadata"]["name"] == "spyre-spyre-operator"
+    ]
+
+
+def named(docs: list[dict], kind: str, name: str) -> dict:
+    (doc,) = [d for d in by_kind(docs, kind) if d["metadata"]["name"] == name]
+    return doc
 
 
 def test_chart_rbac_is_the_tested_least_privilege_rbac():
     reference = [d for d in yaml.safe_load_all((REPO / "deploy/rbac/clusterrole.yaml").read_text()) if d]
-    assert by_kind(render(), "ClusterRole")[0]["rules"] == by_kind(reference, "ClusterRole")[0]["rules"]
-    namespaced_ref = [d for d in yaml.safe_load_all((REPO / "deploy/rbac/role.yaml").read_text()) if d]
+    docs = render()
     assert (
-        by_kind(render({"watchNamespaces": ["x"]}), "Role")[0]["rules"]
-        == by_kind(namespaced_ref, "Role")[0]["rules"]
+        named(docs, "ClusterRole", "spyre-spyre-operator")["rules"]
+        == named(reference, "ClusterRole", "spyre-operator")["rules"]
     )
+    lease_rules = named(reference, "Role", "spyre-operator-leader-election")["rules"]
+    assert named(docs, "Role", "spyre-spyre-operator-leader-election")["rules"] == lease_rules
+    namespaced_ref = [d for d in yaml.safe_load_all((REPO / "deploy/rbac/role.yaml").read_text()) if d]
+    ns_role = [
+        r for r in by_kind(render({"watchNamespaces": ["x"]}), "Role") if r["metadata"]["namespace"] == "x"
+    ]
+    assert ns_role[0]["rules"] + lease_rules == by_kind(namespaced_ref, "Role")[0]["rules"]
+    aggregate = [d for d in yaml.safe_load_all((REPO / "deploy/rbac/aggregate.yaml").read_text()) if d]
+    assert [r["rules"] for r in by_kind(aggregate, "ClusterRole")] == [
+        named(docs, "ClusterRole", f"spyre-spyre-operator-{n}")["rules"] for n in ("edit", "view")
+    ]
+
+
+def test_ha_probes_pdb_metrics_and_no_fixed_user():
+    docs = render({"metrics": {"serviceMonitor": True, "runtimePodAnnotations": True}})
+    deployment = by_kind(docs, "Deployment")[0]
+    assert deployment["spec"]["replicas"] == 2
+    pod = deployment["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    env = env_of(deployment)
+    assert (
+        env["SPYRE_OPERATOR_LEADER_ELECTION"] == "1" and env["SPYRE_OPERATOR_PROMETHEUS_ANNOTATIONS"] == "1"
+    )
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert "runAsUser" not in pod["securityContext"] and "SPYRE_OPERATOR_RUN_AS_USER" not in env
+    assert by_kind(docs, "PodDisruptionBudget")[0]["spec"]["minAvailable"] == 1
+    assert by_kind(docs, "ServiceMonitor")[0]["spec"]["endpoints"][0]["path"] == "/metrics"
+    pinned = render({"runtimePodSecurityContext": {"runAsUser": 1000, "fsGroup": 2000}})
+    env = env_of(by_kind(pinned, "Deployment")[0])
+    assert (env["SPYRE_OPERATOR_RUN_AS_USER"], env["SPYRE_OPERATOR_FS_GROUP"]) == ("1000", "2000")
+    assert not by_kind(render({"replicas": 1}), "PodDisruptionBudget")
 
 
 def chart_without_crds(tmp_path) -> str:

@@ -69,20 +69,20 @@ def test_job_with_configmap_and_secret_files_completes(stack):
 
 def test_failing_container_restarts_with_last_state(stack):
     core = client.CoreV1Api(stack.kube)
-    core.create_namespaced_pod(
-        NS,
-        {
-            "metadata": {"name": "crasher"},
-            "spec": pod_spec(["python", "-c", "raise SystemExit(3)"], "Always"),
-        },
+    spec = pod_spec(
+        ["python", "-c", "print('warming up'); raise SystemExit('error: bad shape 100')"], "Always"
     )
+    spec["containers"][0]["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    core.create_namespaced_pod(NS, {"metadata": {"name": "crasher"}, "spec": spec})
 
     def restarted():
         cs = (core.read_namespaced_pod("crasher", NS).status.container_statuses or [None])[0]
         return cs if cs and cs.restart_count >= 1 and cs.last_state.terminated else None
 
     cs = stack.wait(restarted, 60, "a restart")
-    assert cs.last_state.terminated.exit_code == 3 and cs.last_state.terminated.reason == "Error"
+    assert cs.last_state.terminated.exit_code == 1 and cs.last_state.terminated.reason == "Error"
+    # the log's tail is the termination message (FallbackToLogsOnError), last line last
+    assert cs.last_state.terminated.message.splitlines()[-1] == "error: bad shape 100"
     core.delete_namespaced_pod("crasher", NS)
     stack.wait(
         lambda: not [p for p in core.list_namespaced_pod(NS).items if p.metadata.name == "crasher"],

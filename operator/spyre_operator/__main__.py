@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import socket
 import sys
 
 import kopf
 from kubernetes import client, config
 
 from spyre_operator.handlers import build_memo, build_registry
+from spyre_operator.leader import LeaderElection
+from spyre_operator.metrics import OperatorMetrics, serve_health
 from spyre_operator.settings import SettingsError, add_flags, load_settings
+
+EXIT_LOST_LEASE = 3
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spyre-operator", description="The SpyreModel operator")
     add_flags(parser)
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    parser.add_argument("--liveness", default=None, help="e.g. http://0.0.0.0:8080/healthz")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -30,15 +35,42 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigException:
         config.load_kube_config()
     api_client = client.ApiClient()
-    memo = build_memo(settings, api_client)
-    kopf.run(
-        registry=build_registry(settings),
-        memo=memo,
-        standalone=True,
-        clusterwide=not settings.namespaces,
-        namespaces=list(settings.namespaces),
-        liveness_endpoint=args.liveness,
-    )
+    metrics = OperatorMetrics()
+    memo = build_memo(settings, api_client, metrics)
+    elector = None
+    if settings.leader_election:
+        identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+        elector = LeaderElection(
+            api_client,
+            settings.lease_namespace,
+            settings.lease_name,
+            identity,
+            lease_seconds=settings.lease_seconds,
+            renew_seconds=max(1.0, settings.lease_seconds / 3),
+            retry_seconds=max(0.5, settings.lease_seconds / 7),
+        )
+        metrics.is_leader = lambda: elector.is_leader
+    if settings.health_port:
+        serve_health(settings.health_port, metrics, lambda: True, settings.health_host)
+    if elector is not None:
+        logging.getLogger(__name__).info(
+            "waiting for the Lease %s/%s", settings.lease_namespace, settings.lease_name
+        )
+        if not elector.acquire():
+            return 0
+        # a leader that cannot renew stops at once: the kubelet restarts it as a standby
+        elector.keep(on_lost=lambda: os._exit(EXIT_LOST_LEASE))
+    try:
+        kopf.run(
+            registry=build_registry(settings),
+            memo=memo,
+            standalone=True,  # leader election above, not kopf's peering
+            clusterwide=not settings.namespaces,
+            namespaces=list(settings.namespaces),
+        )
+    finally:
+        if elector is not None:
+            elector.release()
     return 0
 
 

@@ -9,6 +9,7 @@ import datetime
 import json
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from spyre_operator import manifests
+from spyre_operator.metrics import OperatorMetrics
 from spyre_operator.plan import Budget, PodPlan, plan_pods
 from spyre_operator.settings import (
     ATTEMPT_ANNOTATION,
@@ -135,8 +137,11 @@ class Pass:
 
 
 class Reconciler:
-    def __init__(self, settings: OperatorSettings, api_client: client.ApiClient) -> None:
+    def __init__(
+        self, settings: OperatorSettings, api_client: client.ApiClient, metrics: OperatorMetrics | None = None
+    ) -> None:
         self.settings = settings
+        self.metrics = metrics or OperatorMetrics()
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.batch = client.BatchV1Api(api_client)
@@ -149,6 +154,14 @@ class Reconciler:
     # ---- the pass -----------------------------------------------------------------------------------
 
     def reconcile(self, key: Key) -> Result:
+        started = time.monotonic()
+        result = self._pass(key)
+        self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+        outcome = "error" if result.failed else "requeue" if result.after is not None else "success"
+        self.metrics.reconciles.labels(outcome).inc()
+        return result
+
+    def _pass(self, key: Key) -> Result:
         namespace, name = key
         try:
             model = self.custom.get_namespaced_custom_object(
@@ -205,6 +218,8 @@ class Reconciler:
         else:
             work.waiting = "the pods wait for their graph-cache claim"
 
+        for problem in work.problems:
+            self.metrics.api_errors.labels(problem.reason, "").inc()
         new = self._status(
             model,
             selector,
@@ -569,7 +584,7 @@ class Reconciler:
         if pods is None:
             pods = self._list(self.core.list_namespaced_pod, meta["namespace"], selector)
         observed = [self._observe(p) for p in pods]
-        return compute_status(
+        status = compute_status(
             generation=meta.get("generation", 0),
             replicas=spec.replicas if spec else 0,
             template_hash=thash,
@@ -588,6 +603,27 @@ class Reconciler:
             problems=problems,
             waiting=waiting,
         )
+        states = Counter(
+            "terminating"
+            if v.is_terminating
+            else "dead"
+            if v.is_dead
+            else "ready"
+            if v.is_ready
+            else "starting"
+            for v, _ in observed
+        )
+        job = (
+            None
+            if cache is None
+            else "succeeded"
+            if cache.is_ready
+            else "failed"
+            if cache.is_failed
+            else "running"
+        )
+        self.metrics.observe_model((meta["namespace"], meta["name"]), status["phase"], states, job)
+        return status
 
     def _report_failure(self, model: dict, problem: Problem) -> None:
         old = model.get("status") or {}
@@ -663,6 +699,7 @@ class Reconciler:
         return json.loads(resp.data)["items"]
 
     def forget(self, key: Key) -> None:
+        self.metrics.forget(key)
         self._validated.pop(key, None)
         with self._lock:
             self._quota_blocked.discard(key)
@@ -768,6 +805,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             prefix=GROUP, key="last-handled-configuration"
         )
         settings.posting.level = logging.INFO
+        # server-side filtering: the operator never streams the cluster's other pods and Jobs
+        settings.watching.label_selectors["pods"] = MODEL_LABEL
+        settings.watching.label_selectors["batch", "jobs"] = COMPILE_LABEL
         memo.queue.start()
         memo.resync.start()
 
@@ -799,9 +839,12 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     return registry
 
 
-def build_memo(settings: OperatorSettings, api_client: client.ApiClient) -> kopf.Memo:
-    reconciler = Reconciler(settings, api_client)
+def build_memo(
+    settings: OperatorSettings, api_client: client.ApiClient, metrics: OperatorMetrics | None = None
+) -> kopf.Memo:
+    reconciler = Reconciler(settings, api_client, metrics)
     queue = WorkQueue(reconciler.reconcile, workers=settings.workers)
+    reconciler.metrics.queue_depth = queue.depth
     known = KnownModels()
     return kopf.Memo(
         reconciler=reconciler,

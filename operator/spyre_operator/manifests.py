@@ -81,6 +81,7 @@ def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
         if spec.cache.precompile and serving:
             env.append({"name": "SENDNN_INFERENCE_REQUIRE_PRECOMPILED_DECODERS", "value": "1"})
     env += [
+        {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only; caches go to /tmp
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -174,16 +175,26 @@ def _storage(name: str, spec: ModelSpec) -> tuple[list[dict], list[dict]]:
     return mounts, volumes
 
 
-SECURITY = {
-    "container": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True},
-    "pod": {
-        "runAsNonRoot": True,
-        "runAsUser": 1000,
-        "runAsGroup": 1000,
-        "fsGroup": 1000,
-        "seccompProfile": {"type": "RuntimeDefault"},
-    },
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "readOnlyRootFilesystem": True,  # the runtime writes only to /tmp, /dev/shm and the cache volume
 }
+
+
+def pod_security(settings: OperatorSettings) -> dict:
+    """No fixed user or group unless the settings ask for one: OpenShift's restricted SCC assigns them."""
+    security = {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "fsGroupChangePolicy": "OnRootMismatch",  # no recursive chown of a large graph cache at each start
+    }
+    if settings.run_as_user is not None:
+        security["runAsUser"] = settings.run_as_user
+    if settings.fs_group is not None:
+        security["fsGroup"] = settings.fs_group
+    return security
 
 
 def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict:
@@ -212,7 +223,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         # the runtime's one-line start-up error reaches the pod's status (and the model's condition)
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
-        "securityContext": dict(SECURITY["container"]),
+        "securityContext": dict(CONTAINER_SECURITY),
     }
     pod_spec = {
         "containers": [container],
@@ -221,7 +232,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         "terminationGracePeriodSeconds": 60,
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": dict(SECURITY["pod"]),
+        "securityContext": pod_security(settings),
     }
     _placement(pod_spec, spec, settings)
     return pod_spec
@@ -262,6 +273,17 @@ def build_pod(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict:
                 **MANAGED_BY,
             },
             "ownerReferences": [owner_reference(model)],
+            **(
+                {
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(settings.runtime_port),
+                        "prometheus.io/path": "/metrics",
+                    }
+                }
+                if settings.prometheus_annotations
+                else {}
+            ),
         },
         "spec": pod_spec,
     }
@@ -371,7 +393,7 @@ def build_compile_job(
         "resources": resources,
         "volumeMounts": mounts,
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": dict(SECURITY["container"]),
+        "securityContext": dict(CONTAINER_SECURITY),
     }
     pod_spec = {
         "containers": [container],
@@ -379,7 +401,7 @@ def build_compile_job(
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": dict(SECURITY["pod"]),
+        "securityContext": pod_security(settings),
     }
     _placement(pod_spec, spec, settings)
     return {

@@ -44,6 +44,15 @@ class OperatorSettings:
     compile_attempts: int = 3  # compile Job attempts per cache key before the model is Stalled
     compile_retry_seconds: float = 30.0  # back-off before the 2nd attempt, doubling after
     workers: int = 4  # reconcile workers (one key at a time each)
+    leader_election: bool = True  # act only while holding the Lease (replicas > 1 are standbys)
+    lease_namespace: str = "spyre-system"  # default: POD_NAMESPACE when set
+    lease_name: str = "spyre-operator"
+    lease_seconds: float = 15.0
+    health_host: str = "0.0.0.0"
+    health_port: int = 8080  # /healthz, /readyz, /metrics; 0: off
+    run_as_user: int | None = None  # inference pods: a fixed user only when set (OpenShift assigns one)
+    fs_group: int | None = None
+    prometheus_annotations: bool = False  # prometheus.io/scrape annotations on inference pods
 
 
 ENV = {
@@ -59,6 +68,15 @@ ENV = {
     "compile_attempts": "SPYRE_OPERATOR_COMPILE_ATTEMPTS",
     "compile_retry_seconds": "SPYRE_OPERATOR_COMPILE_RETRY_SECONDS",
     "workers": "SPYRE_OPERATOR_WORKERS",
+    "leader_election": "SPYRE_OPERATOR_LEADER_ELECTION",
+    "lease_namespace": "SPYRE_OPERATOR_LEASE_NAMESPACE",
+    "lease_name": "SPYRE_OPERATOR_LEASE_NAME",
+    "lease_seconds": "SPYRE_OPERATOR_LEASE_SECONDS",
+    "health_host": "SPYRE_OPERATOR_HEALTH_HOST",
+    "health_port": "SPYRE_OPERATOR_HEALTH_PORT",
+    "run_as_user": "SPYRE_OPERATOR_RUN_AS_USER",
+    "fs_group": "SPYRE_OPERATOR_FS_GROUP",
+    "prometheus_annotations": "SPYRE_OPERATOR_PROMETHEUS_ANNOTATIONS",
 }
 
 
@@ -86,9 +104,29 @@ def load_settings(
         if not RESOURCE_NAME.match(value) or "/" not in value:
             raise SettingsError(f"{source}={value!r} is not an extended resource name like ibm.com/spyre_pf")
         values["card_resource"] = value
-    for field in ("scheduler_name", "runtime_image", "default_storage_class"):
+    for field in ("scheduler_name", "runtime_image", "default_storage_class", "lease_name", "health_host"):
         if field in raw:
             values[field] = raw[field][0]
+    namespace = raw.get("lease_namespace", (env.get("POD_NAMESPACE") or "", ""))[0]
+    if namespace:
+        values["lease_namespace"] = namespace
+    for field in ("leader_election", "prometheus_annotations"):
+        if field in raw:
+            value, source = raw[field]
+            if value.strip().lower() not in ("1", "0", "true", "false", "on", "off"):
+                raise SettingsError(f"{source}={value!r} is not a boolean (use 1 or 0)")
+            values[field] = value.strip().lower() in ("1", "true", "on")
+    for field in ("run_as_user", "fs_group"):
+        if field in raw:
+            value, source = raw[field]
+            if not value.strip().isdigit():
+                raise SettingsError(f"{source}={value!r} is not a user or group id")
+            values[field] = int(value)
+    if "health_port" in raw:
+        value, source = raw["health_port"]
+        if not value.isdigit() or int(value) > 65535:
+            raise SettingsError(f"{source}={value!r} is not a port (0 turns the endpoint off)")
+        values["health_port"] = int(value)
     if "namespaces" in raw:
         values["namespaces"] = tuple(n.strip() for n in raw["namespaces"][0].split(",") if n.strip())
     for field, cast in (
@@ -99,6 +137,7 @@ def load_settings(
         ("compile_attempts", int),
         ("compile_retry_seconds", float),
         ("workers", int),
+        ("lease_seconds", float),
     ):
         if field in raw:
             value, source = raw[field]

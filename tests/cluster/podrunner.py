@@ -18,7 +18,8 @@ status back to the API server. The mappings, in one place:
 - service account: the API server address and the pod's service-account token go into a kubeconfig the
   process finds through KUBECONFIG (in-cluster config would read fixed paths under /var/run/secrets).
 - status: Pending -> Running -> Succeeded/Failed; `Ready` follows the readinessProbe (HTTP GET on the pod IP);
-  restarts per restartPolicy with restartCount, lastState and CrashLoopBackOff.
+  restarts per restartPolicy with restartCount, lastState and CrashLoopBackOff; a failed container's log tail
+  becomes its termination message under `terminationMessagePolicy: FallbackToLogsOnError`.
 - deletion: SIGTERM, the grace period, SIGKILL, then the pod object is removed. stop() stops every process.
 """
 
@@ -291,6 +292,10 @@ class PodRunner:
                 "startedAt": rp.started_at,
                 "finishedAt": _now(),
             }
+            if code != 0 and pod.spec.containers[0].termination_message_policy == "FallbackToLogsOnError":
+                # as the kubelet does: the log's tail (at most 80 lines, 2 KiB) is the termination message
+                tail = rp.log.read_bytes()[-2048:].decode(errors="replace").splitlines()[-80:]
+                rp.last_exit["message"] = "\n".join(tail)
             rp.proc, rp.ready = None, False
             policy = rp.restart_policy
             if policy == "Always" or (policy == "OnFailure" and code != 0):

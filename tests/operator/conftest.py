@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from tests.cluster.controlplane import Proc, kubeconfig_yaml, service_account_token, terminate
+from tests.cluster.controlplane import Proc, free_port, kubeconfig_yaml, service_account_token, terminate
 from tests.cluster.fakekubelet import FakeKubelet
 from tests.conftest import REPO, kubectl, wait_for
 
@@ -23,12 +23,16 @@ _ns_counter = itertools.count()
 
 class OperatorProcess:
     def __init__(self, kubeconfig: Path, log_path: Path, extra_env: dict | None = None) -> None:
+        self.health_port = free_port()
         self.env = {
             **os.environ,
             "KUBECONFIG": str(kubeconfig),
             "SPYRE_OPERATOR_RESYNC_SECONDS": "3",
             "SPYRE_OPERATOR_STUCK_GRACE_SECONDS": "6",
             "SPYRE_OPERATOR_COMPILE_RETRY_SECONDS": "1",
+            "SPYRE_OPERATOR_LEASE_SECONDS": "6",
+            "SPYRE_OPERATOR_HEALTH_HOST": "127.0.0.1",
+            "SPYRE_OPERATOR_HEALTH_PORT": str(self.health_port),
             **(extra_env or {}),
         }
         self.log_path = log_path
@@ -57,6 +61,24 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-5000:]
+
+    def scrape(self, path: str = "/metrics") -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.health_port}{path}", timeout=5) as resp:
+            return resp.read().decode()
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """The sum of a metric's samples whose labels contain `labels` (0 when none), e.g.
+        metric("spyre_operator_reconciles_total", 'result="success"')."""
+        total = 0.0
+        for line in self.scrape().splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            sample, value = line.rsplit(" ", 1)
+            if sample.split("{")[0] == name and labels in sample:
+                total += float(value)
+        return total
 
 
 def service_account_kubeconfig(cluster, kube, namespace: str, name: str, path: Path) -> Path:

@@ -59,3 +59,23 @@ def test_compile_job_gates_rollout_and_its_failure_degrades(operator, ns):
     assert degraded["status"] == "True" and new_job.metadata.name in degraded["message"]
     assert hashes(ns, "pc") == old and len(ns.pods("pc")) == 2
     assert any(e.reason == "CompileJobFailed" for e in ns.events("pc"))
+
+    # a failed compile does not freeze healing: a serving pod that dies is replaced with its own template
+    victim = ns.pods("pc")[0].metadata.name
+    ns.kubelet.evict(victim)
+    wait_for(
+        lambda: victim not in [p.metadata.name for p in ns.pods("pc")] and len(ns.pods("pc")) == 2,
+        what="the evicted serving pod replaced",
+    )
+    assert hashes(ns, "pc") == old
+    # the Job is retried with back-off, then the model is Stalled, naming the attempts
+    stalled = wait_for(
+        lambda: (c := ns.condition("pc", "Stalled")).get("reason") == "CompileJobFailed" and c,
+        timeout=90,
+        what="Stalled after the last attempt",
+    )
+    assert "failed 3 of 3 attempts" in stalled["message"]
+    attempts = [
+        e for e in ns.events("pc") if e.reason == "CompileJobCreated" and new_job.metadata.name in e.message
+    ]
+    assert len(attempts) == 3

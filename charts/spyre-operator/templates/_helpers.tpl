@@ -27,28 +27,29 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- end -}}
 
-{{/* The operator's permissions: the same rules as deploy/rbac (a test keeps them equal). */}}
+{{/* The operator's permissions, exactly the verbs its code calls: the same rules as deploy/rbac (a test keeps
+     them equal, another compares them with `kubectl auth can-i --list`). */}}
 {{- define "spyre-operator.rules" -}}
 - apiGroups: [spyre-serve.io]
   resources: [spyremodels]
-  verbs: [get, list, watch, patch, update]
+  verbs: [get, list, watch]
 - apiGroups: [spyre-serve.io]
   resources: [spyremodels/status]
-  verbs: [get, patch, update]
+  verbs: [update]
 # owner references that block deletion (OwnerReferencesPermissionEnforcement)
 - apiGroups: [spyre-serve.io]
   resources: [spyremodels/finalizers]
   verbs: [update]
 - apiGroups: [""]
   resources: [pods]
-  verbs: [get, list, watch, create, delete]
+  verbs: [list, watch, create, delete]
 - apiGroups: [batch]
   resources: [jobs]
-  verbs: [get, list, watch, create, delete]
+  verbs: [list, watch, create, delete]
 - apiGroups: [""]
   resources: [services, persistentvolumeclaims]
   verbs: [get, create, patch]
-- apiGroups: ["", events.k8s.io]
+- apiGroups: [""]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create]
 {{- end -}}
