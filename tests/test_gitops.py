@@ -74,3 +74,22 @@ def test_chart_renders_the_health_check_for_argocd_cm():
     (cm,) = [d for d in by_kind(render({"argocd": {"healthCheck": True}}), "ConfigMap")]
     lua = cm["data"]["resource.customizations.health.spyre-serve.io_SpyreModel"]
     assert lua.strip() == (CHECK / "health.lua").read_text().strip()
+
+
+def test_every_crd_field_is_documented_for_kubectl_explain():
+    crd = yaml.safe_load((REPO / "crds/spyremodels.yaml").read_text())
+    missing = []
+
+    def walk(node: dict, path: str) -> None:
+        # the API server forbids anything but type on metadata; kubectl explain shows ObjectMeta's own docs
+        if path and path != "metadata" and not node.get("description"):
+            missing.append(path)
+        for key, child in (node.get("properties") or {}).items():
+            walk(child, f"{path}.{key}" if path else key)
+        items = node.get("items") or {}
+        for key, child in (items.get("properties") or {}).items():
+            walk(child, f"{path}[].{key}")
+
+    for version in crd["spec"]["versions"]:
+        walk(version["schema"]["openAPIV3Schema"], "")
+    assert missing == []

@@ -30,6 +30,7 @@ from spyre_operator.settings import (
     MANAGED_BY,
     MODEL_LABEL,
     PLURAL,
+    SPEC_LABEL,
     VERSION,
     OperatorSettings,
 )
@@ -130,6 +131,7 @@ class Pass:
 
     problems: list[Problem] = field(default_factory=list)
     waiting: str = ""
+    waiting_reason: str = "WaitingForCapacity"
     after: float | None = None  # run again in this many seconds
 
     def later(self, seconds: float) -> None:
@@ -149,6 +151,7 @@ class Reconciler:
         self.events = EventRecorder(self.core, self.timeout)
         self._validated: dict[Key, tuple] = {}  # key -> (uid, generation, template hash) dry-run passed
         self._quota_blocked: set[Key] = set()
+        self._rolling: set[Key] = set()  # models rolling out a change of the operator's settings
         self._lock = threading.Lock()
 
     # ---- the pass -----------------------------------------------------------------------------------
@@ -229,6 +232,7 @@ class Reconciler:
             cache=cache,
             problems=tuple(work.problems),
             waiting=work.waiting,
+            waiting_reason=work.waiting_reason,
         )
         self._write(model, new)
         if work.problems:
@@ -458,8 +462,17 @@ class Reconciler:
         observed = [self._observe(p) for p in pods]
         views = [v for v, _ in observed]
         by_name = {p["metadata"]["name"]: p for p in pods}
-        if cache is not None and not cache.is_ready:
-            # the new template waits for its cache; the pods of the serving template are kept whole
+        hold = cache is not None and not cache.is_ready  # the new template waits for its cache
+        if not hold and self._waits_for_a_slot(key, model, thash, pods):
+            hold = True
+            work.waiting_reason = "StagedRollout"
+            work.waiting = (
+                "the operator's own settings changed the pods: at most "
+                f"{self.settings.max_concurrent_rollouts} models roll out at a time; this one keeps serving "
+                "its pods until its turn"
+            )
+        if hold:
+            # the pods of the serving template are kept whole meanwhile
             serving = _serving_hash(views)
             if serving is None:
                 return
@@ -484,12 +497,36 @@ class Reconciler:
                 quota_blocked=key in self._quota_blocked,
             )
             build = lambda: manifests.build_pod(model, spec, self.settings)  # noqa: E731
-        work.waiting = plan.waiting
+        work.waiting = work.waiting or plan.waiting
         self._apply(key, model, plan, build, work)
         # stuck pods are replaced after their grace period: look again then
         for view, health in observed:
             if health.failure_reason and not view.is_dead and not view.is_terminating:
                 work.later(self.settings.stuck_grace_seconds / 2)
+
+    def _waits_for_a_slot(self, key: Key, model: dict, thash: str, pods: list[dict]) -> bool:
+        """A change of the operator's own settings (runtime image, card resource, ...) rolls out across
+        models at most `max_concurrent_rollouts` at a time; a change of the model's spec always rolls."""
+        live = [
+            p
+            for p in pods
+            if not p["metadata"].get("deletionTimestamp")
+            and (p.get("status") or {}).get("phase") not in ("Failed", "Succeeded")
+        ]
+        labels = [p["metadata"].get("labels") or {} for p in live]
+        with self._lock:
+            if not live or all(lb.get(HASH_LABEL) == thash for lb in labels):
+                self._rolling.discard(key)  # nothing serving yet, or rolled out
+                return False
+            if key in self._rolling or any(lb.get(HASH_LABEL) == thash for lb in labels):
+                self._rolling.add(key)  # under way: finish it
+                return False
+            if any(lb.get(SPEC_LABEL) != manifests.spec_hash(model) for lb in labels):
+                return False  # the user changed the spec
+            if len(self._rolling) < self.settings.max_concurrent_rollouts:
+                self._rolling.add(key)
+                return False
+            return True
 
     def _apply(self, key: Key, model: dict, plan: PodPlan, build, work: Pass) -> None:
         ns = model["metadata"]["namespace"]
@@ -579,6 +616,7 @@ class Reconciler:
         problems: tuple[Problem, ...] = (),
         waiting: str = "",
         invalid: str | None = None,
+        waiting_reason: str = "WaitingForCapacity",
     ) -> dict:
         meta = model["metadata"]
         if pods is None:
@@ -602,6 +640,7 @@ class Reconciler:
             cache=cache,
             problems=problems,
             waiting=waiting,
+            waiting_reason=waiting_reason,
         )
         states = Counter(
             "terminating"
@@ -683,6 +722,8 @@ class Reconciler:
                 self.events.post(model, "Normal", "RolloutComplete", progressing["message"], once=False)
             elif progressing.get("reason") in ("WaitingForCards", "WaitingForCapacity"):
                 self.events.post(model, "Warning", progressing["reason"], progressing["message"])
+            elif progressing.get("reason") == "StagedRollout":
+                self.events.post(model, "Normal", "StagedRollout", progressing["message"])
         degraded, was = after.get("Degraded", {}), before.get("Degraded", {})
         if degraded.get("status") == "True" and (degraded.get("reason"), degraded.get("message")) != (
             was.get("reason"),
@@ -703,6 +744,7 @@ class Reconciler:
         self._validated.pop(key, None)
         with self._lock:
             self._quota_blocked.discard(key)
+            self._rolling.discard(key)
 
 
 def _serving_hash(views) -> str | None:

@@ -17,6 +17,7 @@ from spyre_operator.settings import (
     KIND,
     MANAGED_BY,
     MODEL_LABEL,
+    SPEC_LABEL,
     VERSION,
     OperatorSettings,
 )
@@ -252,6 +253,13 @@ def _placement(pod_spec: dict, spec: ModelSpec, settings: OperatorSettings) -> N
         pod_spec["priorityClassName"] = spec.priority_class_name
 
 
+def spec_hash(model: dict) -> str:
+    """The model's spec as far as it shapes pods (replicas, suspend and the rollout budget aside): pods
+    whose template changed but whose spec hash did not were changed by the operator's own settings."""
+    spec = {k: v for k, v in (model.get("spec") or {}).items() if k not in ("replicas", "suspend", "rollout")}
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
+
+
 def template_hash(pod_spec: dict) -> str:
     return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:10]
 
@@ -269,6 +277,7 @@ def build_pod(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict:
             "labels": {
                 **selector_labels(name),
                 HASH_LABEL: template_hash(pod_spec),
+                SPEC_LABEL: spec_hash(model),
                 COMPONENT_LABEL: "inference",
                 **MANAGED_BY,
             },

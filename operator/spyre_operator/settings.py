@@ -17,6 +17,7 @@ MODEL_LABEL = f"{GROUP}/model"
 HASH_LABEL = f"{GROUP}/template-hash"
 COMPILE_LABEL = f"{GROUP}/compile-for"  # on compile Jobs and their pods (not MODEL_LABEL: not replicas)
 CACHE_KEY_LABEL = f"{GROUP}/cache-key"
+SPEC_LABEL = f"{GROUP}/spec-hash"  # on pods: the model spec they were made for (operator settings aside)
 ATTEMPT_ANNOTATION = f"{GROUP}/attempt"  # on compile Jobs: which attempt of the current cache key
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "spyre-operator"}
@@ -53,6 +54,7 @@ class OperatorSettings:
     run_as_user: int | None = None  # inference pods: a fixed user only when set (OpenShift assigns one)
     fs_group: int | None = None
     prometheus_annotations: bool = False  # prometheus.io/scrape annotations on inference pods
+    max_concurrent_rollouts: int = 2  # models rolling out a change of these settings at once
 
 
 ENV = {
@@ -77,6 +79,7 @@ ENV = {
     "run_as_user": "SPYRE_OPERATOR_RUN_AS_USER",
     "fs_group": "SPYRE_OPERATOR_FS_GROUP",
     "prometheus_annotations": "SPYRE_OPERATOR_PROMETHEUS_ANNOTATIONS",
+    "max_concurrent_rollouts": "SPYRE_OPERATOR_MAX_CONCURRENT_ROLLOUTS",
 }
 
 
@@ -138,6 +141,7 @@ def load_settings(
         ("compile_retry_seconds", float),
         ("workers", int),
         ("lease_seconds", float),
+        ("max_concurrent_rollouts", int),
     ):
         if field in raw:
             value, source = raw[field]

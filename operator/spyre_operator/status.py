@@ -212,6 +212,7 @@ def _compute_status(
     cache: CacheState | None = None,
     problems: tuple[Problem, ...] = (),
     waiting: str = "",
+    waiting_reason: str = "WaitingForCapacity",
 ) -> dict:
     live = [p for p in pods if not p.is_terminating and not p.is_dead]
     current = [p for p in live if p.template_hash == template_hash]
@@ -252,7 +253,7 @@ def _compute_status(
         message = starving[0].unschedulable_message + (f"; {waiting}" if waiting else "")
         progressing = condition("Progressing", True, "WaitingForCards", message)
     elif waiting:
-        progressing = condition("Progressing", True, "WaitingForCapacity", waiting)
+        progressing = condition("Progressing", True, waiting_reason, waiting)
     elif (
         len(current) < replicas or len(live) > replicas or any(p.template_hash != template_hash for p in live)
     ):

@@ -41,7 +41,11 @@ def test_schema_defaults_and_rejects(cluster, crd, ns):
     ("verb", "resource", "allowed"),
     [
         ("watch", "spyremodels.spyre-serve.io", True),
-        ("patch", "spyremodels.spyre-serve.io/status", True),
+        ("update", "spyremodels.spyre-serve.io/status", True),
+        ("patch", "spyremodels.spyre-serve.io/status", False),
+        ("patch", "spyremodels.spyre-serve.io", False),
+        ("update", "spyremodels.spyre-serve.io/finalizers", True),
+        ("get", "nodes", True),
         ("create", "pods", True),
         ("delete", "pods", True),
         ("create", "services", True),
@@ -58,8 +62,19 @@ def test_schema_defaults_and_rejects(cluster, crd, ns):
     ],
 )
 def test_operator_service_account_is_least_privilege(cluster, operator_rbac, verb, resource, allowed):
+    resource, _, sub = resource.partition("/")  # `kubectl auth can-i VERB RES/NAME` names an object
+    extra = [f"--subresource={sub}"] if sub else []
     res = kubectl(
-        cluster, "auth", "can-i", verb, resource, f"--as={operator_rbac}", "-n", "some-team", check=False
+        cluster,
+        "auth",
+        "can-i",
+        verb,
+        resource,
+        *extra,
+        f"--as={operator_rbac}",
+        "-n",
+        "some-team",
+        check=False,
     )
     assert res.stdout.strip() == ("yes" if allowed else "no"), res.stdout + res.stderr
 

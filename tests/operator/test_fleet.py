@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import REPO, kubectl, wait_for
 from tests.operator.conftest import OperatorProcess
-from tests.operator.test_reconcile import spec
+from tests.operator.test_reconcile import hashes, spec
+from tests.operator.test_unkind import ready_pods
 
 pytestmark = pytest.mark.cluster
 
@@ -132,3 +133,56 @@ def test_rbac_is_exactly_what_the_code_calls(cluster, operator_rbac):
 
     wait_for(lambda: allowed("alice", "create"), what="editors may create SpyreModels")
     assert allowed("bob", "list") and not allowed("bob", "create")
+
+
+def test_operator_settings_roll_out_across_models_a_few_at_a_time(operator, ns):
+    names = [f"f{i:02d}" for i in range(20)]
+    for name in names[:-1]:
+        ns.apply_model(name, spec(replicas=1))
+    ns.apply_model(names[-1], spec(replicas=1, image="example.org/pinned/runtime:1.0"))  # pins its image
+    for name in names:
+        ns.wait_ready(name, 1, timeout=120)
+    old = {name: hashes(ns, name)[0] for name in names}
+    ns.kubelet.ready_delay = 2.0
+    limit = 3
+    operator.stop()  # a clean stop hands the Lease over at once
+    operator.env.update(
+        SPYRE_OPERATOR_RUNTIME_IMAGE="quay.io/spyre-serve/runtime:0.2.0",
+        SPYRE_OPERATOR_MAX_CONCURRENT_ROLLOUTS=str(limit),
+    )
+    operator.start()
+    most = 0
+    try:
+
+        def rolling() -> int:
+            n = 0
+            for name in names:
+                current = hashes(ns, name)
+                if any(h != old[name] for h in current) and not (
+                    len(current) == 1 and current[0] != old[name] and ready_pods(ns, name) == 1
+                ):
+                    n += 1
+            return n
+
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            most = max(most, rolling())
+            done = [n for n in names[:-1] if hashes(ns, n) != [old[n]] and ready_pods(ns, n) == 1]
+            if len(done) == len(names) - 1 and len(ns.pods(names[-1])) == 1:
+                break
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"not all models rolled: {len(done)} of {len(names) - 1}")
+        assert 1 <= most <= limit, most
+        assert hashes(ns, names[-1]) == [old[names[-1]]]  # the pinned model did not restart
+        staged = [e for n in names[:-1] for e in ns.events(n) if e.reason == "StagedRollout"]
+        assert staged, "models waiting for their turn say so"
+    finally:
+        for name in names:
+            ns.custom.delete_namespaced_custom_object(
+                "spyre-serve.io", "v1alpha1", ns.name, "spyremodels", name
+            )
+        operator.stop()
+        for key in ("SPYRE_OPERATOR_RUNTIME_IMAGE", "SPYRE_OPERATOR_MAX_CONCURRENT_ROLLOUTS"):
+            operator.env.pop(key, None)
+        operator.start()

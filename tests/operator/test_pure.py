@@ -133,8 +133,21 @@ def test_pod_has_cards_env_volumes_probes_and_security():
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},
         "runAsNonRoot": True,
+        "readOnlyRootFilesystem": True,
     }
-    assert pod["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    # no fixed user or group (OpenShift's restricted SCC assigns them) unless the settings pin them
+    assert pod["spec"]["securityContext"] == {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "fsGroupChangePolicy": "OnRootMismatch",
+    }
+    pinned = build_pod(MODEL, spec_of(), OperatorSettings(run_as_user=1000, fs_group=2000))
+    assert pinned["spec"]["securityContext"]["runAsUser"] == 1000
+    assert pinned["spec"]["securityContext"]["fsGroup"] == 2000
+    assert env["HOME"] == "/tmp" and "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}
+    annotated = build_pod(MODEL, spec_of(), OperatorSettings(prometheus_annotations=True))
+    assert annotated["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert "annotations" not in pod["metadata"]
     assert pod["spec"]["schedulerName"] == "aiu-scheduler"
     assert pod["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert pod["metadata"]["labels"][MODEL_LABEL] == "granite"
