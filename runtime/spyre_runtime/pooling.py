@@ -362,10 +362,11 @@ class PoolingStep:
 
 class PoolingScheduler:
     """First come, first served: the oldest input always runs in the next step; later inputs join it
-    while some shape holds them all; the step runs at the cheapest such shape (fewest padded tokens)."""
+    while some shape holds them all; the step runs at the smallest such shape (the shortest prompt length,
+    then the narrowest batch): padding a batch costs less than padding every row to a longer length."""
 
     def __init__(self, shapes: tuple[Shape, ...]) -> None:
-        self.shapes = tuple(sorted(shapes, key=lambda s: (s.prompt_len * s.batch_size, s.prompt_len)))
+        self.shapes = tuple(sorted(shapes, key=lambda s: (s.prompt_len, s.batch_size)))
         self.max_len = max(s.prompt_len for s in shapes)
         self.waiting: deque[PoolItem] = deque()
 
@@ -394,7 +395,7 @@ class PoolingScheduler:
             if item.is_cancelled:
                 continue
             length = max(longest, len(item.token_ids))
-            if self._cheapest(length, len(chosen) + 1) is None:
+            if self._smallest(length, len(chosen) + 1) is None:
                 skipped.append(item)
                 if len(item.token_ids) <= longest:
                     break  # the batch is full for every shape that holds its longest input
@@ -402,9 +403,9 @@ class PoolingScheduler:
             chosen.append(item)
             longest = length
         self.waiting.extendleft(reversed(skipped))
-        return PoolingStep(self._cheapest(longest, len(chosen)), tuple(chosen))
+        return PoolingStep(self._smallest(longest, len(chosen)), tuple(chosen))
 
-    def _cheapest(self, length: int, count: int) -> Shape | None:
+    def _smallest(self, length: int, count: int) -> Shape | None:
         return next((s for s in self.shapes if s.prompt_len >= length and s.batch_size >= count), None)
 
 
