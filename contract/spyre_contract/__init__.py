@@ -27,6 +27,8 @@ from spyre_contract.environment import (
     read_environment,
     round_up,
 )
+from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
+from spyre_contract.tasks import POOLING_TASKS, TASKS, is_pooling_task, read_pooling_environment
 
 __all__ = [
     "ALIAS_PREFIX",
@@ -37,17 +39,25 @@ __all__ = [
     "CB_DEFAULT_MAX_NUM_SEQS",
     "DTYPES",
     "ENV_PREFIX",
+    "POOLING_TASKS",
     "PROMPT_LEN_MULTIPLE",
+    "TASKS",
     "ContractError",
     "EngineFlags",
     "Env",
     "EnvironmentSettings",
     "Shape",
+    "Verdict",
     "batch_buckets",
+    "check_known_config",
     "chunk_buckets",
     "doubling",
+    "is_pooling_task",
     "kv_buckets",
+    "load_registry",
     "parse_shapes",
     "read_environment",
+    "read_pooling_environment",
+    "registry_settings",
     "round_up",
 ]
