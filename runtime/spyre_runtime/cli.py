@@ -77,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(serve)
     serve.add_argument("--host", default=None)
     serve.add_argument("--port", type=_positive_int, default=None)
+    serve.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+        "(default: $SPYRE_API_KEY, else no key)",
+    )
 
     comp = sub.add_parser(
         "compile",
@@ -147,7 +153,7 @@ def cmd_serve(args) -> int:
         api_key = getattr(args, "api_key", None) or os.environ.get("SPYRE_API_KEY")
         return serve_pooling(config, api_key=api_key)
     check_precompiled(config)
-    return serve(config)
+    return serve(config, api_key=args.api_key or os.environ.get("SPYRE_API_KEY") or None)
 
 
 def cmd_compile(args) -> int:

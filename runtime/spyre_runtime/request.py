@@ -26,17 +26,21 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     output_text: str = ""
     scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # seeded requests only; others draw from torch's default
+    guide: object | None = None  # guided.Guide: the grammar state of structured output
+    logprobs: list = field(default_factory=list)  # sampling.TokenLogprob per output token, when asked
+    prompt_logprobs: list | None = None  # per prompt token (None for the first), when asked
+    error: str | None = None  # why the request failed (finish_reason "error")
     num_computed_tokens: int = 0  # continuous batching: tokens whose KV is in the cache
     num_preemptions: int = 0
 
     def __post_init__(self) -> None:
-        if self.generator is None and not self.sampling.is_greedy:
+        if self.generator is None and self.sampling.seed is not None and not self.sampling.is_greedy:
             self.generator = make_generator(self.sampling.seed)
 
     @property

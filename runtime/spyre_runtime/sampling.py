@@ -1,73 +1,320 @@
-"""Sampling parameters and the sampler. Greedy when temperature is 0."""
+"""Sampling parameters and the batched sampler.
+
+One call per engine step samples every row at once. Each processor is a tensor op over the rows that asked
+for it; no per-row loop touches the vocabulary except the noise of a seeded row (its own generator, as vLLM
+does), and no full-vocabulary sort runs unless top_p needs more than the top candidates of a row.
+
+    logits [B, V] raw ─► logprobs (of the raw logits: vLLM's default "raw_logprobs")  rows that ask
+                      ─► logit_bias, min_tokens (EOS/stop ids banned), grammar mask, penalties
+                      ─► greedy rows: argmax
+                      ─► other rows: / temperature ─► top_k ─► softmax ─► top_p, min_p ─► p / Exp(1) ─► argmax
+
+The last step is the exponential race: argmax(p / q) with q ~ Exp(1) draws from p without normalising it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+GREEDY_EPSILON = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MIN_TEMPERATURE = (
+    1e-2  # temperatures in (GREEDY_EPSILON, MIN_TEMPERATURE) are raised to it (vLLM's _MAX_TEMP)
+)
+MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
+TOP_P_CANDIDATES = 256  # top_p looks at this many top tokens first; a full sort only when they do not suffice
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Per-request sampling settings. Checked here too (ValueError), so offline callers get the same rules
+    as the HTTP API. `eos_token_ids` is filled by the engine (banned while min_tokens is not reached)."""
+
     max_tokens: int = 16
+    min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's logprob and the top k
+    guide: object | None = field(default=None, compare=False)  # a guided.GuideSpec
+    eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(
+                self, "logit_bias", tuple((int(k), float(v)) for k, v in self.logit_bias.items())
+            )
+        object.__setattr__(self, "logit_bias", tuple(self.logit_bias))
+        _check(self.max_tokens >= 1, "max_tokens", f"must be at least 1, got {self.max_tokens}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}",
+        )
+        _check(_finite(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0")
+        _check(self.top_k >= -1, "top_k", f"must be -1, 0 or positive, got {self.top_k}")
+        _check(_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_finite(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value}")
+        rp = self.repetition_penalty
+        _check(_finite(rp) and 0 < rp <= 10, "repetition_penalty", f"must be in (0, 10], got {rp}")
+        for _, bias in self.logit_bias:
+            _check(_finite(bias) and -100 <= bias <= 100, "logit_bias", "values must be in [-100, 100]")
+        _check(
+            self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+            "seed",
+            "must fit in a signed 64-bit integer",
+        )
+        _check(all(self.stop), "stop", "stop strings must not be empty")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or 0 <= value <= MAX_LOGPROBS, name, f"must be between 0 and {MAX_LOGPROBS}")
+        if self.temperature < GREEDY_EPSILON:
+            object.__setattr__(self, "temperature", 0.0)
+        elif self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", MIN_TEMPERATURE)  # smaller ones overflow the softmax
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-def make_generator(seed: int | None) -> torch.Generator:
+
+class SamplingParamError(ValueError):
+    """A sampling parameter out of range; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param} {message}")
+        self.param = param
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise SamplingParamError(param, message)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x)
+
+
+def make_generator(seed: int) -> torch.Generator:
     generator = torch.Generator()
-    if seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(seed)
+    generator.manual_seed(seed % 2**64)  # torch takes 0 .. 2**64-1; negative int64 seeds wrap
     return generator
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """logits: [V] for one sequence -> the next token id."""
-    if params.is_greedy:
-        return int(torch.argmax(logits))
-    logits = logits.float() / params.temperature
-    if params.top_k > 0 and params.top_k < logits.numel():
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cumulative = torch.cumsum(sorted_probs, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop = cumulative - sorted_probs >= params.top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+# ---- the batched sampler -----------------------------------------------------------------------------
 
 
-def sample_batch(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]
-) -> list[int]:
-    """logits: [B, V]; one SamplingParams and generator per row."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
-    return [greedy[i] if p.is_greedy else sample(logits[i], p, generators[i]) for i, p in enumerate(params)]
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The logprob of one chosen token, its rank (1 = most likely) and the top alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprob | None]  # one per row; None where the request did not ask
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+class GuideError(RuntimeError):
+    """A grammar could not produce a mask for its row: only that request fails."""
+
+    def __init__(self, row: int, message: str) -> None:
+        super().__init__(message)
+        self.row = row
+
+
+def sample(logits: torch.Tensor, rows: Sequence) -> SamplerOutput:
+    """logits: [B, V] raw, one row per request in `rows` (objects with `sampling`, `generator`,
+    `prompt_token_ids`, `output_token_ids`, `guide`). Returns one token per row."""
+    num_rows = len(rows)
+    if num_rows == 0:
+        return SamplerOutput([], [])
+    logits = logits[:num_rows]
+    params = [r.sampling for r in rows]
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits[lp_rows].float(), dim=-1) if lp_rows else None
+    if all(p.is_greedy for p in params) and not _needs_processing(rows, params):
+        tokens = torch.argmax(logits, dim=-1)
+    else:
+        logits = logits.float().clone()
+        apply_logit_processors(logits, rows, params)
+        tokens = _draw(logits, rows, params)
+    token_list = tokens.tolist()
+    logprobs: list[TokenLogprob | None] = [None] * num_rows
+    if lp_rows:
+        chosen = tokens[lp_rows]
+        for j, lp in enumerate(token_logprobs(raw_logprobs, chosen, [params[i].logprobs for i in lp_rows])):
+            logprobs[lp_rows[j]] = lp
+    return SamplerOutput(token_list, logprobs)
+
+
+def _needs_processing(rows: Sequence, params: list[SamplingParams]) -> bool:
+    return any(
+        p.logit_bias
+        or p.has_penalties
+        or getattr(r, "guide", None) is not None
+        or (p.min_tokens and len(r.output_token_ids) < p.min_tokens)
+        for r, p in zip(rows, params, strict=True)
+    )
+
+
+def apply_logit_processors(logits: torch.Tensor, rows: Sequence, params: list[SamplingParams]) -> None:
+    """In place on logits [B, V]: logit_bias, min_tokens bans, grammar masks, penalties."""
+    vocab = logits.shape[1]
+    bias = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias if t < vocab]
+    if bias:
+        r, t, b = zip(*bias, strict=True)
+        logits.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b), accumulate=True)
+    banned = [
+        (i, t)
+        for i, (row, p) in enumerate(zip(rows, params, strict=True))
+        if p.min_tokens and len(row.output_token_ids) < p.min_tokens
+        for t in {*p.eos_token_ids, *p.stop_token_ids}
+        if t < vocab
+    ]
+    if banned:
+        r, t = zip(*banned, strict=True)
+        logits[torch.tensor(r), torch.tensor(t)] = float("-inf")
+    guided = [i for i, row in enumerate(rows) if getattr(row, "guide", None) is not None]
+    if guided:
+        from spyre_runtime.guided import apply_guides
+
+        apply_guides(logits, guided, [rows[i].guide for i in guided])
+    penalized = [i for i, p in enumerate(params) if p.has_penalties]
+    if penalized:
+        _apply_penalties(logits, penalized, [rows[i] for i in penalized])
+
+
+def _padded(seqs: list[list[int]], pad: int) -> torch.Tensor:
+    width = max(1, max(len(s) for s in seqs))
+    out = torch.full((len(seqs), width), pad, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def _apply_penalties(logits: torch.Tensor, idx: list[int], rows: Sequence) -> None:
+    """vLLM's rules: presence and frequency penalties count output tokens; the repetition penalty divides
+    positive (multiplies negative) logits of every token seen in the prompt or the output."""
+    vocab = logits.shape[1]
+    sub = logits[idx]
+    out_ids = _padded([[t for t in r.output_token_ids if t < vocab] for r in rows], vocab)
+    counts = torch.zeros(len(rows), vocab + 1).scatter_add_(1, out_ids, torch.ones(out_ids.shape))[:, :vocab]
+    params = [r.sampling for r in rows]
+    rep = torch.tensor([p.repetition_penalty for p in params])[:, None]
+    if (rep != 1).any():
+        prompt_ids = _padded([[t for t in r.prompt_token_ids if t < vocab] for r in rows], vocab)
+        seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool).scatter_(1, prompt_ids, True)[:, :vocab]
+        seen |= counts > 0
+        sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    freq = torch.tensor([p.frequency_penalty for p in params])[:, None]
+    presence = torch.tensor([p.presence_penalty for p in params])[:, None]
+    sub = sub - freq * counts - presence * (counts > 0)
+    logits[idx] = sub
+
+
+def _draw(logits: torch.Tensor, rows: Sequence, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [B, V] after the processors -> [B] token ids."""
+    tokens = torch.argmax(logits, dim=-1)
+    random = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not random:
+        return tokens
+    sub = logits[random] / torch.tensor([params[i].temperature for i in random])[:, None]
+    _top_k(sub, torch.tensor([params[i].top_k for i in random]))
+    probs = torch.softmax(sub, dim=-1)
+    top_p = torch.tensor([params[i].top_p for i in random])
+    if (top_p < 1).any():
+        _top_p(probs, top_p)
+    min_p = torch.tensor([params[i].min_p for i in random])
+    if (min_p > 0).any():
+        probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
+    noise = torch.empty_like(probs).exponential_()
+    for j, i in enumerate(random):
+        generator = getattr(rows[i], "generator", None)
+        if generator is not None:
+            noise[j].exponential_(generator=generator)
+    tokens[random] = torch.argmax(probs / noise, dim=-1)
+    return tokens
+
+
+def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
+    """In place: keeps the k largest logits of rows with k > 0 (ties at the k-th value kept)."""
+    vocab = logits.shape[1]
+    active = (top_k > 0) & (top_k < vocab)
+    if not active.any():
+        return
+    rows = active.nonzero().flatten()
+    k = top_k[rows]
+    values = torch.topk(logits[rows], int(k.max()), dim=-1).values  # sorted, [R, kmax]
+    kth = values.gather(1, (k - 1)[:, None])
+    logits[rows] = logits[rows].masked_fill(logits[rows] < kth, float("-inf"))
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
+    """In place: keeps the smallest set of most likely tokens whose mass reaches top_p (at least one).
+    Looks at the top TOP_P_CANDIDATES of each row; sorts a whole row only when they hold too little mass."""
+    rows = (top_p < 1).nonzero().flatten()
+    sub, p = probs[rows], top_p[rows][:, None]
+    k = min(TOP_P_CANDIDATES, sub.shape[1])
+    values = torch.topk(sub, k, dim=-1).values
+    cumulative = values.cumsum(dim=-1)
+    short = cumulative[:, -1] < p[:, 0]
+    threshold = values.gather(1, torch.searchsorted(cumulative, p).clamp(max=k - 1))
+    if short.any():
+        full = torch.sort(sub[short], dim=-1, descending=True).values
+        cum_full = full.cumsum(dim=-1)
+        at = torch.searchsorted(cum_full, p[short]).clamp(max=full.shape[1] - 1)
+        threshold[short] = full.gather(1, at)
+    probs[rows] = sub.masked_fill(sub < threshold, 0.0)
+
+
+def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprob]:
+    """logprobs [R, V], chosen [R] -> the chosen token's logprob and rank, and the top nums[r] tokens."""
+    picked = logprobs.gather(1, chosen[:, None])
+    ranks = (logprobs > picked).sum(dim=-1) + 1
+    k = max(nums)
+    top_vals, top_ids = torch.topk(logprobs, k, dim=-1) if k else (None, None)
+    out = []
+    picked_l, ranks_l, chosen_l = picked[:, 0].tolist(), ranks.tolist(), chosen.tolist()
+    top_v = top_vals.tolist() if k else None
+    top_i = top_ids.tolist() if k else None
+    for r, n in enumerate(nums):
+        top = tuple(zip(top_i[r][:n], top_v[r][:n], strict=True)) if n else ()
+        out.append(TokenLogprob(chosen_l[r], picked_l[r], ranks_l[r], top))
+    return out

@@ -104,6 +104,11 @@ class WorkerGroup:
                     logging.shutdown()
                     os._exit(WORKER_DIED_EXIT_CODE)
 
+    def kill(self) -> None:
+        """Ends every worker at once: after a failed step they may wait in a collective forever."""
+        self._stopping.set()
+        self._kill_all()
+
     def _kill_all(self) -> None:
         for p in self.procs:
             if p.exitcode is None and p.pid is not None:
@@ -172,7 +177,9 @@ def worker_main(config: RuntimeConfig, rank: int, port: int) -> None:
         dist.broadcast_object_list(box, src=0)
         op, payload = box[0]
         if op == "run":
-            executor.run_local(*payload)
+            _run_or_die(executor.run_local, payload)
+        elif op == "score":
+            _run_or_die(executor.score_local, (payload,))
         elif op == "env":
             os.environ.update(payload)
         elif op == "warm":
@@ -181,3 +188,14 @@ def worker_main(config: RuntimeConfig, rank: int, port: int) -> None:
             break
     dist.destroy_process_group()
     log.info("Worker rank %d stopped", rank)
+
+
+def _run_or_die(fn, args) -> None:
+    """A step that fails on a worker rank leaves the ranks out of step: this rank exits non-zero at once
+    (rank 0's monitor then ends the server with WORKER_DIED_EXIT_CODE), as a failed step on rank 0 does."""
+    try:
+        fn(*args)
+    except BaseException:
+        log.exception("step failed on this rank; exiting")
+        logging.shutdown()
+        os._exit(1)

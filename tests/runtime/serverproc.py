@@ -22,6 +22,7 @@ class ServerProcess:
         log_path: Path,
         served_name: str = "tiny",
         extra_args: tuple[str, ...] = (),
+        module: str = "spyre_runtime.cli",
     ):
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
@@ -31,7 +32,7 @@ class ServerProcess:
         argv = [
             sys.executable,
             "-m",
-            "spyre_runtime.cli",
+            module,
             "serve",
             str(model_dir),
             "--port",
@@ -67,10 +68,10 @@ class ServerProcess:
         finally:
             self.stop()
 
-    def client(self, timeout: float = 60):
+    def client(self, timeout: float = 60, api_key: str = "unused"):
         import openai
 
-        return openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+        return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]

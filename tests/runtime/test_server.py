@@ -119,7 +119,7 @@ def test_stop_token_ids_and_stop_strings(client):
         prompt="def add(a, b):",
         max_tokens=10,
         temperature=0,
-        extra_body={"ignore_eos": True, "return_tokens": True},
+        extra_body={"ignore_eos": True},
     )
     text = base.choices[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 2]

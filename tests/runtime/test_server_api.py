@@ -1,0 +1,512 @@
+"""The OpenAI API surface, driven with the official `openai` client (and raw HTTP for what a client would
+never send): every sampling parameter, logprobs and echo, n and best_of, structured output, the tokenizer
+and model endpoints, chat templates, the API key, and a catalog of bad or hostile requests that each get
+their 4xx while /health stays 200. One server for the module (eager backend: the API does not depend on it).
+"""
+
+import json
+import re
+from collections import Counter
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from tests.runtime.serverproc import ServerProcess
+
+API_KEY = "test-key-14"
+HEADERS = {"authorization": f"Bearer {API_KEY}"}
+ENV = {
+    "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
+    "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "64,128",
+    "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "64,64",
+    "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "4,2",
+}
+VOCAB = 512  # the tiny model's tokenizer
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("api") / "server.log"
+    srv = ServerProcess(tiny_model, ENV, log, extra_args=("--api-key", API_KEY))
+    with srv.serving():
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.client(api_key=API_KEY)
+
+
+def post(server, path, payload=None, content=None, headers=HEADERS):
+    return httpx.post(
+        server.base + path,
+        json=payload,
+        content=content,
+        timeout=60,
+        headers={"content-type": "application/json", **headers},
+    )
+
+
+def complete(client, **kw):
+    kw.setdefault("model", "tiny")
+    kw.setdefault("prompt", "The capital of France")
+    return client.completions.create(**kw)
+
+
+# ---- a catalog of bad and hostile requests ----------------------------------------------------------
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+P = {"model": "tiny", "prompt": "hi"}
+M = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+
+CATALOG = [
+    # (path, body (dict) or raw bytes, status, the parameter named (None: no param), words in the message)
+    (C, b'{"model": "tiny", "prompt": ', 400, None, "not valid JSON"),
+    (C, b"[1, 2, 3]", 400, None, ""),
+    (C, b'"just a string"', 400, None, ""),
+    (C, b"[" * 100_000 + b"]" * 100_000, 400, None, ""),
+    (C, {"model": "tiny"}, 400, "prompt", "required"),
+    (C, {"prompt": "hi"}, 400, "model", "required"),
+    (C, {**P, "model": "nope"}, 404, "model", "does not exist"),
+    (C, {**P, "prompt": ""}, 400, "prompt", "empty"),
+    (C, {**P, "prompt": []}, 400, "prompt", "empty"),
+    (C, {**P, "prompt": [[]]}, 400, "prompt", "empty"),
+    (C, {**P, "prompt": [1, 2, 999_999]}, 400, "prompt", "outside the vocabulary"),
+    (C, {**P, "prompt": [5, -1]}, 400, "prompt", "outside the vocabulary"),
+    (C, {**P, "prompt": [2**70]}, 400, "prompt", "outside the vocabulary"),
+    (C, {**P, "prompt": [[1, 2], [VOCAB]]}, 400, "prompt", "outside the vocabulary"),
+    (C, {**P, "prompt": [1.5, 2]}, 400, "prompt", ""),
+    (C, {**P, "prompt": ["a"] * 65}, 400, "prompt", "at most 64 prompts"),
+    (C, b'{"model": "tiny", "prompt": "\\ud800 lone surrogate"}', 400, "prompt", "could not be tokenized"),
+    (C, {**P, "prompt": "word " * 300, "max_tokens": 1}, 400, "prompt", "fits no compiled shape"),
+    (C, {**P, "max_tokens": 65}, 400, "max_tokens", "compiled shapes"),
+    (C, {**P, "max_tokens": 0}, 400, "max_tokens", ""),
+    (C, {**P, "max_tokens": "many"}, 400, "max_tokens", ""),
+    (C, {**P, "max_tokens": True}, 400, "max_tokens", ""),
+    (C, {**P, "seed": 2**64}, 400, "seed", ""),
+    (C, {**P, "seed": -(2**63) - 1}, 400, "seed", ""),
+    (C, b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400, "temperature", "finite"),
+    (C, b'{"model": "tiny", "prompt": "hi", "top_p": Infinity}', 400, "top_p", "finite"),
+    (C, {**P, "temperature": -0.5}, 400, "temperature", ""),
+    (C, {**P, "temperature": "hot"}, 400, "temperature", ""),
+    (C, {**P, "top_p": 0}, 400, "top_p", ""),
+    (C, {**P, "top_k": -2}, 400, "top_k", ""),
+    (C, {**P, "min_p": 1.5}, 400, "min_p", ""),
+    (C, {**P, "presence_penalty": 2.5}, 400, "presence_penalty", ""),
+    (C, {**P, "frequency_penalty": -3}, 400, "frequency_penalty", ""),
+    (C, {**P, "repetition_penalty": 0}, 400, "repetition_penalty", ""),
+    (C, {**P, "stop": [""]}, 400, "stop", "must not be empty"),
+    (C, {**P, "stop": ""}, 400, "stop", "must not be empty"),
+    (C, {**P, "stop": [str(i) for i in range(17)]}, 400, "stop", "at most 16"),
+    (C, {**P, "stop": ["x" * 1001]}, 400, "stop", "at most 1000"),
+    (C, {**P, "stop_token_ids": [VOCAB + 5]}, 400, "stop_token_ids", "outside the vocabulary"),
+    (C, {**P, "logit_bias": {"abc": 1}}, 400, "logit_bias", "token ids"),
+    (C, {**P, "logit_bias": {str(VOCAB): 1}}, 400, "logit_bias", "outside the vocabulary"),
+    (C, {**P, "logit_bias": {"5": 1000}}, 400, "logit_bias", "[-100, 100]"),
+    (C, {**P, "logit_bias": {str(i): 1 for i in range(301)}}, 400, "logit_bias", ""),
+    (C, {**P, "n": 0}, 400, "n", ""),
+    (C, {**P, "n": 100_000}, 400, "n", ""),
+    (C, {**P, "n": 2, "best_of": 1}, 400, "best_of", "at least n"),
+    (C, {**P, "best_of": 5}, 400, "best_of", "batch size (4)"),
+    (C, {**P, "best_of": 2, "stream": True}, 400, "best_of", "stream"),
+    (C, {**P, "logprobs": 21}, 400, "logprobs", ""),
+    (C, {**P, "min_tokens": 10, "max_tokens": 5}, 400, "min_tokens", "at most max_tokens"),
+    (C, {**P, "echo": True, "stream": True}, 400, "echo", "stream"),
+    (C, {**P, "stream": "yes"}, 400, "stream", ""),
+    (C, {**P, "stream_options": {"include_usage": True}}, 400, "stream_options", "stream is true"),
+    (C, {**P, "frobnicate": 1}, 400, "frobnicate", "unknown parameter"),
+    (C, {**P, "suffix": "!"}, 400, "suffix", "not supported"),
+    (C, {**P, "use_beam_search": True}, 400, "use_beam_search", "not supported"),
+    (C, {**P, "response_format": {"type": "xml"}}, 400, "response_format.type", ""),
+    (C, {**P, "response_format": {"type": "json_schema"}}, 400, "response_format", "json_schema.schema"),
+    (C, {**P, "guided_regex": "(unclosed"}, 400, "guided_regex", "could not be compiled"),
+    (C, {**P, "guided_json": {"type": "no-such-type"}}, 400, "guided_json", "could not be compiled"),
+    (C, {**P, "guided_json": SCHEMA, "guided_regex": "a+"}, 400, "guided_regex", "only one kind"),
+    (C, {**P, "guided_choice": []}, 400, "guided_choice", ""),
+    (CHAT, {**M, "messages": []}, 400, "messages", ""),
+    (CHAT, {**M, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", ""),
+    (
+        CHAT,
+        {**M, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "messages.0.content.0",
+        "not supported",
+    ),
+    (CHAT, {**M, "tool_choice": "required"}, 400, "tool_choice", ""),
+    (CHAT, {**M, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice", ""),
+    (CHAT, {**M, "top_logprobs": 2}, 400, "top_logprobs", "logprobs: true"),
+    (CHAT, {**M, "chat_template_kwargs": {"tokenize": True}}, 400, "chat_template_kwargs", "tokenize"),
+    (CHAT, {**M, "chat_template": "{% for m in messages %}"}, 400, "messages", "chat template"),
+    (
+        CHAT,
+        {**M, "add_generation_prompt": True, "continue_final_message": True},
+        400,
+        "continue_final_message",
+        "",
+    ),
+    (CHAT, {**M, "echo": True}, 400, "echo", "unknown parameter"),
+    (CHAT, {**M, "messages": [{"role": "user", "content": "x " * 400}]}, 400, "prompt", "fits no compiled"),
+    (CHAT, {**M, "max_completion_tokens": 0}, 400, "max_completion_tokens", ""),
+    ("/tokenize", {"model": "tiny"}, 400, "prompt", "exactly one"),
+    ("/detokenize", {"model": "tiny", "tokens": [-5]}, 400, "tokens", "outside the vocabulary"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "words"), CATALOG)
+def test_hostile_request_gets_its_4xx_and_the_engine_stays_healthy(server, path, body, status, param, words):
+    raw = body if isinstance(body, bytes) else None
+    res = post(server, path, None if raw else body, content=raw)
+    assert res.status_code == status, res.text
+    err = res.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert words in err["message"], err
+    assert httpx.get(server.base + "/health").status_code == 200
+
+
+def test_the_catalog_is_large():
+    assert len(CATALOG) >= 30
+
+
+def test_oversized_body_is_413_and_the_server_stays_up(server):
+    res = post(server, C, content=b'{"model": "tiny", "prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}')
+    assert res.status_code == 413
+    assert httpx.get(server.base + "/health").status_code == 200
+    # and the engine still answers
+    assert post(server, C, {**P, "max_tokens": 2}).status_code == 200
+
+
+def test_api_key_guards_everything_but_health_and_metrics(server):
+    assert post(server, C, P, headers={}).status_code == 401
+    wrong = post(server, C, P, headers={"authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server.base + "/v1/models").status_code == 401
+    assert httpx.get(server.base + "/health").status_code == 200
+    assert httpx.get(server.base + "/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+
+
+# ---- nulls, tiny temperatures, extreme seeds: accepted and well-defined -----------------------------
+
+
+def test_explicit_nulls_are_defaults(server):
+    nulls = dict.fromkeys(
+        [
+            "temperature",
+            "top_p",
+            "top_k",
+            "max_tokens",
+            "stop",
+            "seed",
+            "n",
+            "logprobs",
+            "echo",
+            "best_of",
+            "presence_penalty",
+            "frequency_penalty",
+            "logit_bias",
+            "user",
+            "stream",
+            "stream_options",
+            "response_format",
+            "min_tokens",
+            "ignore_eos",
+        ],
+    )
+    res = post(server, C, {**P, **nulls})
+    assert res.status_code == 200, res.text
+    assert res.json()["usage"]["completion_tokens"] >= 1
+    chat = post(
+        server,
+        CHAT,
+        {
+            **M,
+            "temperature": None,
+            "max_completion_tokens": None,
+            "tools": None,
+            "tool_choice": None,
+            "logprobs": None,
+            "top_logprobs": None,
+            "max_tokens": 3,
+        },
+    )
+    assert chat.status_code == 200, chat.text
+
+
+def test_a_tiny_temperature_is_greedy_and_extreme_seeds_work(client):
+    greedy = complete(client, max_tokens=10, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    tiny = complete(client, max_tokens=10, temperature=1e-40, extra_body={"ignore_eos": True}).choices[0].text
+    assert tiny == greedy
+    for seed in (2**63 - 1, -(2**63), 0):
+        a = complete(client, max_tokens=5, seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+        b = complete(client, max_tokens=5, seed=seed, extra_body={"ignore_eos": True}).choices[0].text
+        assert a == b
+
+
+# ---- sampling parameters ----------------------------------------------------------------------------
+
+
+def test_n_choices_are_the_seeded_requests_seed_plus_i(client):
+    kw = {"max_tokens": 12, "temperature": 1.0, "extra_body": {"ignore_eos": True}}
+    res = complete(client, n=3, seed=5, **kw)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    singles = [complete(client, seed=5 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in res.choices] == singles
+    assert len(set(singles)) > 1
+    assert res.usage.completion_tokens == 36
+
+
+def test_best_of_returns_the_most_likely_of_its_candidates(client):
+    kw = {"max_tokens": 8, "temperature": 1.0, "seed": 11, "extra_body": {"ignore_eos": True}}
+    candidates = complete(client, n=3, logprobs=0, **kw).choices
+    totals = [sum(c.logprobs.token_logprobs) for c in candidates]
+    best = complete(client, n=1, best_of=3, **kw).choices
+    assert len(best) == 1 and best[0].text == candidates[totals.index(max(totals))].text
+    assert best[0].logprobs is None  # not asked for
+
+
+def test_several_prompts_get_one_choice_each_in_order(client):
+    res = complete(client, prompt=["1 2 3", "Hello", "def"], max_tokens=4, temperature=0)
+    assert [c.index for c in res.choices] == [0, 1, 2]
+    alone = complete(client, prompt="Hello", max_tokens=4, temperature=0).choices[0].text
+    assert res.choices[1].text == alone
+    ids = complete(client, prompt=[[5, 6, 7], [8, 9]], max_tokens=4, temperature=0, n=2, seed=1)
+    assert [c.index for c in ids.choices] == [0, 1, 2, 3] and ids.usage.prompt_tokens == 5
+
+
+def test_completion_logprobs_layout_and_values(client):
+    body = {"ignore_eos": True, "return_tokens_as_token_ids": True}  # strings of byte tokens collide
+    res = complete(client, max_tokens=6, temperature=0, logprobs=3, extra_body=body)
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert value <= 0 and len(top) == 3 and top[token] == value
+        assert value == max(top.values())  # greedy: the chosen token is the most likely
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(client):
+    """lm-eval's local-completions loglikelihood: token-id prompts, echo, logprobs=1, max_tokens=1."""
+    prompt = [40, 41, 42, 43, 44, 45]
+    res = complete(client, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    lp = res.choices[0].logprobs
+    assert len(lp.tokens) == len(prompt) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    detok = httpx.Client(headers=HEADERS)
+    prompt_text = detok.post(str(client.base_url.join("/detokenize")), json={"tokens": prompt}).json()[
+        "prompt"
+    ]
+    assert res.choices[0].text.startswith(prompt_text)
+    # the prompt's scores (an eager pass) agree with the served path's logprob of the same token
+    generated = complete(
+        client, prompt=prompt[:-1], logprobs=0, max_tokens=1, temperature=0, logit_bias={str(prompt[-1]): 100}
+    )
+    served = generated.choices[0].logprobs.token_logprobs[0]
+    assert lp.token_logprobs[len(prompt) - 1] == pytest.approx(served, abs=1e-3)
+
+
+def test_chat_logprobs_layout(client):
+    res = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = res.choices[0].logprobs.content
+    assert 1 <= len(content) <= 5
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+
+
+def test_streamed_logprobs_match_non_streamed(client):
+    kw = {"max_tokens": 6, "temperature": 0, "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    full = complete(client, **kw).choices[0].logprobs.token_logprobs
+    streamed = [
+        x
+        for c in complete(client, stream=True, **kw)
+        if c.choices[0].logprobs
+        for x in c.choices[0].logprobs.token_logprobs
+    ]
+    assert streamed == pytest.approx(full)
+
+
+def test_penalties_change_greedy_output_toward_less_repetition(client):
+    kw = {"prompt": "Hello, world!", "max_tokens": 64, "temperature": 0, "logprobs": 0}
+    body = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+
+    def most_repeated(res):
+        tokens = res.choices[0].logprobs.tokens
+        assert all(t.startswith("token_id:") for t in tokens)
+        return max(Counter(tokens).values())
+
+    plain = complete(client, **kw, extra_body=body)
+    assert most_repeated(plain) > 2  # the tiny model loops, so a penalty has something to do
+    for extra in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"repetition_penalty": 3.0}):
+        res = complete(client, **kw, extra_body={**body, **extra})
+        assert most_repeated(res) < most_repeated(plain), extra
+
+
+def test_logit_bias_top_k_min_p_and_min_tokens(client):
+    forced = complete(client, max_tokens=5, temperature=0, logit_bias={"65": 100}, logprobs=0)
+    assert len(set(forced.choices[0].logprobs.tokens)) == 1
+    greedy = complete(client, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    top1 = complete(
+        client, max_tokens=8, temperature=1.5, seed=3, extra_body={"ignore_eos": True, "top_k": 1}
+    )
+    assert top1.choices[0].text == greedy
+    minp = complete(
+        client, max_tokens=8, temperature=1.5, seed=3, extra_body={"ignore_eos": True, "min_p": 1.0}
+    )
+    assert minp.choices[0].text == greedy
+    eos = (
+        httpx.Client(headers=HEADERS)
+        .post(
+            str(client.base_url.join("/tokenize")), json={"prompt": "<|im_end|>", "add_special_tokens": False}
+        )
+        .json()["tokens"][0]
+    )
+    stops = complete(client, max_tokens=20, temperature=0, logit_bias={str(eos): 100})
+    assert stops.choices[0].finish_reason == "stop" and stops.usage.completion_tokens == 1
+    held = complete(
+        client, max_tokens=20, temperature=0, logit_bias={str(eos): 100}, extra_body={"min_tokens": 5}
+    )
+    assert held.choices[0].finish_reason == "stop" and held.usage.completion_tokens == 6
+    assert "<|im_end|>" not in held.choices[0].text
+
+
+def test_stop_strings_with_and_without_the_stop_string(client):
+    kw = {"max_tokens": 20, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    text = complete(client, **kw).choices[0].text
+    stop = text[5:8]
+    cut = complete(client, stop=[stop], **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+    kept = complete(
+        client, stop=[stop], **{**kw, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}
+    )
+    assert kept.choices[0].text == text[: text.find(stop) + len(stop)]
+
+
+def test_skip_special_tokens(client):
+    start = 1  # <|im_start|>: a special token
+    kw = {"max_tokens": 3, "temperature": 0, "logit_bias": {str(start): 100}}
+    shown = complete(client, **kw, extra_body={"skip_special_tokens": False}).choices[0].text
+    hidden = complete(client, **kw).choices[0].text
+    assert shown == "<|im_start|>" * 3 and hidden == ""
+
+
+# ---- structured output ------------------------------------------------------------------------------
+
+
+def test_json_schema_output_parses_and_validates(client):
+    schema = {
+        "type": "object",
+        "properties": {"capital": {"enum": ["Paris", "Rome", "Madrid"]}, "sunny": {"type": "boolean"}},
+        "required": ["capital", "sunny"],
+        "additionalProperties": False,
+    }
+    res = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "The capital of France?"}],
+        max_tokens=60,
+        temperature=0.7,
+        seed=1,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(res.choices[0].message.content), schema)
+    via_vllm = complete(client, max_tokens=60, extra_body={"guided_json": schema})
+    jsonschema.validate(json.loads(via_vllm.choices[0].text), schema)
+
+
+def test_json_object_regex_and_choice(client):
+    obj = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "json please"}],
+        max_tokens=64,
+        temperature=0,
+        response_format={"type": "json_object"},
+        logit_bias={str(t): -100 for t in range(3, 60)},  # keep the random model's object short
+    )
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:
+        assert obj.choices[0].message.content.lstrip().startswith("{")
+    regex = complete(
+        client, max_tokens=20, temperature=1.0, seed=2, extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"}
+    )
+    assert (
+        re.fullmatch(r"[0-9]{3}-[a-z]{2}", regex.choices[0].text) and regex.choices[0].finish_reason == "stop"
+    )
+    choices = ["Paris", "Rome", "Madrid"]
+    for seed in range(3):
+        res = complete(
+            client, max_tokens=10, temperature=1.0, seed=seed, extra_body={"guided_choice": choices}
+        )
+        assert res.choices[0].text in choices
+
+
+# ---- endpoints and tokenization ---------------------------------------------------------------------
+
+
+def test_tokenize_detokenize_version_and_model_endpoints(server, client):
+    http = httpx.Client(headers=HEADERS, base_url=server.base)
+    tok = http.post(
+        "/tokenize", json={"model": "tiny", "prompt": "Hello, world!", "return_token_strs": True}
+    ).json()
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["max_model_len"] > 0
+    assert http.post("/detokenize", json={"model": "tiny", "tokens": tok["tokens"]}).json() == {
+        "prompt": "Hello, world!"
+    }
+    res = complete(client, prompt="Hello, world!", max_tokens=1)
+    assert res.usage.prompt_tokens == tok["count"]
+    assert http.get("/version").json()["version"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+
+
+def test_string_and_token_id_prompts_are_the_same_request(server, client):
+    ids = httpx.post(server.base + "/tokenize", headers=HEADERS, json={"prompt": "def add(a, b):"}).json()[
+        "tokens"
+    ]
+    kw = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    by_text = complete(client, prompt="def add(a, b):", **kw)
+    by_ids = complete(client, prompt=ids, **kw)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    assert by_text.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_chat_template_options_reach_the_template(server, client):
+    http = httpx.Client(headers=HEADERS, base_url=server.base)
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def rendered(**kw):
+        ids = http.post("/tokenize", json={"messages": msgs, **kw}).json()["tokens"]
+        return http.post("/detokenize", json={"tokens": ids}).json()["prompt"]
+
+    assert rendered().endswith("<|im_start|>assistant\n")
+    assert not rendered(add_generation_prompt=False).endswith("assistant\n")
+    template = (
+        "{{ greeting }}{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    text = rendered(chat_template=template, chat_template_kwargs={"greeting": "Howdy! "}, tools=tools)
+    assert text == "Howdy! [tool get_weather]user: hi\n"
+    # the same options through the chat endpoint: the prompt it counts is the one rendered above
+    res = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=1,
+        tools=tools,
+        extra_body={"chat_template": template, "chat_template_kwargs": {"greeting": "Howdy! "}},
+    )
+    expected = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["count"]
+    assert res.usage.prompt_tokens == expected

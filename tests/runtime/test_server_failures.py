@@ -1,0 +1,89 @@
+"""A sick engine fails fast, and a client that hangs up frees its slot at once. Each test runs its own
+server (eager backend, a long static shape of batch size 1, so a request left running would be seen)."""
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.runtime.serverproc import ServerProcess
+from tests.runtime.test_server import metric
+
+SLOW_ENV = {
+    "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
+    "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "64",
+    "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "1900",
+    "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "1",
+}
+LONG = {"model": "tiny", "prompt": "word " * 20, "max_tokens": 1900, "ignore_eos": True}
+
+
+def ttft(base: str) -> float:
+    """Seconds to the first streamed token of a short request."""
+    t0 = time.monotonic()
+    first = None
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():  # read to the end: this request is not abandoned
+            if first is None and line.startswith("data: {"):
+                first = time.monotonic() - t0
+    assert first is not None, "no token streamed"
+    return first
+
+
+def test_engine_failure_fails_in_flight_requests_turns_unhealthy_and_exits_non_zero(tiny_model, tmp_path):
+    flag = tmp_path / "fault"
+    env = {**SLOW_ENV, "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2", "SPYRE_TEST_FAULT_FILE": str(flag)}
+    srv = ServerProcess(tiny_model, env, tmp_path / "s.log", module="tests.runtime.faulty_engine")
+    with srv.serving():
+        plain = {}
+
+        def non_streaming():
+            plain["res"] = httpx.post(srv.base + "/v1/completions", json=LONG, timeout=60)
+
+        t = threading.Thread(target=non_streaming)
+        t.start()
+        events = []
+        with httpx.stream(
+            "POST", srv.base + "/v1/completions", json={**LONG, "stream": True}, timeout=60
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                    if len(events) == 3:
+                        flag.touch()  # the next step raises
+        t.join(timeout=30)
+        # in flight: the stream ends with an error event, the other request with a 500
+        error = json.loads(events[-2].removeprefix("data: "))["error"]
+        assert events[-1] == "data: [DONE]" and "engine failed" in error["message"]
+        assert plain["res"].status_code == 500 and "injected fault" in plain["res"].json()["error"]["message"]
+        # sick: unhealthy and refusing at once, then gone with a non-zero exit
+        assert httpx.get(srv.base + "/health").status_code == 503
+        t0 = time.monotonic()
+        late = httpx.post(srv.base + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+        assert late.status_code == 503 and time.monotonic() - t0 < 1
+        assert "engine failed" in late.json()["error"]["message"]
+        assert srv.proc.wait(timeout=30) == 1
+        assert "engine loop failed" in srv.log()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_client_that_hangs_up_frees_its_slot_within_a_step(tiny_model, tmp_path, stream):
+    srv = ServerProcess(tiny_model, SLOW_ENV, tmp_path / "s.log")
+    with srv.serving():
+        baseline = min(ttft(srv.base) for _ in range(3))
+        t0 = time.monotonic()
+        if stream:  # read the first token, then hang up
+            with httpx.stream("POST", srv.base + "/v1/completions", json={**LONG, "stream": True}) as r:
+                next(line for line in r.iter_lines() if line.startswith("data: {"))
+        else:  # the client gives up after 1 s and closes the connection
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(srv.base + "/v1/completions", json=LONG, timeout=1)
+        after = ttft(srv.base)
+        # the abandoned request would hold the only slot for 1900 tokens; its successor starts at once
+        assert after < 3 * baseline + 0.5, (baseline, after)
+        assert metric(srv, "spyre_requests_total", '{outcome="abort"}') == 1
+        assert metric(srv, "spyre_generated_tokens_total") < 1900
+        assert time.monotonic() - t0 < 10
