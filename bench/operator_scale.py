@@ -1,7 +1,8 @@
-"""Scale benchmark of the operator: 200 SpyreModels applied at once on the real control plane.
+"""Scale benchmark of the operator: N SpyreModels applied at once on the real control plane.
 
-    .venv/bin/python bench/operator_scale.py [--models 200]
+    .venv/bin/python bench/operator_scale.py [--models 100,300,1000] [--replicas 1]
 
+One run per count, each on a fresh control plane sized for it (N/8 pseudo nodes of 8 cards).
 Reports the time until every model has its pod created and a Ready status, the API requests the operator
 made per model (from the API server's audit log, by the operator's service account), its peak RSS, and the
 writes it made during an idle resync. Writes bench/results-operator.json.
@@ -10,6 +11,7 @@ writes it made during an idle resync. Writes bench/results-operator.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import tempfile
@@ -60,9 +62,21 @@ def audit_counts(path: Path, since: float = 0.0) -> Counter:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--models", type=int, default=200)
+    ap.add_argument("--models", default="200", help="a count or a comma list of counts")
     ap.add_argument("--resync", type=float, default=10.0)
+    ap.add_argument("--operator-replicas", type=int, default=1, help="2: a leader and a standby")
+    ap.add_argument("--out", default=str(REPO / "bench/results-operator.json"))
     args = ap.parse_args()
+    rows = []
+    for count in [int(c) for c in args.models.split(",")]:
+        rows.append(run(count, args.resync, args.operator_replicas))
+        print(json.dumps(rows[-1], indent=2), flush=True)
+    Path(args.out).write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
+    return 0
+
+
+def run(models: int, resync: float, operator_replicas: int) -> dict:
+    args = argparse.Namespace(models=models, resync=resync)
     work = Path(tempfile.mkdtemp(prefix="spyre-scale-"))
     (work / "audit.yaml").write_text(AUDIT_POLICY)
     audit = work / "audit.log"
@@ -89,18 +103,21 @@ def main() -> int:
         kc = service_account_kubeconfig(
             cp, kube, "spyre-system", "spyre-operator", work / "operator.kubeconfig"
         )
-        op = OperatorProcess(kc, work / "operator.log", {"SPYRE_OPERATOR_RESYNC_SECONDS": str(args.resync)})
+        env = {"SPYRE_OPERATOR_RESYNC_SECONDS": str(args.resync)}
+        op = OperatorProcess(kc, work / "operator.log", env)
         op.start()
-        proc = psutil.Process(op.proc.pid)
-        peak = [0]
+        standbys = [
+            OperatorProcess(kc, work / f"standby{i}.log", env).start() for i in range(operator_replicas - 1)
+        ]
+        procs = [psutil.Process(o.proc.pid) for o in [op, *standbys]]
+        peak = [0] * len(procs)
         stop = threading.Event()
 
         def watch_rss():
             while not stop.wait(0.2):
-                try:
-                    peak[0] = max(peak[0], proc.memory_info().rss)
-                except psutil.Error:
-                    return
+                for i, proc in enumerate(procs):
+                    with contextlib.suppress(psutil.Error):
+                        peak[i] = max(peak[i], proc.memory_info().rss)
 
         threading.Thread(target=watch_rss, daemon=True).start()
         time.sleep(5)  # operator up and watching
@@ -134,11 +151,13 @@ def main() -> int:
                 )["items"]
                 return sum((m.get("status") or {}).get("phase") == "Ready" for m in items)
 
-            while ready_count() < args.models:
+            while (n := ready_count()) < args.models:
                 if time.time() - t0 > 600:
-                    raise SystemExit(f"not converged after 600 s: {ready_count()} ready")
+                    results["not_converged_ready_after_600_s"] = n
+                    break
                 time.sleep(1)
             converged = time.time() - t0
+            results["after_last_create_seconds"] = converged - applied
             pods = len(core.list_namespaced_pod("scale").items)
             time.sleep(3)
             counts = audit_counts(audit)
@@ -148,6 +167,8 @@ def main() -> int:
             idle = audit_counts(audit, since=idle_from)
         stop.set()
         op.stop()
+        for o in standbys:
+            o.stop()
         results.update(
             {
                 "apply_seconds": applied,
@@ -159,6 +180,8 @@ def main() -> int:
                     f"{v} {r}{'/' + s if s else ''}": n for (v, r, s), n in counts.most_common()
                 },
                 "operator_peak_rss_mb": peak[0] / 2**20,
+                "operator_replicas": operator_replicas,
+                "standby_peak_rss_mb": [p / 2**20 for p in peak[1:]],
                 "idle_resync_seconds_watched": 2.5 * args.resync,
                 "idle_resync_reads": sum(n for (v, _, _), n in idle.items() if v not in WRITE_VERBS),
                 "idle_resync_writes": sum(n for (v, _, _), n in idle.items() if v in WRITE_VERBS),
@@ -168,9 +191,7 @@ def main() -> int:
         if op is not None:
             op.stop()
         cp.stop()
-    (REPO / "bench/results-operator.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
-    return 0
+    return results
 
 
 if __name__ == "__main__":

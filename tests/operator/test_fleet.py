@@ -7,7 +7,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from kubernetes import client
 
+from tests.cluster.controlplane import register_nodes, spyre_nodes
 from tests.conftest import REPO, kubectl, wait_for
 from tests.operator.conftest import OperatorProcess
 from tests.operator.test_reconcile import hashes, spec
@@ -135,11 +137,37 @@ def test_rbac_is_exactly_what_the_code_calls(cluster, operator_rbac):
     assert allowed("bob", "list") and not allowed("bob", "create")
 
 
-def test_operator_settings_roll_out_across_models_a_few_at_a_time(operator, ns):
+@pytest.fixture()
+def fleet_nodes(kube):
+    """Three more pseudo nodes (24 cards) for 20 models, tainted so that no other test's pods land there."""
+    core = client.CoreV1Api(kube)
+    nodes = spyre_nodes(count=3, cards=8, prefix="fleet-node")
+    for node in nodes:
+        node.extra_labels["spyre-serve.io/pool"] = "fleet"
+    names = register_nodes(kube, nodes)
+    for name in names:
+        taints = core.read_node(name).spec.taints or []
+        taint = {"key": "spyre-serve.io/pool", "value": "fleet", "effect": "NoSchedule"}
+        core.patch_node(
+            name,
+            {"spec": {"taints": [core.api_client.sanitize_for_serialization(t) for t in taints] + [taint]}},
+        )
+    yield {
+        "nodeSelector": {"spyre-serve.io/pool": "fleet"},
+        "tolerations": [
+            {"key": "spyre-serve.io/pool", "operator": "Equal", "value": "fleet", "effect": "NoSchedule"}
+        ],
+    }
+    for name in names:
+        core.delete_node(name)
+
+
+def test_operator_settings_roll_out_across_models_a_few_at_a_time(operator, ns, fleet_nodes):
     names = [f"f{i:02d}" for i in range(20)]
     for name in names[:-1]:
-        ns.apply_model(name, spec(replicas=1))
-    ns.apply_model(names[-1], spec(replicas=1, image="example.org/pinned/runtime:1.0"))  # pins its image
+        ns.apply_model(name, spec(replicas=1, **fleet_nodes))
+    pinned = spec(replicas=1, image="example.org/pinned/runtime:1.0", **fleet_nodes)
+    ns.apply_model(names[-1], pinned)  # pins its image
     for name in names:
         ns.wait_ready(name, 1, timeout=120)
     old = {name: hashes(ns, name)[0] for name in names}
