@@ -520,7 +520,7 @@ def create_app(state: ServerState) -> FastAPI:
         choices = []
         for index, (choice, out) in enumerate(picked):
             if chat:
-                message = {"role": "assistant", "content": out.text}
+                message = {"role": "assistant", "content": out.text, "tool_calls": []}
                 entry = {"index": index, "message": message, "logprobs": None}
                 if body.logprobs:
                     entry["logprobs"] = {"content": chat_logprobs(out.logprobs, as_ids)}
@@ -611,7 +611,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "object": obj,
                 "created": created,
                 "model": config.served_model_name,
-                "choices": [choice] if choice else [],
+                "choices": [{**choice, "stop_reason": None}] if choice else [],
             }
             if include_usage:
                 payload["usage"] = usage_

@@ -510,3 +510,139 @@ def test_chat_template_options_reach_the_template(server, client):
     )
     expected = http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["count"]
     assert res.usage.prompt_tokens == expected
+
+
+# ---- conformance: our responses against vLLM's documented schema, field by field ----------------------
+
+# vLLM's response models (vllm/entrypoints/openai/protocol.py): field -> JSON type(s); "?" = may be null
+USAGE = {"prompt_tokens": int, "completion_tokens": int, "total_tokens": int}
+COMPLETION_LOGPROBS = {"text_offset": list, "token_logprobs": list, "tokens": list, "top_logprobs": list}
+COMPLETION = {
+    "id": str,
+    "object": "text_completion",
+    "created": int,
+    "model": str,
+    "choices": list,
+    "usage": USAGE,
+}
+COMPLETION_CHOICE = {
+    "index": int,
+    "text": str,
+    "logprobs": (COMPLETION_LOGPROBS, None),
+    "finish_reason": ("stop", "length"),
+    "stop_reason": (None, str, int),
+}
+CHAT_COMPLETION = {
+    "id": str,
+    "object": "chat.completion",
+    "created": int,
+    "model": str,
+    "choices": list,
+    "usage": USAGE,
+}
+CHAT_TOP = {"token": str, "logprob": float, "bytes": list}
+CHAT_CHOICE = {
+    "index": int,
+    "message": {"role": "assistant", "content": str, "tool_calls": list},
+    "logprobs": ({"content": list}, None),
+    "finish_reason": ("stop", "length"),
+    "stop_reason": (None, str, int),
+}
+CHAT_LOGPROB = {**CHAT_TOP, "top_logprobs": list}
+COMPLETION_CHUNK = {"id": str, "object": "text_completion", "created": int, "model": str, "choices": list}
+CHUNK_CHOICE = {
+    "index": int,
+    "text": str,
+    "logprobs": (COMPLETION_LOGPROBS, None),
+    "finish_reason": (None, "stop", "length"),
+    "stop_reason": (None, str, int),
+}
+CHAT_CHUNK = {"id": str, "object": "chat.completion.chunk", "created": int, "model": str, "choices": list}
+CHAT_CHUNK_CHOICE = {
+    "index": int,
+    "delta": dict,
+    "logprobs": ({"content": list}, None),
+    "finish_reason": (None, "stop", "length"),
+    "stop_reason": (None, str, int),
+}
+
+
+def conforms(value, spec, where="") -> None:
+    """Asserts `value` has exactly the shape `spec` describes (dict: every field, recursively; type;
+    literal; tuple: any of)."""
+    if isinstance(spec, tuple):
+        errors = []
+        for option in spec:
+            try:
+                conforms(value, option, where)
+                return
+            except AssertionError as e:
+                errors.append(str(e))
+        raise AssertionError(f"{where}: {value!r} matches none of {spec}: {errors}")
+    if spec is None:
+        assert value is None, f"{where}: expected null, got {value!r}"
+    elif isinstance(spec, dict):
+        assert isinstance(value, dict), f"{where}: expected an object, got {value!r}"
+        missing = spec.keys() - value.keys()
+        assert not missing, f"{where}: missing {sorted(missing)}"
+        for key, sub in spec.items():
+            conforms(value[key], sub, f"{where}.{key}")
+    elif isinstance(spec, type):
+        ok = isinstance(value, spec) and not (spec is int and isinstance(value, bool))
+        assert ok or (spec is float and isinstance(value, int)), f"{where}: {value!r} is not {spec.__name__}"
+    else:
+        assert value == spec, f"{where}: {value!r} != {spec!r}"
+
+
+def sse_events(server, path, body):
+    with httpx.stream("POST", server.base + path, json=body, headers=HEADERS, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_responses_conform_to_vllms_schema_field_by_field(server):
+    res = post(server, C, {**P, "max_tokens": 4, "logprobs": 2, "n": 2, "seed": 1}).json()
+    conforms(res, COMPLETION, "completion")
+    for i, choice in enumerate(res["choices"]):
+        conforms(choice, COMPLETION_CHOICE, f"completion.choices.{i}")
+        lp = choice["logprobs"]
+        assert len({len(v) for v in lp.values()}) == 1  # one entry per token in each list
+    openai.types.Completion.model_validate(res)
+
+    chat = post(server, CHAT, {**M, "max_tokens": 4, "logprobs": True, "top_logprobs": 2}).json()
+    conforms(chat, CHAT_COMPLETION, "chat")
+    conforms(chat["choices"][0], CHAT_CHOICE, "chat.choices.0")
+    for entry in chat["choices"][0]["logprobs"]["content"]:
+        conforms(entry, CHAT_LOGPROB, "chat.logprobs")
+        for top in entry["top_logprobs"]:
+            conforms(top, CHAT_TOP, "chat.top_logprobs")
+    openai.types.chat.ChatCompletion.model_validate(chat)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_chunks_conform_and_end_with_usage(server, chat):
+    base = M if chat else P
+    body = {
+        **base,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "n": 2,
+        "seed": 3,
+    }
+    events = sse_events(server, CHAT if chat else C, body)
+    *chunks, last = events
+    for c in chunks:
+        conforms(c, CHAT_CHUNK if chat else COMPLETION_CHUNK, "chunk")
+        assert c["usage"] is None  # usage only in the last chunk (stream_options.include_usage)
+        for choice in c["choices"]:
+            conforms(choice, CHAT_CHUNK_CHOICE if chat else CHUNK_CHOICE, "chunk.choice")
+        if chat:  # (the client reads completion chunks as Completion, whose finish_reason is never null)
+            openai.types.chat.ChatCompletionChunk.model_validate(c)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 10
+    conforms(last["usage"], USAGE, "usage")
+    finished = [ch["index"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert sorted(finished) == [0, 1]  # each choice finishes once
+    if chat:
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
