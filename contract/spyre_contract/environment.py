@@ -148,10 +148,23 @@ def doubling(start: int, top: int) -> tuple[int, ...]:
 # bucket; all of them are compiled at warmup (the Gaudi backend's bucketing, for static-shape backends).
 
 
-def chunk_buckets(chunk: int) -> tuple[int, ...]:
+def chunk_buckets(chunk: int, explicit: tuple[int, ...] = ()) -> tuple[int, ...]:
     """Every multiple of 64 up to 256 (short prompts pad little), then doubling up to the chunk size."""
+    if explicit:
+        return explicit
     fine = range(PROMPT_LEN_MULTIPLE, min(256, chunk) + 1, PROMPT_LEN_MULTIPLE)
     return tuple(sorted(set(fine) | set(doubling(256, chunk))))
+
+
+def expand_range(bmin: int, step: int, bmax: int) -> tuple[int, ...]:
+    """A bucket range as Gaudi's documentation spells it: powers of two from `bmin` while below `step` (the
+    ramp-up), then every multiple of `step` up to `bmax`."""
+    ramp, v = [], bmin
+    while v < step and v <= bmax:
+        ramp.append(v)
+        v *= 2
+    stable = range(step, bmax + 1, step)
+    return tuple(sorted({b for b in (*ramp, *stable) if b >= bmin}))
 
 
 def batch_buckets(explicit: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
@@ -189,6 +202,7 @@ class EnvironmentSettings:
     num_kv_blocks: int = 0
     decode_batch_buckets: tuple[int, ...] = ()
     kv_len_buckets: tuple[int, ...] = ()
+    prefill_buckets: tuple[int, ...] = ()
     cache_enabled: bool = False
     cache_dir: str = ""
     require_precompiled: bool = False
@@ -242,8 +256,9 @@ def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlag
         tensor_parallel_size=flags.tensor_parallel_size or 1,
         max_num_batched_tokens=chunk,
         num_kv_blocks=flags.num_kv_blocks or 0,
-        decode_batch_buckets=_buckets(env, "CB_DECODE_BATCH_SIZES", 1),
-        kv_len_buckets=_buckets(env, "CB_KV_LENS", PROMPT_LEN_MULTIPLE),
+        decode_batch_buckets=_buckets(env, "CB_DECODE_BATCH_SIZES", 1, "CB_DECODE_BATCH_BUCKETS"),
+        kv_len_buckets=_buckets(env, "CB_KV_LENS", PROMPT_LEN_MULTIPLE, "CB_KV_BUCKETS"),
+        prefill_buckets=_buckets(env, "CB_PREFILL_SIZES", PROMPT_LEN_MULTIPLE, "CB_PREFILL_BUCKETS"),
         cache_enabled=cache_enabled,
         cache_dir=cache_dir,
         require_precompiled=env.bool("REQUIRE_PRECOMPILED_DECODERS", False),
@@ -282,8 +297,26 @@ def _dtype(env: Env, flag: str | None) -> str:
     return dtype
 
 
-def _buckets(env: Env, name: str, multiple: int) -> tuple[int, ...]:
-    if env.raw(name)[1] in (None, ""):
+def _buckets(env: Env, name: str, multiple: int, range_name: str = "") -> tuple[int, ...]:
+    """A comma list (`name`) or a `min,step,max` range (`range_name`), not both."""
+    has_list = env.raw(name)[1] not in (None, "")
+    if range_name and env.raw(range_name)[1] not in (None, ""):
+        if has_list:
+            raise ContractError(
+                f"{env.raw(name)[0]} and {env.raw(range_name)[0]} exclude each other: set one"
+            )
+        var, parts = env.int_list(range_name, "")
+        if len(parts) != 3:
+            raise ContractError(f"{var}={','.join(map(str, parts))!r} must be min,step,max")
+        bmin, step, bmax = parts
+        if bmin > bmax:
+            raise ContractError(f"{var}: min {bmin} is above max {bmax}")
+        values = expand_range(bmin, step, bmax)
+        for v in values:
+            if v % multiple:
+                raise ContractError(f"{var}: the range gives {v}, not a multiple of {multiple}")
+        return values
+    if not has_list:
         return ()
     var, values = env.int_list(name, "")
     for v in values:
@@ -303,6 +336,16 @@ def _check_cb_limits(s: EnvironmentSettings, env: Env, chunk_given: bool) -> Non
         raise ContractError(
             f"--max-num-batched-tokens={s.max_num_batched_tokens} is larger than --max-model-len="
             f"{s.max_model_len} (rounded up to {round_up(s.max_model_len)}): no prompt fills such a chunk"
+        )
+    if s.prefill_buckets and max(s.prefill_buckets) < s.max_num_batched_tokens:
+        var = (
+            env.raw("CB_PREFILL_BUCKETS")[0]
+            if env.raw("CB_PREFILL_BUCKETS")[1]
+            else env.raw("CB_PREFILL_SIZES")[0]
+        )
+        raise ContractError(
+            f"{var}: the largest bucket {max(s.prefill_buckets)} is below --max-num-batched-tokens="
+            f"{s.max_num_batched_tokens} (a full chunk would fit no graph)"
         )
     largest_batch = max(batch_buckets(s.decode_batch_buckets, s.max_num_seqs))
     if largest_batch < s.max_num_seqs:

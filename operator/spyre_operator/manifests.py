@@ -57,6 +57,7 @@ def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
         {"name": "SENDNN_INFERENCE_DYNAMO_BACKEND", "value": spec.backend},
         {"name": "SENDNN_INFERENCE_USE_CB", "value": "1" if spec.mode == "continuous" else "0"},
     ]
+    env += [{"name": var, "value": ",".join(map(str, r))} for var, r in spec.buckets]
     if spec.dtype != "auto":
         env.append({"name": "SENDNN_INFERENCE_DTYPE", "value": spec.dtype})
     if spec.mode == "static":

@@ -20,6 +20,12 @@ ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
+# continuous batching's bucket ranges (min, step, max; expanded as Gaudi's docs say) and their variables
+BUCKET_FIELDS = {
+    "decodeBatchBuckets": "SENDNN_INFERENCE_CB_DECODE_BATCH_BUCKETS",
+    "kvBuckets": "SENDNN_INFERENCE_CB_KV_BUCKETS",
+    "prefillBuckets": "SENDNN_INFERENCE_CB_PREFILL_BUCKETS",
+}
 # The model's name becomes a Service name and a label value; pod names add "-<hash>-<random>".
 MAX_NAME = 63
 
@@ -88,6 +94,7 @@ class ModelSpec:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    buckets: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # (env name, (min, step, max))
     cache: GraphCache = field(default_factory=GraphCache)
     image: str | None = None
     resources: dict = field(default_factory=dict)
@@ -169,6 +176,7 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         raise InvalidSpec("batching.mode", f"must be static or continuous, got {mode!r}")
     shapes: tuple[StaticShape, ...] = ()
     max_num_seqs = max_model_len = chunk = None
+    bucket_ranges: tuple = ()
     if mode == "static":
         raw_shapes = batching.get("shapes")
         if not raw_shapes:
@@ -192,6 +200,17 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
             raise InvalidSpec("batching", "continuous batching needs maxNumSeqs and maxModelLen")
         max_num_seqs = _int(spec, "batching.maxNumSeqs", batching["maxNumSeqs"], minimum=1, maximum=256)
         max_model_len = _int(spec, "batching.maxModelLen", batching["maxModelLen"], minimum=64)
+        buckets = []
+        for field_name, var in BUCKET_FIELDS.items():
+            r = batching.get(field_name)
+            if r is None:
+                continue
+            at = f"batching.{field_name}"
+            if not isinstance(r, dict) or set(r) - {"min", "step", "max"}:
+                raise InvalidSpec(at, f"must be an object with min, step and max, got {r!r}")
+            values = tuple(_int(spec, f"{at}.{k}", r.get(k), minimum=1) for k in ("min", "step", "max"))
+            buckets.append((var, values))
+        bucket_ranges = tuple(buckets)
         if batching.get("maxNumBatchedTokens") is not None:
             chunk = _int(spec, "batching.maxNumBatchedTokens", batching["maxNumBatchedTokens"], minimum=64)
             if chunk % 64:
@@ -238,6 +257,7 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=chunk,
+        buckets=bucket_ranges,
         cache=cache,
         image=_string(spec, "image"),
         resources=_resources(spec.get("resources")),

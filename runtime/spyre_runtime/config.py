@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -85,6 +86,7 @@ class RuntimeConfig:
     num_kv_blocks: int = 0  # 0: room for max_num_seqs sequences of max_model_len tokens (+ scratch)
     decode_batch_buckets: tuple[int, ...] = ()  # () : powers of two up to max_num_seqs
     kv_len_buckets: tuple[int, ...] = ()  # () : 64 * powers of two up to max_model_len
+    prefill_buckets: tuple[int, ...] = ()  # () : multiples of 64 up to 256, then doubling up to the chunk
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
 
     # ---- continuous batching: the static menu of compiled shapes ----------------------------------
@@ -93,7 +95,7 @@ class RuntimeConfig:
 
     @property
     def chunk_buckets(self) -> tuple[int, ...]:
-        return chunk_buckets(self.max_num_batched_tokens)
+        return chunk_buckets(self.max_num_batched_tokens, self.prefill_buckets)
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:
@@ -147,7 +149,7 @@ def load_config(
     settings = (read_pooling_environment if is_pooling_task(task) else read_environment)(environ, flags)
     contract = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in _CONFIG_FIELDS}
     model_path = Path(model_dir)
-    return RuntimeConfig(
+    config = RuntimeConfig(
         **contract,
         model_dir=model_path,
         served_model_name=served_model_name or model_path.name,
@@ -158,6 +160,14 @@ def load_config(
         cache_dir=Path(settings.cache_dir) if settings.cache_dir else None,
         perf_metric_logging_dir=Path(settings.perf_metric_logging_dir),
     )
+    if config.use_cb:  # the expanded menu, once
+        logging.getLogger(__name__).info(
+            "continuous batching menu: prefill chunks %s, decode batch sizes %s, KV lengths %s",
+            list(config.chunk_buckets),
+            list(config.batch_buckets),
+            list(config.kv_buckets),
+        )
+    return config
 
 
 _CONFIG_FIELDS = {f.name for f in fields(RuntimeConfig)} - {"cache_dir", "perf_metric_logging_dir"}

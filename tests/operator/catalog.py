@@ -89,6 +89,13 @@ CATALOG = [
         "below spec.batching.maxModelLen",
         "operator",
     ),
+    (
+        "kv-range-too-short",
+        "m",
+        {"batching": {**CB, "kvBuckets": {"min": 64, "step": 64, "max": 128}}},
+        "below spec.batching.maxModelLen",
+        "operator",
+    ),
     ("cards-three", "m", {"cards": 3}, "must be one of 1, 2, 4, 8", "operator"),
     ("replicas-string", "m", {"replicas": "2"}, "must be an integer", "operator"),
     ("dtype-int8", "m", {"dtype": "int8"}, "spec.dtype", "operator"),

@@ -336,3 +336,16 @@ def test_work_queue_coalesces_serializes_and_backs_off():
     b_times = [t for k, t in seen if k == "b"]
     assert len(b_times) == 2 and b_times[1] - b_times[0] >= 0.25  # retried after the back-off
     assert q.failures("b") == 0
+
+
+def test_bucket_ranges_reach_the_pod_environment():
+    from spyre_operator.manifests import runtime_env
+
+    batching = {"mode": "continuous", "maxNumSeqs": 8, "maxModelLen": 512}
+    batching["decodeBatchBuckets"] = {"min": 1, "step": 4, "max": 8}
+    batching["kvBuckets"] = {"min": 128, "step": 128, "max": 512}
+    spec = parse_spec("m", {**BASE, "batching": batching})
+    check_runtime_contract(spec)
+    env = {v["name"]: v.get("value") for v in runtime_env(spec)}
+    assert env["SENDNN_INFERENCE_CB_DECODE_BATCH_BUCKETS"] == "1,4,8"
+    assert env["SENDNN_INFERENCE_CB_KV_BUCKETS"] == "128,128,512"
