@@ -6,6 +6,7 @@ import hashlib
 import json
 
 from spyre_contract import ContractError, EngineFlags, read_environment
+from spyre_contract.tasks import POOLING_TASKS, read_pooling_environment
 
 from spyre_operator.settings import (
     ATTEMPT_ANNOTATION,
@@ -61,19 +62,19 @@ def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
     if spec.dtype != "auto":
         env.append({"name": "SENDNN_INFERENCE_DTYPE", "value": spec.dtype})
     if spec.mode == "static":
+        lists = [
+            ("PROMPT_LENS", "prompt_length"),
+            ("NEW_TOKENS", "new_tokens"),
+            ("BATCH_SIZES", "batch_size"),
+        ]
+        if spec.task in POOLING_TASKS:  # encoders: prompt lengths and batch sizes only
+            lists = [lists[0], lists[2]]
         env += [
             {
-                "name": "SENDNN_INFERENCE_WARMUP_PROMPT_LENS",
-                "value": ",".join(str(s.prompt_length) for s in spec.shapes),
-            },
-            {
-                "name": "SENDNN_INFERENCE_WARMUP_NEW_TOKENS",
-                "value": ",".join(str(s.new_tokens) for s in spec.shapes),
-            },
-            {
-                "name": "SENDNN_INFERENCE_WARMUP_BATCH_SIZES",
-                "value": ",".join(str(s.batch_size) for s in spec.shapes),
-            },
+                "name": f"SENDNN_INFERENCE_WARMUP_{var}",
+                "value": ",".join(str(getattr(s, attr)) for s in spec.shapes),
+            }
+            for var, attr in lists
         ]
     if spec.cache.enabled:
         env += [
@@ -94,7 +95,8 @@ def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
 
 def runtime_args(spec: ModelSpec, settings: OperatorSettings) -> list[str]:
     serving = ["--served-model-name", spec.served_model_name, "--host", "$(POD_IP)", "--port"]
-    return ["serve", spec.model_path_in_pod, *serving, str(settings.runtime_port), *engine_args(spec)]
+    task = ["--task", spec.task] if spec.task != "generate" else []
+    return ["serve", spec.model_path_in_pod, *serving, str(settings.runtime_port), *task, *engine_args(spec)]
 
 
 def engine_args(spec: ModelSpec) -> list[str]:
@@ -129,7 +131,10 @@ def check_runtime_contract(spec: ModelSpec) -> None:
         max_num_batched_tokens=flag_values.get("--max-num-batched-tokens"),
     )
     try:
-        read_environment(environ, flags)
+        if spec.task in POOLING_TASKS:
+            read_pooling_environment(environ, flags)
+        else:
+            read_environment(environ, flags)
     except ContractError as e:
         message = str(e)
         for flag, path in SPEC_FIELD_OF_FLAG.items():
@@ -155,14 +160,35 @@ def startup_failure_threshold(spec: ModelSpec, settings: OperatorSettings) -> in
         chunk_graphs = min(chunk, 256) // 64 + (_num_doublings(256, chunk) - 1 if chunk > 256 else 0)
         graphs = chunk_graphs + _num_doublings(1, spec.max_num_seqs) * _num_doublings(64, spec.max_model_len)
         num_shapes = -(-graphs // 2)
-    return max(6, (60 + num_shapes * settings.startup_seconds_per_shape) // PROBE_PERIOD)
+    # graphs loaded from a precompiled cache take a fraction of compiling them
+    per_shape = settings.startup_seconds_per_shape // (5 if spec.cache.precompile else 1)
+    return max(6, (60 + num_shapes * per_shape) // PROBE_PERIOD)
 
 
-def _storage(name: str, spec: ModelSpec) -> tuple[list[dict], list[dict]]:
-    """(volumeMounts, volumes): shared memory, /tmp, the model claim and the graph cache."""
+def card_resource_for(spec: ModelSpec, settings: OperatorSettings) -> str:
+    """The card resource a pod requests: with tiered device plugins, the smallest tier whose linked cards
+    hold `cards` (`<card_resource>_tier<i>`). Raises InvalidSpec when no tier can."""
+    if not settings.card_tiers:
+        return settings.card_resource
+    for i, size in enumerate(settings.card_tiers):
+        if spec.cards <= size:
+            return f"{settings.card_resource}_tier{i}"
+    raise InvalidSpec(
+        "cards", f"{spec.cards} cards fit no card tier of this cluster (tiers of {list(settings.card_tiers)})"
+    )
+
+
+def _storage(
+    name: str, spec: ModelSpec, settings: OperatorSettings | None = None
+) -> tuple[list[dict], list[dict]]:
+    """(volumeMounts, volumes): shared memory (sized for tensor-parallel pods), /tmp, the model claim and
+    the graph cache."""
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
+    shm = {"medium": "Memory"}
+    if spec.cards > 1 and settings is not None:  # ranks exchange tensors through shared memory
+        shm["sizeLimit"] = settings.shm_size
     volumes = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "dshm", "emptyDir": shm},
         {"name": "tmp", "emptyDir": {}},
     ]
     if spec.pvc_claim:
@@ -204,9 +230,10 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
     port = settings.runtime_port
     probe = {"httpGet": {"path": "/health", "port": port}}
     resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
-    resources.setdefault("requests", {})[settings.card_resource] = str(spec.cards)
-    resources.setdefault("limits", {})[settings.card_resource] = str(spec.cards)
-    mounts, volumes = _storage(name, spec)
+    cards = card_resource_for(spec, settings)
+    resources.setdefault("requests", {})[cards] = str(spec.cards)
+    resources.setdefault("limits", {})[cards] = str(spec.cards)
+    mounts, volumes = _storage(name, spec, settings)
     container = {
         "name": "runtime",
         "image": spec.image or settings.runtime_image,

@@ -55,6 +55,8 @@ class OperatorSettings:
     fs_group: int | None = None
     prometheus_annotations: bool = False  # prometheus.io/scrape annotations on inference pods
     max_concurrent_rollouts: int = 2  # models rolling out a change of these settings at once
+    card_tiers: tuple[int, ...] = ()  # e.g. (4, 8, 16): <card_resource>_tier0.. hold that many linked cards
+    shm_size: str = "8Gi"  # /dev/shm (memory) of tensor-parallel pods
 
 
 ENV = {
@@ -80,6 +82,8 @@ ENV = {
     "fs_group": "SPYRE_OPERATOR_FS_GROUP",
     "prometheus_annotations": "SPYRE_OPERATOR_PROMETHEUS_ANNOTATIONS",
     "max_concurrent_rollouts": "SPYRE_OPERATOR_MAX_CONCURRENT_ROLLOUTS",
+    "card_tiers": "SPYRE_OPERATOR_CARD_TIERS",
+    "shm_size": "SPYRE_OPERATOR_SHM_SIZE",
 }
 
 
@@ -119,6 +123,22 @@ def load_settings(
             if value.strip().lower() not in ("1", "0", "true", "false", "on", "off"):
                 raise SettingsError(f"{source}={value!r} is not a boolean (use 1 or 0)")
             values[field] = value.strip().lower() in ("1", "true", "on")
+    if "card_tiers" in raw:
+        value, source = raw["card_tiers"]
+        try:
+            tiers = tuple(int(t) for t in value.split(",") if t.strip())
+        except ValueError:
+            raise SettingsError(
+                f"{source}={value!r} is not a comma list of card counts like 4,8,16"
+            ) from None
+        if not tiers or any(t <= 0 for t in tiers) or list(tiers) != sorted(set(tiers)):
+            raise SettingsError(f"{source}={value!r} must list increasing positive card counts like 4,8,16")
+        values["card_tiers"] = tiers
+    if "shm_size" in raw:
+        value, source = raw["shm_size"]
+        if not re.match(r"^[0-9]+(Ki|Mi|Gi|Ti)$", value):
+            raise SettingsError(f"{source}={value!r} is not a size like 8Gi")
+        values["shm_size"] = value
     for field in ("run_as_user", "fs_group"):
         if field in raw:
             value, source = raw[field]

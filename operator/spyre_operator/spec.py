@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
+from spyre_contract.tasks import POOLING_TASKS, TASKS
 
 VALID_CARDS = (1, 2, 4, 8)
 SOURCE = re.compile(r"^(pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)/(?P<path>.*)|file://(?P<file>/.+))$")
@@ -89,6 +90,7 @@ class ModelSpec:
     replicas: int = 1
     backend: str = "sendnn"
     dtype: str = "auto"
+    task: str = "generate"
     mode: str = "static"
     shapes: tuple[StaticShape, ...] = (StaticShape(64, 20, 1),)
     max_num_seqs: int | None = None
@@ -166,6 +168,10 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     if backend not in BACKENDS and backend not in BACKEND_ALIASES:
         raise InvalidSpec("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
     backend = BACKEND_ALIASES.get(backend, backend)
+    task = spec.get("task", "generate")
+    if task not in TASKS:
+        raise InvalidSpec("task", f"must be one of {', '.join(TASKS)}, got {task!r}")
+    pooling = task in POOLING_TASKS
     dtype = spec.get("dtype", "auto")
     if dtype not in DTYPES:
         raise InvalidSpec("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -174,6 +180,8 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     mode = batching.get("mode", "static")
     if mode not in ("static", "continuous"):
         raise InvalidSpec("batching.mode", f"must be static or continuous, got {mode!r}")
+    if pooling and mode != "static":
+        raise InvalidSpec("batching.mode", f"{task} models run on static warm-up shapes, got {mode!r}")
     shapes: tuple[StaticShape, ...] = ()
     max_num_seqs = max_model_len = chunk = None
     bucket_ranges: tuple = ()
@@ -191,7 +199,12 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
             p = _int(spec, f"{at}.promptLength", s.get("promptLength"), minimum=64)
             if p % 64:
                 raise InvalidSpec(f"{at}.promptLength", f"must be a multiple of 64, got {p}")
-            n = _int(spec, f"{at}.newTokens", s.get("newTokens"), minimum=1)
+            if pooling:  # encoders generate nothing: a shape is a prompt length and a batch size
+                n = 0
+                if s.get("newTokens") not in (None, 0):
+                    raise InvalidSpec(f"{at}.newTokens", f"does not apply to {task} models")
+            else:
+                n = _int(spec, f"{at}.newTokens", s.get("newTokens"), minimum=1)
             b = _int(spec, f"{at}.batchSize", s.get("batchSize"), minimum=1, maximum=256)
             parsed.append(StaticShape(p, n, b))
         shapes = tuple(parsed)
@@ -252,6 +265,7 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         replicas=replicas,
         backend=backend,
         dtype=dtype,
+        task=task,
         mode=mode,
         shapes=shapes,
         max_num_seqs=max_num_seqs,

@@ -15,6 +15,7 @@ from spyre_operator.spec import InvalidSpec, Rollout, parse_spec
 from spyre_operator.status import Problem, compute_status, observe_pod
 from spyre_operator.workqueue import Result, WorkQueue
 
+from tests.conftest import REPO
 from tests.operator.catalog import BASE, CATALOG
 
 
@@ -349,3 +350,68 @@ def test_bucket_ranges_reach_the_pod_environment():
     env = {v["name"]: v.get("value") for v in runtime_env(spec)}
     assert env["SENDNN_INFERENCE_CB_DECODE_BATCH_BUCKETS"] == "1,4,8"
     assert env["SENDNN_INFERENCE_CB_KV_BUCKETS"] == "128,128,512"
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "examples").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_example_is_a_valid_spec(path):
+    import yaml
+
+    doc = yaml.safe_load(path.read_text())
+    check_runtime_contract(parse_spec(doc["metadata"]["name"], doc["spec"]))
+
+
+def test_pooling_task_pod_gets_task_flag_and_pooling_shapes():
+    from spyre_operator.manifests import pod_template
+    from spyre_operator.settings import OperatorSettings
+
+    shapes = [{"promptLength": 64, "batchSize": 8}, {"promptLength": 256, "batchSize": 2}]
+    spec = parse_spec("e", {**BASE, "task": "embed", "batching": {"mode": "static", "shapes": shapes}})
+    check_runtime_contract(spec)
+    c = pod_template("e", spec, OperatorSettings())["containers"][0]
+    assert c["args"][c["args"].index("--task") + 1] == "embed"
+    env = {v["name"]: v.get("value") for v in c["env"]}
+    assert env["SENDNN_INFERENCE_WARMUP_PROMPT_LENS"] == "64,256"
+    assert env["SENDNN_INFERENCE_WARMUP_BATCH_SIZES"] == "8,2"
+    assert "SENDNN_INFERENCE_WARMUP_NEW_TOKENS" not in env
+    with pytest.raises(InvalidSpec, match="pooling models run on one card"):
+        check_runtime_contract(
+            parse_spec("e", {**BASE, "task": "embed", "cards": 2, "batching": {"shapes": shapes}})
+        )
+    with pytest.raises(InvalidSpec, match="static warm-up shapes"):
+        parse_spec(
+            "e",
+            {
+                **BASE,
+                "task": "rerank",
+                "batching": {"mode": "continuous", "maxNumSeqs": 2, "maxModelLen": 128},
+            },
+        )
+    generate = pod_template("g", parse_spec("g", BASE), OperatorSettings())["containers"][0]
+    assert "--task" not in generate["args"]
+
+
+def test_card_tiers_shared_memory_and_startup_budget():
+    from spyre_operator.manifests import pod_template, startup_failure_threshold
+    from spyre_operator.settings import OperatorSettings, SettingsError, load_settings
+
+    tiered = OperatorSettings(card_resource="ibm.com/aiu_pf", card_tiers=(4, 8, 16))
+    for cards, tier in ((1, 0), (4, 0), (8, 1)):
+        pod = pod_template("m", parse_spec("m", {**BASE, "cards": cards}), tiered)
+        assert pod["containers"][0]["resources"]["limits"] == {f"ibm.com/aiu_pf_tier{tier}": str(cards)}
+    with pytest.raises(InvalidSpec, match="fit no card tier"):
+        pod_template("m", parse_spec("m", {**BASE, "cards": 8}), OperatorSettings(card_tiers=(4,)))
+    assert load_settings({"SPYRE_OPERATOR_CARD_TIERS": "4,8,16"}).card_tiers == (4, 8, 16)
+    with pytest.raises(SettingsError, match="SPYRE_OPERATOR_CARD_TIERS"):
+        load_settings({"SPYRE_OPERATOR_CARD_TIERS": "8,4"})
+    vols = {
+        v["name"]: v
+        for v in pod_template("m", parse_spec("m", {**BASE, "cards": 4}), OperatorSettings())["volumes"]
+    }
+    assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    one = {v["name"]: v for v in pod_template("m", parse_spec("m", BASE), OperatorSettings())["volumes"]}
+    assert one["dshm"]["emptyDir"] == {"medium": "Memory"}
+    settings = OperatorSettings()
+    cold = startup_failure_threshold(parse_spec("m", BASE), settings)
+    warm = startup_failure_threshold(parse_spec("m", {**BASE, "graphCache": {"precompile": True}}), settings)
+    more = {"shapes": [{"promptLength": 64 * i, "newTokens": 8, "batchSize": 1} for i in (1, 2, 3, 4)]}
+    assert warm < cold < startup_failure_threshold(parse_spec("m", {**BASE, "batching": more}), settings)
