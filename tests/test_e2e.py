@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -154,3 +155,40 @@ def test_two_replicas_sharing_the_graph_cache_compile_once(stack):
     assert sum("Graph cache hit" in text and "; 0 graphs compiled" in text for text in logs) == 1
     cache_dir = stack.model_claim_dir(NS, "cached-graph-cache") / "graphs"
     assert len(list((cache_dir / "entries").iterdir())) == 1
+
+
+def test_embedding_example_answers_the_openai_client_through_its_service(stack):
+    """The embedding example (examples/embedding.yaml: task embed, all-MiniLM-L6-v2), eager and smaller
+    shapes so that it warms quickly, applied through the operator and asked through its Service."""
+    import shutil
+
+    import yaml
+    from spyre_runtime.models import prepare_minilm
+
+    from tests.conftest import REPO
+
+    folder = prepare_minilm(Path.home() / ".cache/spyre-serve/models/minilm")
+    target = stack.create_models_claim(NS) / "minilm"
+    if not target.exists():
+        shutil.copytree(folder, target)
+    manifest = yaml.safe_load((REPO / "examples/embedding.yaml").read_text())
+    manifest["spec"]["backend"] = "eager"
+    manifest["spec"]["batching"]["shapes"] = [{"promptLength": 64, "batchSize": 2}]
+    stack.apply_model(NS, manifest)
+    stack.wait(
+        lambda: stack.is_ready(NS, "minilm", 1),
+        300,
+        "the embedding model Ready",
+        lambda: stack.diagnose(NS, "minilm"),
+    )
+    assert stack.kubectl("get", "spyremodel", "minilm", "-n", NS, "-o", "jsonpath={.spec.task}") == "embed"
+    ip = stack.endpoints(NS, "minilm")[0]
+    c = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0, timeout=60)
+    out = c.embeddings.create(
+        model="all-minilm-l6-v2", input=["a cat sat on the mat", "the stock market fell"]
+    )
+    vectors = [d.embedding for d in out.data]
+    assert len(vectors) == 2 and len(vectors[0]) == 384
+    norm = sum(x * x for x in vectors[0]) ** 0.5
+    assert abs(norm - 1.0) < 1e-3  # normalized, as the folder's sentence-transformers config says
+    assert out.usage.prompt_tokens > 0

@@ -140,9 +140,14 @@ class Pass:
 
 class Reconciler:
     def __init__(
-        self, settings: OperatorSettings, api_client: client.ApiClient, metrics: OperatorMetrics | None = None
+        self,
+        settings: OperatorSettings,
+        api_client: client.ApiClient,
+        metrics: OperatorMetrics | None = None,
+        cache: WatchCache | None = None,
     ) -> None:
         self.settings = settings
+        self.cache = cache or WatchCache()
         self.metrics = metrics or OperatorMetrics()
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
@@ -166,16 +171,18 @@ class Reconciler:
 
     def _pass(self, key: Key) -> Result:
         namespace, name = key
-        try:
-            model = self.custom.get_namespaced_custom_object(
-                GROUP, VERSION, namespace, PLURAL, name, _request_timeout=self.timeout
-            )
-        except ApiException as e:
-            if e.status == 404:
-                self.forget(key)
-                return Result()
-            log.warning("reading SpyreModel %s/%s: %s", namespace, name, api_message(e))
-            return Result(failed=True)
+        model = self.cache.model(key)
+        if model is None:  # not seen by the watch (yet): ask once
+            try:
+                model = self.custom.get_namespaced_custom_object(
+                    GROUP, VERSION, namespace, PLURAL, name, _request_timeout=self.timeout
+                )
+            except ApiException as e:
+                if e.status == 404:
+                    self.forget(key)
+                    return Result()
+                log.warning("reading SpyreModel %s/%s: %s", namespace, name, api_message(e))
+                return Result(failed=True)
         if model["metadata"].get("deletionTimestamp"):
             return Result()
         try:
@@ -206,20 +213,36 @@ class Reconciler:
             return Result()
 
         work = Pass()
-        self._ensure_service(model, work)  # pods do not depend on their Service: made even when it fails
-        claim_ok = self._ensure_claim(model, spec, work)
+        stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
+        claim_ok = True
+        if self.cache.owned_stamp(key) != stamp:
+            # the Service and the claim, checked once per generation and again when their watch reports a
+            # change; pods do not depend on their Service: they are made even when it fails
+            service_ok = self._ensure_service(model, work)
+            claim_ok = self._ensure_claim(model, spec, work)
+            if service_ok and claim_ok and not work.problems:
+                self.cache.set_owned_stamp(key, stamp)
         cache = None
         if spec.cache.precompile and not spec.suspend and claim_ok:
             cache = self._precompile(model, spec, work)
 
         pod_spec = manifests.pod_template(name, spec, self.settings)
         thash = manifests.template_hash(pod_spec)
-        pods = self._list(self.core.list_namespaced_pod, namespace, selector)
+        pods = self.cache.pods(key)
+        acted = False
         if claim_ok:
-            self._roll(key, model, spec, thash, pods, cache, work)
-            pods = self._list(self.core.list_namespaced_pod, namespace, selector)
+            plan, build = self._decide(key, model, spec, thash, pods, cache, work)
+            if not plan.is_noop:
+                # decided on the watch's view; act only on a fresh one (the watch may lag our own writes)
+                pods = self._list(self.core.list_namespaced_pod, namespace, selector)
+                plan, build = self._decide(key, model, spec, thash, pods, cache, work)
+                acted = not plan.is_noop
+                self._apply(key, model, plan, build, work)
         else:
             work.waiting = "the pods wait for their graph-cache claim"
+        if acted and not work.problems:
+            # the watch reports the pods just made or removed, and that pass writes the status
+            return Result(after=work.after)
 
         for problem in work.problems:
             self.metrics.api_errors.labels(problem.reason, "").inc()
@@ -255,15 +278,8 @@ class Reconciler:
                 raise InvalidSpec("", seen[1])
             return
         ns = meta["namespace"]
-        attempts = [
-            ("Pod", self.core.create_namespaced_pod, pod),
-            ("Service", self.core.create_namespaced_service, manifests.build_service(model, self.settings)),
-        ]
-        claim = manifests.build_cache_claim(model, spec, self.settings)
-        if claim is not None:
-            attempts.append(
-                ("PersistentVolumeClaim", self.core.create_namespaced_persistent_volume_claim, claim)
-            )
+        # the Service and the claim are built from fields checked above; their creation reports the rest
+        attempts = [("Pod", self.core.create_namespaced_pod, pod)]
         if spec.cache.precompile:
             job = manifests.build_compile_job(
                 model, spec, self.settings, manifests.cache_key(spec, self.settings)
@@ -286,6 +302,16 @@ class Reconciler:
         uid = model["metadata"]["uid"]
         return any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])
 
+    def _created(self, create, body: dict) -> bool:
+        """Creates `body`; False when an object of its name exists already (then it is read and checked)."""
+        try:
+            create(body["metadata"]["namespace"], body, _request_timeout=self.timeout)
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
+
     def _read(self, read, name: str, namespace: str) -> dict | None:
         try:
             resp = read(name, namespace, _preload_content=False, _request_timeout=self.timeout)
@@ -299,10 +325,11 @@ class Reconciler:
         want = manifests.build_service(model, self.settings)
         meta = want["metadata"]
         try:
-            have = self._read(self.core.read_namespaced_service, meta["name"], meta["namespace"])
-            if have is None:
-                self.core.create_namespaced_service(meta["namespace"], want, _request_timeout=self.timeout)
+            if self._created(self.core.create_namespaced_service, want):
                 return True
+            have = self._read(self.core.read_namespaced_service, meta["name"], meta["namespace"])
+            if have is None:  # removed meanwhile: the next pass makes it
+                raise ApiException(status=409, reason="Service was being removed")
             if not self._owned_by(have, model):
                 work.problems.append(
                     Problem(
@@ -336,10 +363,11 @@ class Reconciler:
         meta = want["metadata"]
         name, ns = meta["name"], meta["namespace"]
         try:
+            if self._created(self.core.create_namespaced_persistent_volume_claim, want):
+                return True
             have = self._read(self.core.read_namespaced_persistent_volume_claim, name, ns)
             if have is None:
-                self.core.create_namespaced_persistent_volume_claim(ns, want, _request_timeout=self.timeout)
-                return True
+                raise ApiException(status=409, reason="claim was being removed")
             labels = have["metadata"].get("labels") or {}
             owners = have["metadata"].get("ownerReferences") or []
             ours = labels.get(MODEL_LABEL) == model["metadata"]["name"] and all(
@@ -449,7 +477,7 @@ class Reconciler:
 
     # ---- pods --------------------------------------------------------------------------------------
 
-    def _roll(
+    def _decide(
         self,
         key: Key,
         model: dict,
@@ -458,7 +486,8 @@ class Reconciler:
         pods: list[dict],
         cache: CacheState | None,
         work: Pass,
-    ) -> None:
+    ) -> tuple[PodPlan, object]:
+        """The pod plan for what `pods` shows, and how to build a new pod."""
         observed = [self._observe(p) for p in pods]
         views = [v for v, _ in observed]
         by_name = {p["metadata"]["name"]: p for p in pods}
@@ -475,7 +504,7 @@ class Reconciler:
             # the pods of the serving template are kept whole meanwhile
             serving = _serving_hash(views)
             if serving is None:
-                return
+                return PodPlan(), None
             plan = plan_pods(spec.replicas, serving, views, suspend=spec.suspend)
             template = next(p for p in pods if p["metadata"]["labels"].get(HASH_LABEL) == serving)
             build = lambda: manifests.clone_pod(template)  # noqa: E731
@@ -497,12 +526,12 @@ class Reconciler:
                 quota_blocked=key in self._quota_blocked,
             )
             build = lambda: manifests.build_pod(model, spec, self.settings)  # noqa: E731
-        work.waiting = work.waiting or plan.waiting
-        self._apply(key, model, plan, build, work)
+        work.waiting = plan.waiting or work.waiting
         # stuck pods are replaced after their grace period: look again then
         for view, health in observed:
             if health.failure_reason and not view.is_dead and not view.is_terminating:
                 work.later(self.settings.stuck_grace_seconds / 2)
+        return plan, build
 
     def _waits_for_a_slot(self, key: Key, model: dict, thash: str, pods: list[dict]) -> bool:
         """A change of the operator's own settings (runtime image, card resource, ...) rolls out across
@@ -620,7 +649,7 @@ class Reconciler:
     ) -> dict:
         meta = model["metadata"]
         if pods is None:
-            pods = self._list(self.core.list_namespaced_pod, meta["namespace"], selector)
+            pods = self.cache.pods((meta["namespace"], meta["name"]))
         observed = [self._observe(p) for p in pods]
         status = compute_status(
             generation=meta.get("generation", 0),
@@ -747,6 +776,11 @@ class Reconciler:
             self._rolling.discard(key)
 
 
+def _plain(body) -> dict:
+    """A kopf body as a plain dict that later events cannot change under us."""
+    return json.loads(json.dumps(body, default=dict))
+
+
 def _serving_hash(views) -> str | None:
     """The template most live pods run (ready ones first): the rollout that serves now."""
     live = [v for v in views if not v.is_terminating and not v.is_dead]
@@ -782,6 +816,58 @@ def quantity_bytes(text: str) -> float:
         if suffix and text.endswith(suffix):
             return float(text[: -len(suffix)]) * {**_BINARY, **_DECIMAL}[suffix]
     return float(text)
+
+
+class WatchCache:
+    """What kopf's watches delivered, as an informer keeps it: each model's latest body, its pods' latest
+    bodies, and whether its Service and claim were checked for the model's current generation (their own
+    watch events clear that). The reconcile decides from it and reads the API server only before acting."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._models: dict[Key, dict] = {}
+        self._pods: dict[Key, dict[str, dict]] = {}
+        self._owned: dict[Key, tuple] = {}
+
+    def model(self, key: Key) -> dict | None:
+        with self._lock:
+            return self._models.get(key)
+
+    def put_model(self, key: Key, body: dict) -> None:
+        with self._lock:
+            self._models[key] = body
+
+    def drop_model(self, key: Key) -> None:
+        with self._lock:
+            self._models.pop(key, None)
+            self._owned.pop(key, None)
+
+    def pods(self, key: Key) -> list[dict]:
+        with self._lock:
+            return list(self._pods.get(key, {}).values())
+
+    def put_pod(self, key: Key, body: dict) -> None:
+        with self._lock:
+            self._pods.setdefault(key, {})[body["metadata"]["name"]] = body
+
+    def drop_pod(self, key: Key, name: str) -> None:
+        with self._lock:
+            pods = self._pods.get(key, {})
+            pods.pop(name, None)
+            if not pods:
+                self._pods.pop(key, None)
+
+    def owned_stamp(self, key: Key) -> tuple | None:
+        with self._lock:
+            return self._owned.get(key)
+
+    def set_owned_stamp(self, key: Key, stamp: tuple) -> None:
+        with self._lock:
+            self._owned[key] = stamp
+
+    def owned_changed(self, key: Key) -> None:
+        with self._lock:
+            self._owned.pop(key, None)
 
 
 class KnownModels:
@@ -849,6 +935,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         settings.posting.level = logging.INFO
         # server-side filtering: the operator never streams the cluster's other pods and Jobs
         settings.watching.label_selectors["pods"] = MODEL_LABEL
+        settings.watching.label_selectors["services"] = MODEL_LABEL
+        settings.watching.label_selectors["persistentvolumeclaims"] = MODEL_LABEL
         settings.watching.label_selectors["batch", "jobs"] = COMPILE_LABEL
         memo.queue.start()
         memo.resync.start()
@@ -856,18 +944,34 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     # Event handlers, not create/update handlers: no finalizer and no bookkeeping writes on the model;
     # the reconcile decides from what it reads, whatever the event was.
     @kopf.on.event(GROUP, VERSION, PLURAL, id="model", registry=registry)
-    def model_event(type, namespace, name, memo, **_):
+    def model_event(type, body, namespace, name, memo, **_):
         key = (namespace, name)
         if type == "DELETED":
             memo.known.discard(key)
+            memo.cache.drop_model(key)
             memo.reconciler.forget(key)
             return
+        memo.cache.put_model(key, _plain(body))
         memo.known.add(key)
         memo.queue.add(key)
 
     @kopf.on.event("", "v1", "pods", labels={MODEL_LABEL: kopf.PRESENT}, id="pod", registry=registry)
-    def pod_event(namespace, labels, memo, **_):
-        memo.queue.add((namespace, labels[MODEL_LABEL]))
+    def pod_event(type, body, namespace, name, labels, memo, **_):
+        key = (namespace, labels[MODEL_LABEL])
+        if type == "DELETED":
+            memo.cache.drop_pod(key, name)
+        else:
+            memo.cache.put_pod(key, _plain(body))
+        memo.queue.add(key)
+
+    @kopf.on.event("", "v1", "services", labels={MODEL_LABEL: kopf.PRESENT}, id="service", registry=registry)
+    @kopf.on.event(
+        "", "v1", "persistentvolumeclaims", labels={MODEL_LABEL: kopf.PRESENT}, id="claim", registry=registry
+    )
+    def owned_event(namespace, labels, memo, **_):
+        key = (namespace, labels[MODEL_LABEL])
+        memo.cache.owned_changed(key)  # drifted, deleted or re-created by someone: check it again
+        memo.queue.add(key)
 
     @kopf.on.event("batch", "v1", "jobs", labels={COMPILE_LABEL: kopf.PRESENT}, id="job", registry=registry)
     def job_event(namespace, labels, memo, **_):
@@ -884,11 +988,13 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
 def build_memo(
     settings: OperatorSettings, api_client: client.ApiClient, metrics: OperatorMetrics | None = None
 ) -> kopf.Memo:
-    reconciler = Reconciler(settings, api_client, metrics)
+    cache = WatchCache()
+    reconciler = Reconciler(settings, api_client, metrics, cache)
     queue = WorkQueue(reconciler.reconcile, workers=settings.workers)
     reconciler.metrics.queue_depth = queue.depth
     known = KnownModels()
     return kopf.Memo(
+        cache=cache,
         reconciler=reconciler,
         queue=queue,
         known=known,

@@ -48,7 +48,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: [list, watch, create, delete]
 - apiGroups: [""]
   resources: [services, persistentvolumeclaims]
-  verbs: [get, create, patch]
+  verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
