@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -29,6 +28,15 @@ from spyre_contract import (
     parse_shapes,
     read_environment,
     round_up,
+)
+from spyre_contract.memory import (
+    DEFAULT_CARD_MEMORY_GIB,
+    DTYPE_BYTES,
+    GIB,
+    MemoryPlan,
+    ModelDims,
+    host_memory_bytes,
+    plan_memory,
 )
 from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
 from spyre_contract.tasks import is_pooling_task, read_pooling_environment
@@ -194,9 +202,45 @@ def check_known_configuration(config: RuntimeConfig, environ: Mapping[str, str] 
         registry=registry,
     )
     if verdict.is_known:
-        log.info("%s", verdict.message)
+        log.debug("%s", verdict.message)  # stderr stays one line when start-up fails later
     elif require:
         raise ConfigError(f"{verdict.message} ({ENV_PREFIX}REQUIRE_KNOWN_CONFIG=1)")
     else:
         log.warning("%s; set %sREQUIRE_KNOWN_CONFIG=1 to refuse it", verdict.message, ENV_PREFIX)
     return verdict
+
+
+def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None) -> MemoryPlan:
+    """The memory plan before anything compiles: logged as a table, a warning above 90 %, a ConfigError
+    naming the largest consumer when it cannot fit. Card memory for sendnn
+    (SENDNN_INFERENCE_CARD_MEMORY_GIB, default 128), the cgroup limit or RAM (shared by the ranks) on CPU."""
+    import json
+
+    env = Env(environ)
+    var, raw = env.raw("CARD_MEMORY_GIB")
+    try:
+        card_gib = float(raw) if raw not in (None, "") else DEFAULT_CARD_MEMORY_GIB
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a number of GiB") from None
+    if card_gib <= 0:
+        raise ConfigError(f"{var}={raw!r} must be positive")
+    model_config = json.loads((config.model_dir / "config.json").read_text())
+    dims = ModelDims.from_config(model_config)
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "float16" if config.backend == "sendnn" else str(model_config.get("torch_dtype") or "float32")
+    if config.backend == "sendnn":
+        capacity, where = int(card_gib * GIB), "card"
+    else:
+        capacity, where = host_memory_bytes() // max(1, config.tensor_parallel_size), "host"
+    plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4))
+    logging.getLogger(__name__).info(
+        "memory plan (%s, tensor parallel %d):\n%s", dtype, config.tensor_parallel_size, plan.table()
+    )
+    if not plan.fits:
+        raise ConfigError(plan.refusal())
+    if plan.is_tight:
+        logging.getLogger(__name__).warning(
+            "the memory plan uses %.0f%% of %s memory", 100 * plan.total / plan.capacity, where
+        )
+    return plan
