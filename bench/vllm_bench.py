@@ -42,14 +42,23 @@ VLLM_VERSION = "0.27.1"
 TORCH_VERSION = "2.13.0"
 VLLM_VENV = Path(os.environ.get("SPYRE_VLLM_VENV", Path.home() / ".cache/spyre-serve/vllm-venv"))
 
-# our continuous-batching configuration (issue 13): decode buckets {4, 8} x {128, 256, 384}
-OURS_ENV = {
-    "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
-    "SENDNN_INFERENCE_USE_CB": "1",
-    "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "4,8",
-    "SENDNN_INFERENCE_CB_KV_LENS": "128,256,384",
+# our continuous-batching configuration: 8 sequences of up to 384 tokens. Issue 13's first measurement warmed
+# 10 graphs (decode buckets {4, 8} x {128, 256, 384}, chunks {64, 128, 192, 256}); `--config few-graphs`
+# warms 3: one decode bucket (8 x 384: a decode step reads the weights once whatever its rows, and attention
+# over 384 keys is cheap next to the GEMMs) and chunks {64, 128} (a long prompt is two chunks with a decode
+# step between them, so running streams stall for half as long).
+OURS_CONFIGS = {
+    "issue-13": (
+        {"SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "4,8", "SENDNN_INFERENCE_CB_KV_LENS": "128,256,384"},
+        ("--max-num-batched-tokens", "256"),
+    ),
+    "few-graphs": (
+        {"SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "8", "SENDNN_INFERENCE_CB_KV_LENS": "384"},
+        ("--max-num-batched-tokens", "128"),
+    ),
 }
-OURS_ARGS = ("--max-num-seqs", "8", "--max-model-len", "384", "--max-num-batched-tokens", "256")
+OURS_ENV = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", "SENDNN_INFERENCE_USE_CB": "1"}
+OURS_ARGS = ("--max-num-seqs", "8", "--max-model-len", "384")
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
 
 
@@ -130,7 +139,7 @@ class Server:
         self._log.close()
 
 
-def ours_argv(port: int, dtype: str) -> list[str]:
+def ours_argv(port: int, dtype: str, extra: tuple[str, ...]) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -141,8 +150,10 @@ def ours_argv(port: int, dtype: str) -> list[str]:
         str(port),
         "--served-model-name",
         "smollm2",
-        *(("--dtype", dtype) if dtype != "float32" else ()),
+        "--dtype",
+        dtype,
         *OURS_ARGS,
+        *extra,
     ]
 
 
@@ -219,6 +230,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--skip-cold", action="store_true", help="one start per system, caches as they are")
     ap.add_argument("--systems", default="ours,vllm")
+    ap.add_argument("--config", default="few-graphs", choices=sorted(OURS_CONFIGS), help="our buckets")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results-vllm.json")
     args = ap.parse_args()
     from spyre_runtime.models import prepare_smollm2
@@ -233,7 +245,11 @@ def main() -> int:
     results: dict = {
         "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, SmolLM2-135M-Instruct {args.dtype}",
         "workload": {"requests_c8": len(jobs), "requests_c1": len(single_jobs), "seed": 0},
-        "ours_config": {"env": OURS_ENV, "args": list(OURS_ARGS)},
+        "ours_config": {
+            "name": args.config,
+            "env": OURS_ENV | OURS_CONFIGS[args.config][0],
+            "args": [*OURS_ARGS, *OURS_CONFIGS[args.config][1]],
+        },
         "vllm_config": {"version": VLLM_VERSION, "env": VLLM_ENV, "max_model_len": 1024},
     }
     with tempfile.TemporaryDirectory(prefix="spyre-vllm-bench-") as tmp:
@@ -241,12 +257,12 @@ def main() -> int:
         print(f"logs and caches in {tmp}", flush=True)
         fresh = {} if args.skip_cold else {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-ours")}
         if "ours" in systems:
-            env = {**OURS_ENV, **fresh}
+            env = {**OURS_ENV, **OURS_CONFIGS[args.config][0], **fresh}
             if not args.skip_cold:
                 env |= {"TORCH_SENDNN_CACHE_ENABLE": "1", "TORCH_SENDNN_CACHE_DIR": str(tmp / "graph-cache")}
             results["ours"] = measure(
                 "ours",
-                lambda port: ours_argv(port, args.dtype),
+                lambda port: ours_argv(port, args.dtype, OURS_CONFIGS[args.config][1]),
                 env,
                 jobs,
                 single_jobs,

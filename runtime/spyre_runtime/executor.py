@@ -23,7 +23,7 @@ from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
 from spyre_runtime.graph_cache import loading
 from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
-from spyre_runtime.sampling import SamplerOutput, sample
+from spyre_runtime.sampling import sample_batch
 from spyre_runtime.scheduler import StaticStep
 from spyre_runtime.workers import WorkerGroup
 
@@ -189,13 +189,24 @@ class ModelExecutor:
 
     # ---- the compiled hot step -------------------------------------------------------------------
 
-    def _forward(self, input_ids, position_ids, mask, slot_mapping, block_table=None, slab_start=None):
+    def _forward(
+        self,
+        input_ids,
+        position_ids,
+        mask,
+        slot_mapping,
+        block_table=None,
+        slab_start=None,
+        whole_cache=False,
+    ):
         # input_ids, position_ids, slot_mapping: [B, L]; mask: [B, L, K]; block_table: [B, nb] -> [B, V]
         kwargs = {"mask": mask, "slot_mapping": slot_mapping}
         if block_table is not None:
             kwargs["block_table"] = block_table
         if slab_start is not None:
             kwargs["slab_start"] = slab_start
+        if whole_cache:
+            kwargs["whole_cache"] = True
         logits, _ = self.model(
             input_ids,
             position_ids=position_ids,
@@ -219,18 +230,6 @@ class ModelExecutor:
                     return self._step_fn(*args)
             with compile_settings(self.config.backend):
                 return self._step_fn(*args)
-
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """[L] token ids -> [L, V] logits of every position: an eager pass with no KV cache and no compiled
-        graph (prompt logprobs), run on every tensor-parallel rank."""
-        if self.workers is not None:
-            self.workers.send("score", token_ids)
-        return self.score_local(token_ids)
-
-    def score_local(self, token_ids: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            logits = self.model(torch.tensor([token_ids], dtype=torch.long), use_cache=False)
-        return (logits[0] if isinstance(logits, tuple) else logits)[0]
 
     def set_env(self, values: dict[str, str]) -> None:
         """Sets environment variables here and on every tensor-parallel rank (before compiling)."""
@@ -286,7 +285,7 @@ class ModelExecutor:
             mask[r, 0] = (keys >= P - n) & (keys <= cur)
         return ids, pos, mask, slots, None, int(blocks[0, 0])
 
-    def execute_static(self, step: StaticStep) -> SamplerOutput:
+    def execute_static(self, step: StaticStep) -> list[int]:
         """Runs one step; returns one sampled token per request of the step (dummy rows dropped)."""
         reqs = step.requests
         if step.is_prefill:
@@ -323,32 +322,41 @@ class ModelExecutor:
         return ids, pos, mask, slots, table
 
     def batch_decode_inputs(self, step: ContinuousStep):
-        """[batch_size, 1] decode of every running request; dummy rows write and read scratch."""
-        B, K = step.batch_size, step.kv_len
-        table = torch.full((B, K // BLOCK_SIZE), SCRATCH_BLOCK, dtype=torch.long)
+        """[batch_size, 1] decode of every running request, reading the whole cache in place (kv_cache.py):
+        mask [B, 1, S] marks each row's own flat slots up to its position (S = every slot of the cache).
+        Dummy rows write scratch and see one scratch slot. The step's KV bucket plays no part."""
+        B, S = step.batch_size, self.kv.num_blocks * BLOCK_SIZE
+        n = len(step.decode)
         ids = torch.zeros(B, 1, dtype=torch.long)
         pos = torch.zeros(B, 1, dtype=torch.long)
         slots = torch.full((B, 1), SCRATCH_BLOCK * BLOCK_SIZE, dtype=torch.long)
-        mask = torch.zeros(B, 1, K, dtype=torch.bool)
-        mask[:, 0, 0] = True
-        keys = torch.arange(K)
-        for r, row in enumerate(step.decode):
-            table[r, : len(row.block_table)] = torch.tensor(row.block_table, dtype=torch.long)
-            ids[r, 0] = row.token_id
-            pos[r, 0] = row.position
-            slots[r, 0] = table[r, row.position // BLOCK_SIZE] * BLOCK_SIZE + row.position % BLOCK_SIZE
-            mask[r, 0] = keys <= row.position
-        return ids, pos, mask, slots, table
+        mask = torch.zeros(B, 1, S, dtype=torch.bool)
+        mask[n:, 0, SCRATCH_BLOCK * BLOCK_SIZE] = True
+        if n:
+            width = max(len(row.block_table) for row in step.decode)
+            table = torch.tensor(
+                [
+                    (*row.block_table, *(SCRATCH_BLOCK,) * (width - len(row.block_table)))
+                    for row in step.decode
+                ]
+            )
+            flat = (table[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).view(n, -1)  # by logical index
+            position = torch.tensor([row.position for row in step.decode])
+            mask[:n, 0].scatter_(1, flat, torch.arange(flat.shape[1])[None, :] <= position[:, None])
+            ids[:n, 0] = torch.tensor([row.token_id for row in step.decode])
+            pos[:n, 0] = position
+            slots[:n, 0] = flat.gather(1, position[:, None])[:, 0]
+        return ids, pos, mask, slots, None, None, True
 
-    def execute_continuous(self, step: ContinuousStep) -> SamplerOutput:
+    def execute_continuous(self, step: ContinuousStep) -> list[int]:
         if step.prefill is not None:
             logits = self._run(*self.chunk_inputs(step.prefill, self.prefill_kv_len))
         else:
             logits = self._run(*self.batch_decode_inputs(step))
         # a chunk that does not end its prompt has no requests: nothing is sampled
-        return _sample(logits, step.requests)
+        return _sample(logits, step.requests) if step.requests else []
 
-    def execute(self, step: StaticStep | ContinuousStep) -> SamplerOutput:
+    def execute(self, step: StaticStep | ContinuousStep) -> list[int]:
         """Runs one step; returns one sampled token per request of `step.requests`."""
         if isinstance(step, ContinuousStep):
             return self.execute_continuous(step)
@@ -361,10 +369,7 @@ class ModelExecutor:
         every chunk bucket and (batch, KV length) decode bucket of continuous batching."""
         t_all = time.monotonic()
         cfg = self.config
-        if cfg.use_cb:
-            graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) * len(cfg.kv_buckets)
-        else:
-            graphs = 2 * len(cfg.shapes)
+        graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) if cfg.use_cb else 2 * len(cfg.shapes)
         with torch._dynamo.config.patch(
             recompile_limit=max(8, graphs + 2), accumulated_recompile_limit=max(256, graphs * 2)
         ):
@@ -399,12 +404,10 @@ class ModelExecutor:
             chunk = PrefillChunk(None, (1,) * size, 0, size, (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE), True)
             self._run(*self.chunk_inputs(chunk, kv_max))
             log.info("Warmup of prefill chunk %d took %.2f s", size, time.monotonic() - t0)
-        for batch in cfg.batch_buckets:
-            for kv_len in cfg.kv_buckets:
-                t0 = time.monotonic()
-                self._run(*self.batch_decode_inputs(ContinuousStep(batch_size=batch, kv_len=kv_len)))
-                seconds = time.monotonic() - t0
-                log.info("Warmup of decode batch %d x kv %d took %.2f s", batch, kv_len, seconds)
+        for batch in cfg.batch_buckets:  # decode reads the whole cache: one graph per batch bucket
+            t0 = time.monotonic()
+            self._run(*self.batch_decode_inputs(ContinuousStep(batch_size=batch, kv_len=kv_max)))
+            log.info("Warmup of decode batch %d took %.2f s", batch, time.monotonic() - t0)
 
 
 def _sample(logits: torch.Tensor, reqs) -> SamplerOutput:

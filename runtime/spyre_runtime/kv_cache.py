@@ -9,7 +9,11 @@ attention kwargs are fixed-shape tensors:
     block_table  [B, nb]  blocks of each row; K = nb * BLOCK_SIZE keys are gathered from the cache
     slab_start   int      instead of a block table: row r owns blocks slab_start + r*nb ... (static
                           batching), so the context is a view of the cache and nothing is gathered
-    (neither: a prefill with no earlier context attends to the fresh keys)
+    whole_cache  True     instead of a block table (continuous-batching decode): every row reads the whole
+                          cache in place, K = num_blocks * BLOCK_SIZE, and `mask` [B, 1, K] marks the
+                          flat slots of the row's own tokens. Nothing is gathered or copied: a decode step
+                          reads the cache once, whatever the rows' lengths and blocks
+    (none of them: a prefill with no earlier context attends to the fresh keys)
 
 Block 0 is scratch: dummy rows write there and nobody reads it.
 """
@@ -31,6 +35,8 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
     slots = attn_kwargs["slot_mapping"].reshape(-1)
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, keys.reshape(-1, *keys.shape[2:]))
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, values.reshape(-1, *values.shape[2:]))
+    if attn_kwargs.get("whole_cache"):
+        return key_cache.flatten(0, 1)[None], value_cache.flatten(0, 1)[None], key_cache, value_cache
     slab_start = attn_kwargs.get("slab_start")
     if slab_start is not None:
         # rows own consecutive blocks: the context is a view of the cache, nothing is gathered
@@ -49,6 +55,8 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
 
 def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
     # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd]; mask: [B, L, K] -> [B, L, h, hd]
+    if attn_kwargs.get("whole_cache"):
+        return _whole_cache_decode(query, keys[0], values[0], kvheads, scale_factor, attn_kwargs["mask"])
     q = query.transpose(1, 2)
     k = keys.transpose(1, 2)
     v = values.transpose(1, 2)
@@ -57,6 +65,25 @@ def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **at
         q, k, v, attn_mask=mask, scale=scale_factor, enable_gqa=nheads != kvheads
     )
     return out.transpose(1, 2).contiguous()
+
+
+def _whole_cache_decode(query, keys, values, kvheads, scale_factor, mask):
+    """One token per row against the whole cache, as two batched GEMMs per KV head.
+    query: [B, 1, h, hd]; keys/values: [S, kvh, hd] (the cache, flat); mask: [B, 1, S] -> [B, 1, h, hd]"""
+    rows, _, nheads, head_dim = query.shape
+    group = nheads // kvheads
+    scale = head_dim**-0.5 if scale_factor is None else scale_factor
+    # [kvh, B * group, hd]: the query heads that share a KV head become rows of one GEMM
+    q = (
+        query.reshape(rows, kvheads, group, head_dim)
+        .permute(1, 0, 2, 3)
+        .reshape(kvheads, rows * group, head_dim)
+    )
+    scores = torch.bmm(q, keys.permute(1, 2, 0)).float() * scale  # [kvh, B * group, S]
+    scores = scores.view(kvheads, rows, group, -1).masked_fill(~mask.view(1, rows, 1, -1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kvheads, rows * group, -1)
+    out = torch.bmm(probs, values.transpose(0, 1))  # [kvh, B * group, hd]
+    return out.view(kvheads, rows, group, head_dim).permute(1, 0, 2, 3).reshape(rows, 1, nheads, head_dim)
 
 
 def register() -> None:

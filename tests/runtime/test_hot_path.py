@@ -89,7 +89,7 @@ def test_inductor_freezes_weights_in_one_graph_per_bucket(tiny_model):
     )
     ex = ModelExecutor(cfg)
     ex.warmup()
-    assert counters["stats"]["unique_graphs"] == len(cfg.chunk_buckets) + 1  # chunk 64 and decode 2 x 128
+    assert counters["stats"]["unique_graphs"] == len(cfg.chunk_buckets) + 1  # chunk 64 and decode batch 2
     assert not counters["graph_break"]
     rows = tuple(DecodeRow(None, 5 + r, 3, (1 + 2 * r, 2 + 2 * r)) for r in range(2))
     args = ex.batch_decode_inputs(ContinuousStep(decode=rows, batch_size=2, kv_len=128))
