@@ -176,6 +176,10 @@ def run(models: int, resync: float, operator_replicas: int) -> dict:
                 "pods": pods,
                 "operator_requests_total": total,
                 "operator_requests_per_model": total / args.models,
+                "operator_requests_per_model_without_leases": sum(
+                    n for (_, r, _), n in counts.items() if r != "leases"
+                )
+                / args.models,
                 "operator_requests_by_kind": {
                     f"{v} {r}{'/' + s if s else ''}": n for (v, r, s), n in counts.most_common()
                 },
@@ -183,8 +187,14 @@ def run(models: int, resync: float, operator_replicas: int) -> dict:
                 "operator_replicas": operator_replicas,
                 "standby_peak_rss_mb": [p / 2**20 for p in peak[1:]],
                 "idle_resync_seconds_watched": 2.5 * args.resync,
-                "idle_resync_reads": sum(n for (v, _, _), n in idle.items() if v not in WRITE_VERBS),
-                "idle_resync_writes": sum(n for (v, _, _), n in idle.items() if v in WRITE_VERBS),
+                # the leader's Lease renewals (every lease/3 s) are not reconcile traffic: counted apart
+                "idle_resync_reads": sum(
+                    n for (v, r, _), n in idle.items() if v not in WRITE_VERBS and r != "leases"
+                ),
+                "idle_resync_writes": sum(
+                    n for (v, r, _), n in idle.items() if v in WRITE_VERBS and r != "leases"
+                ),
+                "idle_lease_requests": sum(n for (_, r, _), n in idle.items() if r == "leases"),
             }
         )
     finally:

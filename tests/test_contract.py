@@ -82,3 +82,84 @@ def test_older_backend_spelling_is_an_alias_with_a_warning(caplog):
     assert s.deprecated_env == ("SENDNN_INFERENCE_DYNAMO_BACKEND=sendnn_decoder",)
     old = read_environment({"VLLM_SPYRE_DYNAMO_BACKEND": "eager"})
     assert old.backend == "eager" and old.deprecated_env == ("VLLM_SPYRE_DYNAMO_BACKEND",)
+
+
+SMOLLM2 = {
+    "hidden_size": 576,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "intermediate_size": 1536,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+GRANITE_8B = {
+    "hidden_size": 4096,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 12800,
+    "vocab_size": 49155,
+}
+
+
+@pytest.mark.parametrize(
+    ("model", "env", "flags", "dtype_bytes", "card_gib", "weights_gib", "fits"),
+    [
+        # SmolLM2-135M: 134.5 M parameters, 0.50 GiB in fp32
+        (SMOLLM2, {}, EngineFlags(), 4, 128, 0.50, True),
+        (SMOLLM2, {}, EngineFlags(), 2, 128, 0.25, True),
+        (SMOLLM2, {}, EngineFlags(), 4, 0.25, 0.50, False),
+        # granite-8b-class: 8.2 G parameters; 15.3 GiB in fp16 on one card, 3.8 GiB a rank on four
+        (GRANITE_8B, {}, EngineFlags(), 2, 128, 15.3, True),
+        (GRANITE_8B, {}, EngineFlags(tensor_parallel_size=4), 2, 128, 3.8, True),
+        (GRANITE_8B, {}, EngineFlags(), 4, 16, 30.6, False),
+        # continuous batching: the KV pool of 256 sequences of 32k tokens does not fit one card
+        (GRANITE_8B, CB, EngineFlags(max_num_seqs=256, max_model_len=32768), 2, 128, 15.3, False),
+    ],
+)
+def test_memory_plan_table(model, env, flags, dtype_bytes, card_gib, weights_gib, fits):
+    from spyre_contract.memory import GIB, ModelDims, plan_memory
+
+    plan = plan_memory(
+        ModelDims.from_config(model), read_environment(env, flags), int(card_gib * GIB), "card", dtype_bytes
+    )
+    assert abs(plan.weights / GIB - weights_gib) < 0.05 * weights_gib + 0.01
+    assert plan.fits is fits
+    if not fits:
+        line = plan.refusal()
+        assert "\n" not in line and "the largest consumer is the" in line and "GiB" in line
+
+
+def test_memory_plan_names_the_kv_cache_and_what_would_fit():
+    from spyre_contract.memory import GIB, ModelDims, plan_memory
+
+    settings = read_environment(CB, EngineFlags(max_num_seqs=256, max_model_len=32768))
+    plan = plan_memory(ModelDims.from_config(GRANITE_8B), settings, 128 * GIB, "card", 2)
+    assert plan.kv_cache > plan.weights
+    assert "largest consumer is the KV cache" in plan.refusal() and "fewer sequences" in plan.refusal()
+
+
+def test_serve_stops_before_loading_when_the_plan_cannot_fit(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from spyre_runtime.models import write_tiny_model
+
+    model = write_tiny_model(tmp_path / "tiny")
+    env = {
+        **os.environ,
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": "sendnn",
+        "SENDNN_INFERENCE_CARD_MEMORY_GIB": "0.000001",
+    }
+    res = subprocess.run(
+        [sys.executable, "-m", "spyre_runtime.cli", "serve", str(model)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2, res.stderr
+    errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "the memory plan does not fit" in errors[0]

@@ -968,9 +968,11 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.event(
         "", "v1", "persistentvolumeclaims", labels={MODEL_LABEL: kopf.PRESENT}, id="claim", registry=registry
     )
-    def owned_event(namespace, labels, memo, **_):
+    def owned_event(type, namespace, labels, memo, **_):
+        if type not in ("MODIFIED", "DELETED"):
+            return  # listed at start-up (checked anyway) or just created (by us, or after a deletion)
         key = (namespace, labels[MODEL_LABEL])
-        memo.cache.owned_changed(key)  # drifted, deleted or re-created by someone: check it again
+        memo.cache.owned_changed(key)  # drifted or deleted by someone: check it again
         memo.queue.add(key)
 
     @kopf.on.event("batch", "v1", "jobs", labels={COMPILE_LABEL: kopf.PRESENT}, id="job", registry=registry)

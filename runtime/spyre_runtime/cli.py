@@ -13,7 +13,7 @@ from pathlib import Path
 
 from spyre_contract.tasks import check_task, is_pooling_task
 
-from spyre_runtime.config import ConfigError, check_known_configuration, load_config
+from spyre_runtime.config import ConfigError, check_known_configuration, check_memory, load_config
 
 log = logging.getLogger("spyre_runtime")
 
@@ -135,6 +135,7 @@ def _config(args):
         from spyre_runtime.workers import check_tensor_parallel
 
         check_tensor_parallel(config)
+        check_memory(config)  # before anything loads or compiles
     for name, value in check_known_configuration(config).env.items():
         os.environ.setdefault(name, value)  # the registry's per-configuration overrides
     return config

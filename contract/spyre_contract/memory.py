@@ -1,0 +1,165 @@
+"""The memory plan: before anything compiles, what a configuration needs on each card (or on the host, for
+CPU backends) and whether it fits. The runtime prints it at start-up and stops when it cannot fit; the
+operator runs the same plan before creating pods when the SpyreModel gives the model's dimensions.
+
+Estimates, per tensor-parallel rank, from config.json (HF names), the dtype and the shape or bucket menu:
+weights (every linear layer, embeddings, lm_head unless tied; sharded by the tp size), the KV cache (the
+static shapes' preallocated slabs, or the continuous-batching block pool) and the largest activation of any
+one compiled shape (the MLP's intermediate, attention scores and logits of its widest step)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from spyre_contract.environment import PROMPT_LEN_MULTIPLE, ContractError, EnvironmentSettings, round_up
+
+GIB = 2**30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+WARN_FRACTION = 0.9
+# A Spyre card's memory (IBM Spyre: 128 GB of LPDDR5 per card); SENDNN_INFERENCE_CARD_MEMORY_GIB overrides it
+DEFAULT_CARD_MEMORY_GIB = 128.0
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def from_config(cls, config: Mapping) -> ModelDims:
+        """HF config.json names (llama, granite, mistral, bert, roberta, ...)."""
+        try:
+            hidden = int(config["hidden_size"])
+            heads = int(config["num_attention_heads"])
+            return cls(
+                hidden=hidden,
+                layers=int(config["num_hidden_layers"]),
+                heads=heads,
+                kv_heads=int(config.get("num_key_value_heads") or heads),
+                intermediate=int(config.get("intermediate_size") or 4 * hidden),
+                vocab=int(config["vocab_size"]),
+                tied=bool(config.get("tie_word_embeddings", False)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ContractError(f"config.json lacks what the memory plan needs ({e})") from None
+
+    def num_params(self) -> int:
+        kv = self.kv_heads * self.head_dim
+        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * kv
+        mlp = (
+            3 * self.hidden * self.intermediate
+        )  # gated MLP (llama family); plain MLPs have 2: an overestimate
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        return self.layers * (attention + mlp + 2 * self.hidden) + embeddings
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    weights: int  # bytes per rank
+    kv_cache: int
+    activations: int  # the largest single shape's
+    largest_shape: str
+    capacity: int  # bytes available per rank
+    where: str  # "card" or "host"
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    @property
+    def is_tight(self) -> bool:
+        return self.total > WARN_FRACTION * self.capacity
+
+    def table(self) -> str:
+        rows = [
+            ("weights (per rank)", self.weights),
+            ("KV cache", self.kv_cache),
+            (f"largest activation ({self.largest_shape})", self.activations),
+            ("total", self.total),
+            (f"{self.where} memory", self.capacity),
+        ]
+        width = max(len(r[0]) for r in rows)
+        lines = [f"{name:<{width}}  {value / GIB:9.2f} GiB" for name, value in rows]
+        lines.append(f"{'use':<{width}}  {100 * self.total / max(1, self.capacity):8.1f} %")
+        return "\n".join(lines)
+
+    def refusal(self) -> str:
+        """The one line that stops start-up: the largest consumer and what would fit instead."""
+        parts = {"weights": self.weights, "KV cache": self.kv_cache, "activations": self.activations}
+        name, largest = max(parts.items(), key=lambda kv: kv[1])
+        room = self.capacity - (self.total - largest)
+        if name == "weights":
+            hint = "more cards (a larger tensor-parallel size) or a smaller dtype"
+        elif name == "KV cache":
+            hint = (
+                f"a KV cache of at most {max(0, room) / GIB:.2f} GiB "
+                "(fewer sequences or a shorter max model length)"
+            )
+        else:
+            under = max(0, room) / GIB
+            hint = f"shapes whose activations stay under {under:.2f} GiB (smaller batches or prompts)"
+        return (
+            f"the memory plan does not fit: {self.total / GIB:.2f} GiB needed per rank, "
+            f"{self.capacity / GIB:.2f} GiB of {self.where} memory; the largest consumer is the {name} "
+            f"({largest / GIB:.2f} GiB): use {hint}"
+        )
+
+
+def plan_memory(
+    dims: ModelDims, settings: EnvironmentSettings, capacity: int, where: str, dtype_bytes: int = 4
+) -> MemoryPlan:
+    tp = max(1, settings.tensor_parallel_size)
+    weights = dims.num_params() * dtype_bytes // tp
+    kv_per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * dtype_bytes // tp
+    if settings.use_cb:
+        blocks = settings.num_kv_blocks or 1 + settings.max_num_seqs * (
+            round_up(settings.max_model_len) // PROMPT_LEN_MULTIPLE
+        )
+        kv = blocks * PROMPT_LEN_MULTIPLE * kv_per_token
+        steps = [(settings.max_num_seqs, 1, round_up(settings.max_model_len), "decode")]
+        steps.append((1, settings.max_num_batched_tokens, round_up(settings.max_model_len), "prefill chunk"))
+    else:
+        kv = max(s.batch_size * (s.prompt_len + s.new_tokens) for s in settings.shapes) * kv_per_token
+        steps = [(s.batch_size, s.prompt_len, s.prompt_len + s.new_tokens, str(s)) for s in settings.shapes]
+    largest, label = 0, ""
+    for batch, tokens, context, name in steps:
+        rows = batch * tokens
+        mlp = rows * 2 * dims.intermediate * dtype_bytes // tp
+        scores = batch * (dims.heads // tp or 1) * tokens * context * dtype_bytes
+        logits = batch * dims.vocab * 4  # the last position's logits, sampled in fp32
+        act = rows * 4 * dims.hidden * dtype_bytes + mlp + scores + logits
+        if act > largest:
+            largest, label = act, name
+    return MemoryPlan(weights, kv, largest, label, capacity, where)
+
+
+def host_memory_bytes() -> int:
+    """The cgroup's memory limit when there is one, else the machine's RAM."""
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = open(path).read().strip()  # noqa: SIM115
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 1 << 60:
+            return int(text)
+    try:
+        for line in open("/proc/meminfo"):  # noqa: SIM115
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
