@@ -39,3 +39,71 @@ def test_smollm2_greedy_matches_hf(smollm2):
         assert req.output_token_ids == expected[0, len(prompt_ids) :].tolist()
     answer = tok.decode(batched[0].output_token_ids, skip_special_tokens=True)
     assert "Paris" in answer
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(smollm2):
+    """HF transformers' fp32 greedy tokens (stopping at EOS) for each chat prompt, and the prompts' ids."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2)
+    ids = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
+    ]
+    ids = [list(i["input_ids"]) if hasattr(i, "keys") else list(i) for i in ids]
+    hf = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+    expected = [
+        hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)[0, len(p) :].tolist() for p in ids
+    ]
+    return ids, expected, hf
+
+
+def served_greedy(smollm2, prompt_ids, dtype: str) -> list[list[int]]:
+    """The serving path: continuous batching, inductor (frozen weights, fullgraph), 2 graphs."""
+    cfg = RuntimeConfig(
+        model_dir=smollm2,
+        served_model_name="s",
+        backend="inductor",
+        dtype=dtype,
+        use_cb=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        decode_batch_buckets=(4,),
+        kv_len_buckets=(128,),
+    )
+    engine = LLMEngine(cfg)
+    engine.executor.warmup()
+    reqs = [engine.add_request(i, SamplingParams(max_tokens=16, temperature=0)) for i in prompt_ids]
+    while engine.has_work():
+        engine.step()
+    return [r.output_token_ids for r in reqs]
+
+
+def test_smollm2_frozen_inductor_continuous_batching_matches_hf(smollm2, hf_greedy):
+    ids, expected, _ = hf_greedy
+    assert served_greedy(smollm2, ids, "float32") == expected
+
+
+# bf16 keeps 8 bits of mantissa: logits near 16-32 are rounded to steps of 0.125, so two candidates closer
+# than this in fp32 may swap. The tolerance: a bf16 greedy sequence equals HF fp32's, or first differs at a
+# step where fp32's two best logits are within BF16_TIE_MARGIN and bf16 picked fp32's runner-up.
+BF16_TIE_MARGIN = 0.25
+
+
+def test_smollm2_bfloat16_greedy_matches_hf_fp32_up_to_near_ties(smollm2, hf_greedy):
+    ids, expected, hf = hf_greedy
+    got = served_greedy(smollm2, ids, "bfloat16")
+    num_exact = 0
+    for prompt, exp, out in zip(ids, expected, got, strict=True):
+        k = next((i for i, (a, b) in enumerate(zip(out, exp, strict=False)) if a != b), None)
+        if k is None:
+            assert out == exp
+            num_exact += 1
+            continue
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + exp])).logits[0, len(prompt) - 1 + k]
+        top = torch.topk(logits, 2)
+        assert top.values[0] - top.values[1] < BF16_TIE_MARGIN, (k, top)
+        assert out[k] == top.indices[1].item()
+    assert num_exact >= 1
