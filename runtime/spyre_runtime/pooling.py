@@ -158,6 +158,15 @@ def _pooling_mode(cfg: dict, where: Path) -> str:
 # ---- the compiled model ---------------------------------------------------------------------------
 
 
+def check_shapes(config: RuntimeConfig, spec: PoolingSpec) -> None:
+    for shape in config.shapes:
+        if shape.prompt_len > spec.max_len:
+            raise ConfigError(
+                f"SENDNN_INFERENCE_WARMUP_PROMPT_LENS: {shape.prompt_len} is longer than the "
+                f"{spec.max_len} tokens {config.model_dir.name} accepts"
+            )
+
+
 def load_fms_encoder(model_dir: Path, spec: PoolingSpec, dtype: torch.dtype):
     """The FMS encoder (RoBERTaHeadless) or classifier (RoBERTaForClassification) with the folder's
     weights. FMS's hf_pretrained registry lacks bare encoders (BertModel, as sentence-transformers saves
@@ -242,12 +251,7 @@ class PoolingModel:
         self.spec = spec
         self.pad_id = pad_id
         self.dtype = resolve_dtype(config.dtype, config.backend, config.model_dir)
-        for shape in config.shapes:
-            if shape.prompt_len > spec.max_len:
-                raise ConfigError(
-                    f"SENDNN_INFERENCE_WARMUP_PROMPT_LENS: {shape.prompt_len} is longer than the "
-                    f"{spec.max_len} tokens {config.model_dir.name} accepts"
-                )
+        check_shapes(config, spec)
         self.model = model if model is not None else load_fms_encoder(config.model_dir, spec, self.dtype)
         backend = compiler_for(config.backend)
         self._step_fn = (

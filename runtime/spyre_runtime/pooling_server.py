@@ -37,6 +37,7 @@ from spyre_runtime.pooling import (
     PoolingScheduler,
     PoolingSpec,
     PoolItem,
+    check_shapes,
     detect_pooling,
     shapes_str,
 )
@@ -106,6 +107,7 @@ class PoolingState:
         self.api_key = api_key
         self.metrics = Metrics()
         self.spec: PoolingSpec = detect_pooling(config.model_dir, config.task)
+        check_shapes(config, self.spec)  # before the port is bound: exit 2 with one line
         self.tokenizer = None
         self.model: PoolingModel | None = None
         self.scheduler = PoolingScheduler(config.shapes)

@@ -246,3 +246,22 @@ def test_shapes_longer_than_the_model_accepts_are_refused(minilm):
     )
     with pytest.raises(ContractError, match="512 is longer than the 256 tokens"):
         PoolingModel(config, detect_pooling(minilm), 0)
+
+
+def test_serve_refuses_shapes_longer_than_the_model_before_binding(minilm):
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
+        "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "512",
+    }
+    argv = [sys.executable, "-m", "spyre_runtime.cli", "serve", str(minilm), "--port", "17998"]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "spyre-runtime: error: SENDNN_INFERENCE_WARMUP_PROMPT_LENS: 512 is longer than the 256 tokens "
+        "minilm accepts"
+    )
