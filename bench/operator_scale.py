@@ -128,7 +128,7 @@ def run(models: int, resync: float, operator_replicas: int) -> dict:
             "batching": {"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 16, "batchSize": 1}]},
             "graphCache": {"enabled": False},
         }
-        with FakeKubelet(kube, "scale", period=1.0):
+        with FakeKubelet(kube, "scale", period=1.0, workers=8):
             t0 = time.time()
             for i in range(args.models):
                 custom.create_namespaced_custom_object(

@@ -204,12 +204,14 @@ class Reconciler:
         selector = f"{MODEL_LABEL}={name}"
         try:
             spec = parse_spec(name, model.get("spec") or {})
-            manifests.check_runtime_contract(spec)
+            manifests.check_fit(spec, self.settings)
             self._dry_run(key, model, spec)
         except InvalidSpec as e:
             # a name that is no label value cannot select pods (and none can carry it)
             pods = [] if e.field_path == "metadata.name" else None
-            self._write(model, self._status(model, selector, pods=pods, invalid=str(e)))
+            self._write(
+                model, self._status(model, selector, pods=pods, invalid=str(e), invalid_reason=e.reason)
+            )
             return Result()
 
         work = Pass()
@@ -646,6 +648,7 @@ class Reconciler:
         waiting: str = "",
         invalid: str | None = None,
         waiting_reason: str = "WaitingForCapacity",
+        invalid_reason: str = "InvalidSpec",
     ) -> dict:
         meta = model["metadata"]
         if pods is None:
@@ -665,6 +668,7 @@ class Reconciler:
             ),
             card_resource=self.settings.card_resource,
             invalid=invalid,
+            invalid_reason=invalid_reason,
             suspended=bool(spec and spec.suspend),
             cache=cache,
             problems=problems,
@@ -777,8 +781,11 @@ class Reconciler:
 
 
 def _plain(body) -> dict:
-    """A kopf body as a plain dict that later events cannot change under us."""
-    return json.loads(json.dumps(body, default=dict))
+    """A kopf body as a plain dict that later events cannot change under us, without managedFields (the
+    largest part of an object, and nothing the reconcile reads)."""
+    plain = json.loads(json.dumps(body, default=dict))
+    plain.get("metadata", {}).pop("managedFields", None)
+    return plain
 
 
 def _serving_hash(views) -> str | None:
@@ -933,6 +940,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             prefix=GROUP, key="last-handled-configuration"
         )
         settings.posting.level = logging.INFO
+        # a line per handled watch event costs more than the handler (which only enqueues) at fleet scale
+        if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+            logging.getLogger("kopf.objects").setLevel(logging.WARNING)
         # server-side filtering: the operator never streams the cluster's other pods and Jobs
         settings.watching.label_selectors["pods"] = MODEL_LABEL
         settings.watching.label_selectors["services"] = MODEL_LABEL
@@ -944,7 +954,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     # Event handlers, not create/update handlers: no finalizer and no bookkeeping writes on the model;
     # the reconcile decides from what it reads, whatever the event was.
     @kopf.on.event(GROUP, VERSION, PLURAL, id="model", registry=registry)
-    def model_event(type, body, namespace, name, memo, **_):
+    async def model_event(type, body, namespace, name, memo, **_):
         key = (namespace, name)
         if type == "DELETED":
             memo.known.discard(key)
@@ -956,7 +966,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.queue.add(key)
 
     @kopf.on.event("", "v1", "pods", labels={MODEL_LABEL: kopf.PRESENT}, id="pod", registry=registry)
-    def pod_event(type, body, namespace, name, labels, memo, **_):
+    async def pod_event(type, body, namespace, name, labels, memo, **_):
         key = (namespace, labels[MODEL_LABEL])
         if type == "DELETED":
             memo.cache.drop_pod(key, name)
@@ -968,7 +978,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.event(
         "", "v1", "persistentvolumeclaims", labels={MODEL_LABEL: kopf.PRESENT}, id="claim", registry=registry
     )
-    def owned_event(type, namespace, labels, memo, **_):
+    async def owned_event(type, namespace, labels, memo, **_):
         if type not in ("MODIFIED", "DELETED"):
             return  # listed at start-up (checked anyway) or just created (by us, or after a deletion)
         key = (namespace, labels[MODEL_LABEL])
@@ -976,7 +986,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.queue.add(key)
 
     @kopf.on.event("batch", "v1", "jobs", labels={COMPILE_LABEL: kopf.PRESENT}, id="job", registry=registry)
-    def job_event(namespace, labels, memo, **_):
+    async def job_event(namespace, labels, memo, **_):
         memo.queue.add((namespace, labels[COMPILE_LABEL]))
 
     @kopf.on.cleanup(registry=registry)

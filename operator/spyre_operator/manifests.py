@@ -6,6 +6,8 @@ import hashlib
 import json
 
 from spyre_contract import ContractError, EngineFlags, read_environment
+from spyre_contract.memory import DTYPE_BYTES, GIB, ModelDims, plan_memory
+from spyre_contract.registry import check_known_config
 from spyre_contract.tasks import POOLING_TASKS, read_pooling_environment
 
 from spyre_operator.settings import (
@@ -22,7 +24,7 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.spec import InvalidSpec, ModelSpec
+from spyre_operator.spec import InvalidSpec, ModelSpec, UnknownConfiguration
 
 CACHE_MOUNT = "/cache"
 MODEL_MOUNT = "/models"
@@ -132,9 +134,8 @@ def check_runtime_contract(spec: ModelSpec) -> None:
     )
     try:
         if spec.task in POOLING_TASKS:
-            read_pooling_environment(environ, flags)
-        else:
-            read_environment(environ, flags)
+            return read_pooling_environment(environ, flags)
+        return read_environment(environ, flags)
     except ContractError as e:
         message = str(e)
         for flag, path in SPEC_FIELD_OF_FLAG.items():
@@ -142,6 +143,67 @@ def check_runtime_contract(spec: ModelSpec) -> None:
         user = {v["name"] for v in spec.env}
         named = next((n for n in user if n in message), None)
         raise InvalidSpec("env" if named else "batching", f"the runtime would refuse it: {message}") from None
+
+
+def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
+    """The runtime's memory plan and the known-configurations registry, run before any pod exists, as far
+    as the spec tells the model (`model.config`, `model.architecture`): InvalidSpec when the plan cannot fit
+    the cards requested (or the container's memory limit on CPU backends), UnknownConfiguration when known
+    configurations are required (spec or settings) and this one is not."""
+    contract = check_runtime_contract(spec)
+    if spec.model_config:
+        try:
+            dims = ModelDims.from_config(spec.model_config)
+        except ContractError as e:
+            raise InvalidSpec("model.config", str(e)) from None
+        dtype = (
+            spec.dtype
+            if spec.dtype != "auto"
+            else (
+                "float16"
+                if spec.backend == "sendnn"
+                else str(spec.model_config.get("torch_dtype") or "float32")
+            )
+        )
+        limit = ((spec.resources.get("limits") or {}).get("memory")) if spec.backend != "sendnn" else None
+        if spec.backend == "sendnn":
+            capacity, where = int(settings.card_memory_gib * GIB), "card"
+        elif limit is not None:
+            capacity, where = int(_bytes(limit) / spec.cards), "container"
+        else:
+            capacity, where = 0, ""
+        if capacity:
+            plan = plan_memory(dims, contract, capacity, where, DTYPE_BYTES.get(dtype, 4))
+            if not plan.fits:
+                raise InvalidSpec("cards", plan.refusal())
+    if spec.require_known_config or settings.require_known_config:
+        if not spec.architecture:
+            raise InvalidSpec(
+                "model.architecture",
+                "is required when known configurations are required (config.json's architectures)",
+            )
+        verdict = check_known_config(
+            spec.architecture,
+            task=spec.task,
+            tensor_parallel_size=spec.cards,
+            max_model_len=contract.max_model_len,
+            max_num_seqs=contract.max_num_seqs,
+            shapes=contract.shapes if spec.task in POOLING_TASKS else (),
+            model_config=spec.model_config,
+        )
+        if not verdict.is_known:
+            raise UnknownConfiguration("", verdict.message)
+
+
+_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+
+
+def _bytes(quantity) -> float:
+    text = str(quantity)
+    for unit in sorted(_UNITS, key=len, reverse=True):
+        if text.endswith(unit):
+            return float(text[: -len(unit)]) * _UNITS[unit]
+    return float(text)
 
 
 def _num_doublings(start: int, top: int) -> int:

@@ -44,7 +44,7 @@ class OperatorSettings:
     stuck_grace_seconds: float = 120.0  # image never pulls / container config missing: then replaced
     compile_attempts: int = 3  # compile Job attempts per cache key before the model is Stalled
     compile_retry_seconds: float = 30.0  # back-off before the 2nd attempt, doubling after
-    workers: int = 4  # reconcile workers (one key at a time each)
+    workers: int = 8  # reconcile workers (one key at a time each; they wait on the API server, not the CPU)
     leader_election: bool = True  # act only while holding the Lease (replicas > 1 are standbys)
     lease_namespace: str = "spyre-system"  # default: POD_NAMESPACE when set
     lease_name: str = "spyre-operator"
@@ -57,6 +57,8 @@ class OperatorSettings:
     max_concurrent_rollouts: int = 2  # models rolling out a change of these settings at once
     card_tiers: tuple[int, ...] = ()  # e.g. (4, 8, 16): <card_resource>_tier0.. hold that many linked cards
     shm_size: str = "8Gi"  # /dev/shm (memory) of tensor-parallel pods
+    card_memory_gib: float = 128.0  # a Spyre card's memory, for the memory plan
+    require_known_config: bool = False  # refuse models not in the known-configurations registry
 
 
 ENV = {
@@ -84,6 +86,8 @@ ENV = {
     "max_concurrent_rollouts": "SPYRE_OPERATOR_MAX_CONCURRENT_ROLLOUTS",
     "card_tiers": "SPYRE_OPERATOR_CARD_TIERS",
     "shm_size": "SPYRE_OPERATOR_SHM_SIZE",
+    "card_memory_gib": "SPYRE_OPERATOR_CARD_MEMORY_GIB",
+    "require_known_config": "SPYRE_OPERATOR_REQUIRE_KNOWN_CONFIG",
 }
 
 
@@ -117,7 +121,7 @@ def load_settings(
     namespace = raw.get("lease_namespace", (env.get("POD_NAMESPACE") or "", ""))[0]
     if namespace:
         values["lease_namespace"] = namespace
-    for field in ("leader_election", "prometheus_annotations"):
+    for field in ("leader_election", "prometheus_annotations", "require_known_config"):
         if field in raw:
             value, source = raw[field]
             if value.strip().lower() not in ("1", "0", "true", "false", "on", "off"):
@@ -162,6 +166,7 @@ def load_settings(
         ("workers", int),
         ("lease_seconds", float),
         ("max_concurrent_rollouts", int),
+        ("card_memory_gib", float),
     ):
         if field in raw:
             value, source = raw[field]

@@ -32,11 +32,19 @@ MAX_NAME = 63
 
 
 class InvalidSpec(ValueError):
+    reason = "InvalidSpec"  # the condition's reason
+
     def __init__(self, field_path: str, rule: str) -> None:
         where = field_path if field_path.startswith("metadata.") else f"spec.{field_path}".rstrip(".")
         super().__init__(f"{where}: {rule}")
         self.field_path = field_path
         self.rule = rule
+
+
+class UnknownConfiguration(InvalidSpec):
+    """Known configurations are required and this one is not in the registry."""
+
+    reason = "UnknownConfiguration"
 
 
 @dataclass(frozen=True)
@@ -86,6 +94,9 @@ def _scaled(value: int | str, replicas: int, up: bool) -> int:
 class ModelSpec:
     source: str
     served_model_name: str
+    architecture: str | None = None  # config.json's architectures[0], for the registry
+    model_config: dict | None = None  # config.json's dimensions, for the memory plan
+    require_known_config: bool = False
     cards: int = 1
     replicas: int = 1
     backend: str = "sendnn"
@@ -157,6 +168,10 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     source = model["source"]
     if not isinstance(source, str) or not SOURCE.match(source):
         raise InvalidSpec("model.source", f"must be pvc://CLAIM/PATH or file:///PATH, got {source!r}")
+    architecture = _string(model, "architecture")
+    model_config = model.get("config")
+    if model_config is not None and not isinstance(model_config, dict):
+        raise InvalidSpec("model.config", f"must be an object of config.json fields, got {model_config!r}")
     served = model.get("servedModelName")
     if served is not None and (not isinstance(served, str) or not served.strip()):
         raise InvalidSpec("model.servedModelName", f"must be a non-empty string, got {served!r}")
@@ -261,6 +276,9 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     return ModelSpec(
         source=source,
         served_model_name=served or name,
+        architecture=architecture,
+        model_config=model_config,
+        require_known_config=_bool(spec, "requireKnownConfiguration"),
         cards=cards,
         replicas=replicas,
         backend=backend,

@@ -208,6 +208,7 @@ def _compute_status(
     service_address: str | None,
     card_resource: str,
     invalid: str | None = None,
+    invalid_reason: str = "InvalidSpec",
     suspended: bool = False,
     cache: CacheState | None = None,
     problems: tuple[Problem, ...] = (),
@@ -229,7 +230,7 @@ def _compute_status(
     if service_address:
         base["serviceAddress"] = service_address
     if invalid:
-        return _at_rest(base, "Failed", "InvalidSpec", invalid, stalled=True)
+        return _at_rest(base, "Failed", invalid_reason, invalid, stalled=True)
     if suspended and not problems:
         return _at_rest(
             base, "Suspended", "Suspended", "spec.suspend is true: pods removed, cache and Service kept"

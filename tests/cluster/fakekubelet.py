@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
@@ -49,8 +50,27 @@ def provision_pending_claims(
             core.create_persistent_volume(body)
 
 
+def container_statuses(pod, state_of, ready: bool = False, restarts: int = 0, last: dict | None = None):
+    """One status per container of `pod`; `state_of(container)` gives its state."""
+    return [
+        {
+            "name": c.name,
+            "image": c.image,
+            "imageID": "",
+            "ready": ready,
+            "started": "running" in state_of(c),
+            "restartCount": restarts,
+            "state": state_of(c),
+            "lastState": last or {},
+        }
+        for c in pod.spec.containers
+    ]
+
+
 class FakeKubelet:
-    def __init__(self, api_client, namespace: str, ready: bool = True, period: float = 0.2) -> None:
+    def __init__(
+        self, api_client, namespace: str, ready: bool = True, period: float = 0.2, workers: int = 1
+    ) -> None:
         self.core = client.CoreV1Api(api_client)
         self.namespace = namespace
         self.ready = ready
@@ -61,6 +81,8 @@ class FakeKubelet:
         self.bad_images: set[str] = set()
         self.not_ready_nodes: set[str] = set()
         self._running_since: dict[str, float] = {}
+        # status patches in parallel (a real cluster has a kubelet per node); 1 keeps them in order
+        self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
         self.complete_jobs = True
         self.failing_jobs: set[str] = set()
         self.period = period
@@ -74,11 +96,17 @@ class FakeKubelet:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
             with contextlib.suppress(ApiException):
                 self.sync()
+
+    def _patch(self, name: str, body: dict) -> None:
+        with contextlib.suppress(ApiException):
+            self.core.patch_namespaced_pod_status(name, self.namespace, body)
 
     def evict(self, name: str) -> None:
         self.evicted.add(name)
@@ -150,9 +178,11 @@ class FakeKubelet:
                 and crashing == has_crash
             ):
                 continue
-            self.core.patch_namespaced_pod_status(
-                name, self.namespace, self._status(pod, want_ready, crashing)
-            )
+            body = self._status(pod, want_ready, crashing)
+            if self._pool is None:
+                self.core.patch_namespaced_pod_status(name, self.namespace, body)
+            else:
+                self._pool.submit(self._patch, name, body)
 
     def _finish(self, pod) -> None:
         job = (pod.metadata.labels or {}).get("job-name", "")
@@ -167,46 +197,20 @@ class FakeKubelet:
         status = {
             "phase": "Failed" if failed else "Succeeded",
             "startTime": now,
-            "containerStatuses": [
-                {
-                    "name": c.name,
-                    "image": c.image,
-                    "imageID": "",
-                    "ready": False,
-                    "restartCount": 0,
-                    "state": {"terminated": terminated},
-                }
-                for c in pod.spec.containers
-            ],
+            "containerStatuses": container_statuses(pod, lambda c: {"terminated": terminated}),
         }
         self.core.patch_namespaced_pod_status(pod.metadata.name, self.namespace, {"status": status})
 
     def _evicted(self, pod) -> dict:
         now = _now()
+        killed = {"exitCode": 137, "reason": "Error", "startedAt": now, "finishedAt": now}
         return {
             "status": {
                 "phase": "Failed",
                 "reason": "Evicted",
                 "message": "The node was low on resource: memory.",
                 "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}],
-                "containerStatuses": [
-                    {
-                        "name": c.name,
-                        "image": c.image,
-                        "imageID": "",
-                        "ready": False,
-                        "restartCount": 0,
-                        "state": {
-                            "terminated": {
-                                "exitCode": 137,
-                                "reason": "Error",
-                                "startedAt": now,
-                                "finishedAt": now,
-                            }
-                        },
-                    }
-                    for c in pod.spec.containers
-                ],
+                "containerStatuses": container_statuses(pod, lambda c: {"terminated": killed}),
             }
         }
 
@@ -216,22 +220,15 @@ class FakeKubelet:
             "status": {
                 "phase": "Pending",
                 "conditions": [{"type": "Ready", "status": "False", "lastTransitionTime": now}],
-                "containerStatuses": [
-                    {
-                        "name": c.name,
-                        "image": c.image,
-                        "imageID": "",
-                        "ready": False,
-                        "restartCount": 0,
-                        "state": {
-                            "waiting": {
-                                "reason": "ImagePullBackOff",
-                                "message": f'Back-off pulling image "{c.image}"',
-                            }
-                        },
-                    }
-                    for c in pod.spec.containers
-                ],
+                "containerStatuses": container_statuses(
+                    pod,
+                    lambda c: {
+                        "waiting": {
+                            "reason": "ImagePullBackOff",
+                            "message": f'Back-off pulling image "{c.image}"',
+                        }
+                    },
+                ),
             }
         }
 
@@ -264,18 +261,6 @@ class FakeKubelet:
                     {"type": "ContainersReady", "status": flag, "lastTransitionTime": now},
                     {"type": "Ready", "status": flag, "lastTransitionTime": now},
                 ],
-                "containerStatuses": [
-                    {
-                        "name": c.name,
-                        "image": c.image,
-                        "imageID": "",
-                        "ready": ready,
-                        "started": True,
-                        "restartCount": restarts,
-                        "state": state,
-                        "lastState": last,
-                    }
-                    for c in pod.spec.containers
-                ],
+                "containerStatuses": container_statuses(pod, lambda c: state, ready, restarts, last),
             }
         }

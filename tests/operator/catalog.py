@@ -10,6 +10,14 @@ BASE = {
     "batching": {"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 20, "batchSize": 1}]},
 }
 CB = {"mode": "continuous", "maxNumSeqs": 4, "maxModelLen": 256}
+LLAMA_70B = {
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+}
 
 CATALOG = [
     ("requests-not-a-map", "m", {"resources": {"requests": "8"}}, "spec.resources.requests", "operator"),
@@ -94,6 +102,13 @@ CATALOG = [
         "m",
         {"batching": {**CB, "kvBuckets": {"min": 64, "step": 64, "max": 128}}},
         "below spec.batching.maxModelLen",
+        "operator",
+    ),
+    (
+        "too-large-for-one-card",
+        "m",
+        {"backend": "sendnn", "model": {"source": "pvc://models/big", "config": LLAMA_70B}},
+        "the memory plan does not fit",
         "operator",
     ),
     ("cards-three", "m", {"cards": 3}, "must be one of 1, 2, 4, 8", "operator"),

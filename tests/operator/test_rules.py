@@ -24,8 +24,11 @@ from tests.operator.catalog import BASE, CATALOG
     [pytest.param(n, c, needle, id=i) for i, n, c, needle, by in CATALOG if by == "operator"],
 )
 def test_catalog_refused_by_the_operator_with_a_message_naming_the_problem(name, changes, needle):
+    from spyre_operator.manifests import check_fit
+    from spyre_operator.settings import OperatorSettings
+
     with pytest.raises(InvalidSpec) as err:
-        check_runtime_contract(parse_spec(name, {**BASE, **changes}))
+        check_fit(parse_spec(name, {**BASE, **changes}), OperatorSettings())
     assert needle in str(err.value)
 
 
@@ -415,3 +418,30 @@ def test_card_tiers_shared_memory_and_startup_budget():
     warm = startup_failure_threshold(parse_spec("m", {**BASE, "graphCache": {"precompile": True}}), settings)
     more = {"shapes": [{"promptLength": 64 * i, "newTokens": 8, "batchSize": 1} for i in (1, 2, 3, 4)]}
     assert warm < cold < startup_failure_threshold(parse_spec("m", {**BASE, "batching": more}), settings)
+
+
+def test_memory_plan_and_known_configurations_before_any_pod():
+    from spyre_operator.manifests import check_fit
+    from spyre_operator.settings import OperatorSettings
+    from spyre_operator.spec import UnknownConfiguration
+
+    from tests.operator.catalog import LLAMA_70B
+
+    big = {"source": "pvc://models/big", "config": LLAMA_70B}
+    settings = OperatorSettings()
+    with pytest.raises(InvalidSpec, match="largest consumer is the weights"):
+        check_fit(parse_spec("m", {**BASE, "backend": "sendnn", "model": big}), settings)
+    check_fit(
+        parse_spec("m", {**BASE, "backend": "sendnn", "cards": 8, "model": big}), settings
+    )  # 8 cards fit
+    on_cpu = {**BASE, "model": big, "resources": {"limits": {"memory": "64Gi"}}}
+    with pytest.raises(InvalidSpec, match="container memory"):
+        check_fit(parse_spec("m", on_cpu), settings)
+    known = {"source": "pvc://models/x", "architecture": "LlamaForCausalLM"}
+    with pytest.raises(UnknownConfiguration) as err:
+        check_fit(
+            parse_spec("m", {**BASE, "cards": 8, "model": known}), OperatorSettings(require_known_config=True)
+        )
+    assert err.value.reason == "UnknownConfiguration" and "nearest" in str(err.value)
+    with pytest.raises(InvalidSpec, match=r"model\.architecture"):
+        check_fit(parse_spec("m", {**BASE, "requireKnownConfiguration": True}), settings)

@@ -4,6 +4,7 @@ failure ends in a condition and an Event, failed pods are replaced, rollouts kee
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -22,6 +23,27 @@ def ready_pods(ns, name) -> int:
         any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
         for p in ns.pods(name)
     )
+
+
+@contextlib.contextmanager
+def sampled(measure, period: float = 0.2):
+    """Samples `measure()` in a thread while the block runs; yields the list of samples."""
+    samples: list = []
+    stop = threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                samples.append(measure())
+            time.sleep(period)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_hostile_catalog_each_gets_a_condition_and_no_pod(operator, ns):
@@ -123,17 +145,7 @@ def test_scarce_card_rollout_never_below_one_ready_pod(operator, ns):
     ns.wait_ready("big", 2)
     old = set(hashes(ns, "big"))
     ns.kubelet.ready_delay = 8.0
-    lowest = [2]
-    stop = threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            lowest[0] = min(lowest[0], ready_pods(ns, "big"))
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
+    with sampled(lambda: ready_pods(ns, "big")) as seen:
         ns.patch_spec("big", {"batching": {"mode": "static", "shapes": SHAPES_B}})
         wait_for(
             lambda: set(hashes(ns, "big")).isdisjoint(old) and ready_pods(ns, "big") == 2,
@@ -141,10 +153,7 @@ def test_scarce_card_rollout_never_below_one_ready_pod(operator, ns):
             what="rolled",
         )
         ns.wait_ready("big", 2, timeout=30)
-    finally:
-        stop.set()
-        watcher.join()
-    assert lowest[0] >= 1
+    assert min(seen) >= 1
 
 
 def test_rollout_under_a_card_quota_moves_one_pod_at_a_time(operator, ns):
@@ -155,17 +164,7 @@ def test_rollout_under_a_card_quota_moves_one_pod_at_a_time(operator, ns):
     ns.apply_model("q", spec(replicas=2))
     ns.wait_ready("q", 2)
     old = set(hashes(ns, "q"))
-    most = [0]
-    stop = threading.Event()
-
-    def watch():
-        while not stop.is_set():
-            most[0] = max(most[0], len(ns.pods("q")))
-            time.sleep(0.2)
-
-    watcher = threading.Thread(target=watch, daemon=True)
-    watcher.start()
-    try:
+    with sampled(lambda: len(ns.pods("q"))) as seen:
         ns.patch_spec("q", {"batching": {"mode": "static", "shapes": SHAPES_B}})
         wait_for(
             lambda: any(e.reason == "QuotaExceeded" for e in ns.events("q")),
@@ -174,10 +173,7 @@ def test_rollout_under_a_card_quota_moves_one_pod_at_a_time(operator, ns):
         )
         wait_for(lambda: set(hashes(ns, "q")).isdisjoint(old), timeout=120, what="rolled under the quota")
         ns.wait_ready("q", 2, timeout=60)
-    finally:
-        stop.set()
-        watcher.join()
-    assert most[0] <= 2
+    assert max(seen) <= 2
 
 
 def test_owned_service_is_repaired_and_a_foreign_one_is_reported(operator, ns):
@@ -210,4 +206,20 @@ def test_status_is_replaced_so_stale_keys_vanish(operator, ns):
     wait_for(lambda: "cacheKey" not in ns.model("m")["status"], what="cacheKey gone")
     conds = {c["type"] for c in ns.model("m")["status"]["conditions"]}
     assert "CacheReady" not in conds and {"Ready", "Reconciling", "Stalled"} <= conds
+    ns.wait_ready("m", 1)
+
+
+def test_node_going_not_ready_turns_the_model_not_ready_until_it_returns(operator, ns):
+    ns.apply_model("m", spec(replicas=1))
+    ns.wait_ready("m", 1)
+    node = ns.pods("m")[0].spec.node_name
+    ns.kubelet.set_node_ready(node, False)
+    try:
+        cond = wait_for(
+            lambda: (c := ns.condition("m", "Ready")).get("status") == "False" and c, what="Ready=False"
+        )
+        assert "0/1 replicas ready" in cond["message"]
+        assert ns.condition("m", "Reconciling")["status"] == "True"
+    finally:
+        ns.kubelet.set_node_ready(node, True)
     ns.wait_ready("m", 1)
