@@ -23,7 +23,7 @@ from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
 from spyre_runtime.graph_cache import loading
 from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
-from spyre_runtime.sampling import sample_batch
+from spyre_runtime.sampling import SamplerOutput, sample
 from spyre_runtime.scheduler import StaticStep
 from spyre_runtime.workers import WorkerGroup
 
@@ -231,6 +231,18 @@ class ModelExecutor:
             with compile_settings(self.config.backend):
                 return self._step_fn(*args)
 
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """[L] token ids -> [L, V] logits of every position: an eager pass with no KV cache and no compiled
+        graph (prompt logprobs), run on every tensor-parallel rank."""
+        if self.workers is not None:
+            self.workers.send("score", token_ids)
+        return self.score_local(token_ids)
+
+    def score_local(self, token_ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            logits = self.model(torch.tensor([token_ids], dtype=torch.long), use_cache=False)
+        return (logits[0] if isinstance(logits, tuple) else logits)[0]
+
     def set_env(self, values: dict[str, str]) -> None:
         """Sets environment variables here and on every tensor-parallel rank (before compiling)."""
         os.environ.update(values)
@@ -285,7 +297,7 @@ class ModelExecutor:
             mask[r, 0] = (keys >= P - n) & (keys <= cur)
         return ids, pos, mask, slots, None, int(blocks[0, 0])
 
-    def execute_static(self, step: StaticStep) -> list[int]:
+    def execute_static(self, step: StaticStep) -> SamplerOutput:
         """Runs one step; returns one sampled token per request of the step (dummy rows dropped)."""
         reqs = step.requests
         if step.is_prefill:
@@ -348,15 +360,15 @@ class ModelExecutor:
             slots[:n, 0] = flat.gather(1, position[:, None])[:, 0]
         return ids, pos, mask, slots, None, None, True
 
-    def execute_continuous(self, step: ContinuousStep) -> list[int]:
+    def execute_continuous(self, step: ContinuousStep) -> SamplerOutput:
         if step.prefill is not None:
             logits = self._run(*self.chunk_inputs(step.prefill, self.prefill_kv_len))
         else:
             logits = self._run(*self.batch_decode_inputs(step))
         # a chunk that does not end its prompt has no requests: nothing is sampled
-        return _sample(logits, step.requests) if step.requests else []
+        return _sample(logits, step.requests)
 
-    def execute(self, step: StaticStep | ContinuousStep) -> list[int]:
+    def execute(self, step: StaticStep | ContinuousStep) -> SamplerOutput:
         """Runs one step; returns one sampled token per request of `step.requests`."""
         if isinstance(step, ContinuousStep):
             return self.execute_continuous(step)
