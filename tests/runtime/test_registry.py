@@ -300,3 +300,23 @@ def test_serve_refuses_an_unknown_configuration_in_one_line(cross_encoder, tmp_p
     assert done.returncode == 2
     assert "--task=embed" in done.stderr and "is a cross-encoder" in done.stderr
     assert "unknown configuration" not in done.stderr
+
+
+def test_start_up_applies_the_known_configurations_env_overrides(cross_encoder, tmp_path, monkeypatch):
+    from spyre_runtime.cli import _config, build_parser
+
+    known = tmp_path / "known.yaml"
+    known.write_text(
+        "models:\n  - {name: ce, architecture: BertForSequenceClassification, task: score,\n"
+        "     platforms: {x86_64: [{warmup_shapes: [[64, 1]], env: {SPYRE_TEST_OVERRIDE: from-registry,"
+        " SPYRE_TEST_KEPT: from-registry}}]}}\n"
+    )
+    monkeypatch.setenv("SENDNN_INFERENCE_MODEL_CONFIG_FILE", str(known))
+    monkeypatch.setenv("SENDNN_INFERENCE_REQUIRE_KNOWN_CONFIG", "1")
+    monkeypatch.setenv("SPYRE_TEST_KEPT", "from-pod")
+    monkeypatch.delenv("SPYRE_TEST_OVERRIDE", raising=False)
+    monkeypatch.setattr("spyre_contract.registry.current_platform", lambda: "x86_64")
+    config = _config(build_parser().parse_args(["serve", str(cross_encoder)]))
+    assert config.task == "score" and config.shapes == (Shape(64, 0, 1),)
+    assert os.environ["SPYRE_TEST_OVERRIDE"] == "from-registry"
+    assert os.environ["SPYRE_TEST_KEPT"] == "from-pod"  # the pod's own setting wins
