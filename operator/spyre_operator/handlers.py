@@ -120,7 +120,9 @@ class EventRecorder:
             "count": 1,
         }
         try:
-            self.core.create_namespaced_event(meta["namespace"], body, _request_timeout=self.timeout)
+            self.core.create_namespaced_event(
+                meta["namespace"], body, _request_timeout=self.timeout, _preload_content=False
+            )
         except (ApiException, OSError) as e:  # an Event is best effort; the status holds the truth
             log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e)
 
@@ -289,7 +291,7 @@ class Reconciler:
             attempts.append(("Job", self.batch.create_namespaced_job, job))
         for kind, create, body in attempts:
             try:
-                create(ns, body, dry_run="All", _request_timeout=self.timeout)
+                create(ns, body, dry_run="All", _request_timeout=self.timeout, _preload_content=False)
             except ApiException as e:
                 if e.status in (408, 409, 429) or is_quota(e) or (e.status or 500) >= 500:
                     continue  # exists already, quota (a rollout matter), or the server's trouble
@@ -307,7 +309,7 @@ class Reconciler:
     def _created(self, create, body: dict) -> bool:
         """Creates `body`; False when an object of its name exists already (then it is read and checked)."""
         try:
-            create(body["metadata"]["namespace"], body, _request_timeout=self.timeout)
+            create(body["metadata"]["namespace"], body, _request_timeout=self.timeout, _preload_content=False)
         except ApiException as e:
             if e.status == 409:
                 return False
@@ -563,7 +565,9 @@ class Reconciler:
         ns = model["metadata"]["namespace"]
         for pod_name in plan.delete:
             try:
-                self.core.delete_namespaced_pod(pod_name, ns, _request_timeout=self.timeout)
+                self.core.delete_namespaced_pod(
+                    pod_name, ns, _request_timeout=self.timeout, _preload_content=False
+                )
             except ApiException as e:
                 if e.status != 404:
                     work.problems.append(problem_of("Pod", e))
@@ -576,7 +580,9 @@ class Reconciler:
             self._quota_blocked.discard(key)
         for _ in range(plan.create):
             try:
-                created = self.core.create_namespaced_pod(ns, build(), _request_timeout=self.timeout)
+                resp = self.core.create_namespaced_pod(
+                    ns, build(), _request_timeout=self.timeout, _preload_content=False
+                )
             except ApiException as e:
                 if is_quota(e):
                     with self._lock:
@@ -584,7 +590,11 @@ class Reconciler:
                 work.problems.append(problem_of("Pod", e))
                 break
             self.events.post(
-                model, "Normal", "PodCreated", f"created pod {created.metadata.name}", once=False
+                model,
+                "Normal",
+                "PodCreated",
+                f"created pod {json.loads(resp.data)['metadata']['name']}",
+                once=False,
             )
 
     def _observe(self, pod: dict):
