@@ -25,6 +25,7 @@ from spyre_runtime.graph_cache import loading
 from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
 from spyre_runtime.sampling import SamplerOutput, sample
 from spyre_runtime.scheduler import StaticStep
+from spyre_runtime.warmup import WarmupProgress
 from spyre_runtime.workers import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ class ModelExecutor:
         self.is_warm = False
         self.warmup_seconds: float | None = None
         self.shape_seconds: dict[Shape, float] = {}
+        self.progress = WarmupProgress()  # graphs warmed so far, for the log, /health and a gauge
 
     def _prime_rotary(self, max_len: int) -> None:
         """Fills FMS's rotary-frequency cache before compiling, so tracing never mutates it."""
@@ -382,6 +384,7 @@ class ModelExecutor:
         t_all = time.monotonic()
         cfg = self.config
         graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) if cfg.use_cb else 2 * len(cfg.shapes)
+        self.progress.start(graphs)
         with torch._dynamo.config.patch(
             recompile_limit=max(8, graphs + 2), accumulated_recompile_limit=max(256, graphs * 2)
         ):
@@ -401,10 +404,14 @@ class ModelExecutor:
             t0 = time.monotonic()
             prompts = [[1] * shape.prompt_len] * shape.batch_size
             self._run(*self.prefill_inputs(shape, prompts))
+            t1 = time.monotonic()
+            what = f"batch_size:{shape.batch_size} seq_len:{shape.prompt_len}"
+            self.progress.step("Prefill", what, t1 - t0)
             self._run(
                 *self.decode_inputs(shape, [shape.prompt_len] * shape.batch_size, [1] * shape.batch_size, 0)
             )
             self.shape_seconds[shape] = time.monotonic() - t0
+            self.progress.step("Decode", f"{what} new_tokens:{shape.new_tokens}", time.monotonic() - t1)
             log.info("Warmup of shape %s took %.2f s", shape, self.shape_seconds[shape])
 
     def _warm_continuous(self) -> None:
@@ -415,11 +422,11 @@ class ModelExecutor:
             t0 = time.monotonic()
             chunk = PrefillChunk(None, (1,) * size, 0, size, (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE), True)
             self._run(*self.chunk_inputs(chunk, kv_max))
-            log.info("Warmup of prefill chunk %d took %.2f s", size, time.monotonic() - t0)
+            self.progress.step("Prefill", f"chunk:{size} kv_len:{kv_max}", time.monotonic() - t0)
         for batch in cfg.batch_buckets:  # decode reads the whole cache: one graph per batch bucket
             t0 = time.monotonic()
             self._run(*self.batch_decode_inputs(ContinuousStep(batch_size=batch, kv_len=kv_max)))
-            log.info("Warmup of decode batch %d took %.2f s", batch, time.monotonic() - t0)
+            self.progress.step("Decode", f"batch_size:{batch} kv_len:{kv_max}", time.monotonic() - t0)
 
 
 def _sample(logits: torch.Tensor, reqs) -> SamplerOutput:

@@ -28,6 +28,10 @@ class Metrics:
         self.step_seconds = Histogram(
             "spyre_engine_step_seconds", "Engine step time", ["kind"], buckets=LATENCY_BUCKETS, registry=r
         )
+        self.warmup_graphs_done = Gauge(
+            "spyre_warmup_graphs_done", "Graphs compiled and warmed so far at start-up", registry=r
+        )
+        self.warmup_graphs_total = Gauge("spyre_warmup_graphs", "Graphs to warm at start-up", registry=r)
         self.warmup_seconds = Gauge(
             "spyre_warmup_seconds", "Time spent compiling and warming shapes", registry=r
         )
