@@ -214,7 +214,9 @@ def _compute_status(
     problems: tuple[Problem, ...] = (),
     waiting: str = "",
     waiting_reason: str = "WaitingForCapacity",
+    warming: dict[str, tuple[int, int]] | None = None,
 ) -> dict:
+    warming = warming or {}
     live = [p for p in pods if not p.is_terminating and not p.is_dead]
     current = [p for p in live if p.template_hash == template_hash]
     ready_current = sum(p.is_ready for p in current)
@@ -269,7 +271,10 @@ def _compute_status(
             "Progressing",
             True,
             "Warming",
-            f"{ready_current}/{replicas} replicas ready; the rest are compiling and warming up",
+            f"{ready_current}/{replicas} replicas ready; the rest are compiling and warming up"
+            + "".join(
+                f", {name}: compiling {done}/{total}" for name, (done, total) in sorted(warming.items())
+            ),
         )
     if cache is not None and not cache.is_ready and not done:
         progressing = condition("Progressing", True, "WaitingForCache", cache.message)
