@@ -20,6 +20,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from spyre_operator import manifests
+from spyre_operator.events import EventRecorder
 from spyre_operator.metrics import OperatorMetrics
 from spyre_operator.plan import Budget, PodPlan, plan_pods
 from spyre_operator.settings import (
@@ -36,7 +37,7 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.spec import InvalidSpec, ModelSpec, parse_spec
+from spyre_operator.spec import InvalidSpec, ModelSpec, parse_spec, quantity_bytes
 from spyre_operator.status import (
     CacheState,
     Problem,
@@ -46,6 +47,7 @@ from spyre_operator.status import (
     observe_pod,
     status_changed,
 )
+from spyre_operator.watch import KnownModels, Resync, WatchCache, plain
 from spyre_operator.workqueue import Result, WorkQueue
 
 log = logging.getLogger(__name__)
@@ -82,51 +84,6 @@ def problem_of(kind: str, e: Exception) -> Problem:
 
 class Conflict(Exception):
     """The model changed under us (409 on the status write): reconcile again from a fresh read."""
-
-
-class EventRecorder:
-    """Posts core/v1 Events from any thread (no kopf context needed), at most once per distinct
-    (object, type, reason, message)."""
-
-    def __init__(self, core: client.CoreV1Api, timeout: float) -> None:
-        self.core = core
-        self.timeout = timeout
-        self._seen: dict[tuple, None] = {}
-        self._lock = threading.Lock()
-
-    def post(self, model: dict, type_: str, reason: str, message: str, once: bool = True) -> None:
-        meta = model["metadata"]
-        fingerprint = (meta["uid"], type_, reason, message)
-        with self._lock:
-            if once and fingerprint in self._seen:
-                return
-            self._seen[fingerprint] = None
-            while len(self._seen) > 20000:
-                self._seen.pop(next(iter(self._seen)))
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
-            "involvedObject": {
-                "apiVersion": f"{GROUP}/{VERSION}",
-                "kind": KIND,
-                "name": meta["name"],
-                "namespace": meta["namespace"],
-                "uid": meta["uid"],
-            },
-            "type": type_,
-            "reason": reason,
-            "message": message[:1024],
-            "source": {"component": "spyre-operator"},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        try:
-            self.core.create_namespaced_event(
-                meta["namespace"], body, _request_timeout=self.timeout, _preload_content=False
-            )
-        except (ApiException, OSError) as e:  # an Event is best effort; the status holds the truth
-            log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e)
 
 
 @dataclass
@@ -819,14 +776,6 @@ class Reconciler:
             self._rolling.discard(key)
 
 
-def _plain(body) -> dict:
-    """A kopf body as a plain dict that later events cannot change under us, without managedFields (the
-    largest part of an object, and nothing the reconcile reads)."""
-    plain = json.loads(json.dumps(body, default=dict))
-    plain.get("metadata", {}).pop("managedFields", None)
-    return plain
-
-
 def _serving_hash(views) -> str | None:
     """The template most live pods run (ready ones first): the rollout that serves now."""
     live = [v for v in views if not v.is_terminating and not v.is_dead]
@@ -849,117 +798,6 @@ def _seconds_since(stamp: str) -> float:
     except ValueError:
         return float("inf")
     return (datetime.datetime.now(datetime.UTC) - then).total_seconds()
-
-
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-
-
-def quantity_bytes(text: str) -> float:
-    """A storage quantity (10Gi, 500M, 1.5Ti) in bytes."""
-    text = str(text).strip()
-    for suffix in sorted({**_BINARY, **_DECIMAL}, key=len, reverse=True):
-        if suffix and text.endswith(suffix):
-            return float(text[: -len(suffix)]) * {**_BINARY, **_DECIMAL}[suffix]
-    return float(text)
-
-
-class WatchCache:
-    """What kopf's watches delivered, as an informer keeps it: each model's latest body, its pods' latest
-    bodies, and whether its Service and claim were checked for the model's current generation (their own
-    watch events clear that). The reconcile decides from it and reads the API server only before acting."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._models: dict[Key, dict] = {}
-        self._pods: dict[Key, dict[str, dict]] = {}
-        self._owned: dict[Key, tuple] = {}
-
-    def model(self, key: Key) -> dict | None:
-        with self._lock:
-            return self._models.get(key)
-
-    def put_model(self, key: Key, body: dict) -> None:
-        with self._lock:
-            self._models[key] = body
-
-    def drop_model(self, key: Key) -> None:
-        with self._lock:
-            self._models.pop(key, None)
-            self._owned.pop(key, None)
-
-    def pods(self, key: Key) -> list[dict]:
-        with self._lock:
-            return list(self._pods.get(key, {}).values())
-
-    def put_pod(self, key: Key, body: dict) -> None:
-        with self._lock:
-            self._pods.setdefault(key, {})[body["metadata"]["name"]] = body
-
-    def drop_pod(self, key: Key, name: str) -> None:
-        with self._lock:
-            pods = self._pods.get(key, {})
-            pods.pop(name, None)
-            if not pods:
-                self._pods.pop(key, None)
-
-    def owned_stamp(self, key: Key) -> tuple | None:
-        with self._lock:
-            return self._owned.get(key)
-
-    def set_owned_stamp(self, key: Key, stamp: tuple) -> None:
-        with self._lock:
-            self._owned[key] = stamp
-
-    def owned_changed(self, key: Key) -> None:
-        with self._lock:
-            self._owned.pop(key, None)
-
-
-class KnownModels:
-    """The models kopf's watch has seen (added by events, removed on deletion): what the resync visits,
-    with no list call of its own."""
-
-    def __init__(self) -> None:
-        self._keys: set[Key] = set()
-        self._lock = threading.Lock()
-
-    def add(self, key: Key) -> None:
-        with self._lock:
-            self._keys.add(key)
-
-    def discard(self, key: Key) -> None:
-        with self._lock:
-            self._keys.discard(key)
-
-    def snapshot(self) -> list[Key]:
-        with self._lock:
-            return sorted(self._keys)
-
-
-class Resync:
-    """Enqueues every known model once per `resync_seconds`, spread over the period (not all at once)."""
-
-    def __init__(self, queue: WorkQueue, known: KnownModels, settings: OperatorSettings) -> None:
-        self.queue = queue
-        self.known = known
-        self.settings = settings
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="resync", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        period = self.settings.resync_seconds
-        while not self._stop.wait(period):
-            keys = self.known.snapshot()
-            for i, key in enumerate(keys):
-                self.queue.add(key, delay=period * i / max(1, len(keys)))
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -1000,7 +838,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             memo.cache.drop_model(key)
             memo.reconciler.forget(key)
             return
-        memo.cache.put_model(key, _plain(body))
+        memo.cache.put_model(key, plain(body))
         memo.known.add(key)
         memo.queue.add(key)
 
@@ -1010,7 +848,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         if type == "DELETED":
             memo.cache.drop_pod(key, name)
         else:
-            memo.cache.put_pod(key, _plain(body))
+            memo.cache.put_pod(key, plain(body))
         memo.queue.add(key)
 
     @kopf.on.event("", "v1", "services", labels={MODEL_LABEL: kopf.PRESENT}, id="service", registry=registry)

@@ -24,7 +24,7 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.spec import InvalidSpec, ModelSpec, UnknownConfiguration
+from spyre_operator.spec import InvalidSpec, ModelSpec, UnknownConfiguration, quantity_bytes
 
 CACHE_MOUNT = "/cache"
 MODEL_MOUNT = "/models"
@@ -169,7 +169,7 @@ def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
         if spec.backend == "sendnn":
             capacity, where = int(settings.card_memory_gib * GIB), "card"
         elif limit is not None:
-            capacity, where = int(_bytes(limit) / spec.cards), "container"
+            capacity, where = int(quantity_bytes(limit) / spec.cards), "container"
         else:
             capacity, where = 0, ""
         if capacity:
@@ -193,17 +193,6 @@ def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
         )
         if not verdict.is_known:
             raise UnknownConfiguration("", verdict.message)
-
-
-_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-
-
-def _bytes(quantity) -> float:
-    text = str(quantity)
-    for unit in sorted(_UNITS, key=len, reverse=True):
-        if text.endswith(unit):
-            return float(text[: -len(unit)]) * _UNITS[unit]
-    return float(text)
 
 
 def _num_doublings(start: int, top: int) -> int:

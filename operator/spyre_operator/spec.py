@@ -428,3 +428,16 @@ def _rollout(value: dict) -> Rollout:
             raise InvalidSpec(f"rollout.{key}", f"must be a count >= 0 or a percentage like 25%, got {v!r}")
         parsed[attr] = v
     return Rollout(**parsed)
+
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+
+def quantity_bytes(text: str) -> float:
+    """A storage quantity (10Gi, 500M, 1.5Ti) in bytes."""
+    text = str(text).strip()
+    for suffix in sorted({**_BINARY, **_DECIMAL}, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            return float(text[: -len(suffix)]) * {**_BINARY, **_DECIMAL}[suffix]
+    return float(text)
