@@ -1,15 +1,15 @@
 """Sampling parameters and the batched sampler.
 
 One call per engine step samples every row at once. Each processor is a tensor op over the rows that asked
-for it; no per-row loop touches the vocabulary except the noise of a seeded row (its own generator, as vLLM
-does), and no full-vocabulary sort runs unless top_p needs more than the top candidates of a row.
+for it; no per-row loop touches the vocabulary (a seeded row draws its one uniform from its own generator, as
+vLLM keeps a generator per seeded request), and no full-vocabulary sort runs at all.
 
     logits [B, V] raw ─► logprobs (of the raw logits: vLLM's default "raw_logprobs")  rows that ask
                       ─► logit_bias, min_tokens (EOS/stop ids banned), grammar mask, penalties
                       ─► greedy rows: argmax
-                      ─► other rows: / temperature ─► top_k ─► softmax ─► top_p, min_p ─► p / Exp(1) ─► argmax
+                      ─► other rows: / temperature ─► top_k ─► softmax ─► top_p, min_p ─► inverse CDF draw
 
-The last step is the exponential race: argmax(p / q) with q ~ Exp(1) draws from p without normalising it.
+The draw takes one uniform per row (cumsum + searchsorted), not one random number per vocabulary entry.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ MIN_TEMPERATURE = (
     1e-2  # temperatures in (GREEDY_EPSILON, MIN_TEMPERATURE) are raised to it (vLLM's _MAX_TEMP)
 )
 MAX_LOGPROBS = 20  # top logprobs per token, as vLLM's default max_logprobs
-TOP_P_CANDIDATES = 256  # top_p looks at this many top tokens first; a full sort only when they do not suffice
+TOP_P_CANDIDATES = 256  # top_p looks at this many top tokens first; bisection only when they do not suffice
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
@@ -251,11 +251,15 @@ def _apply_penalties(logits: torch.Tensor, idx: list[int], rows: Sequence) -> No
 
 def _draw(logits: torch.Tensor, rows: Sequence, params: list[SamplingParams]) -> torch.Tensor:
     """logits [B, V] after the processors -> [B] token ids."""
-    tokens = torch.argmax(logits, dim=-1)
     random = [i for i, p in enumerate(params) if not p.is_greedy]
-    if not random:
-        return tokens
-    sub = logits[random] / torch.tensor([params[i].temperature for i in random])[:, None]
+    if len(random) < len(params):
+        tokens = torch.argmax(logits, dim=-1)
+        if not random:
+            return tokens
+    else:
+        tokens = torch.empty(len(params), dtype=torch.long)
+    sub = logits if len(random) == len(params) else logits[random]  # `logits` is the sampler's own copy
+    sub.div_(torch.tensor([params[i].temperature for i in random])[:, None])
     _top_k(sub, torch.tensor([params[i].top_k for i in random]))
     probs = torch.softmax(sub, dim=-1)
     top_p = torch.tensor([params[i].top_p for i in random])
@@ -264,12 +268,16 @@ def _draw(logits: torch.Tensor, rows: Sequence, params: list[SamplingParams]) ->
     min_p = torch.tensor([params[i].min_p for i in random])
     if (min_p > 0).any():
         probs.masked_fill_(probs < min_p[:, None] * probs.amax(dim=-1, keepdim=True), 0.0)
-    noise = torch.empty_like(probs).exponential_()
+    # inverse CDF: one uniform per row (a seeded row draws it from its own generator)
+    uniform = torch.rand(len(random), dtype=torch.float64)
     for j, i in enumerate(random):
         generator = getattr(rows[i], "generator", None)
         if generator is not None:
-            noise[j].exponential_(generator=generator)
-    tokens[random] = torch.argmax(probs / noise, dim=-1)
+            uniform[j] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
+    cdf = probs.double().cumsum(dim=-1)
+    target = uniform[:, None] * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[1] - 1)[:, 0]
+    tokens[random] = picked
     return tokens
 
 
@@ -288,7 +296,8 @@ def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
     """In place: keeps the smallest set of most likely tokens whose mass reaches top_p (at least one).
-    Looks at the top TOP_P_CANDIDATES of each row; sorts a whole row only when they hold too little mass."""
+    Looks at the top TOP_P_CANDIDATES of each row; when they hold too little mass, finds the cut by
+    bisection over the whole row (still no sort)."""
     rows = (top_p < 1).nonzero().flatten()
     sub, p = probs[rows], top_p[rows][:, None]
     k = min(TOP_P_CANDIDATES, sub.shape[1])
@@ -297,11 +306,21 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
     short = cumulative[:, -1] < p[:, 0]
     threshold = values.gather(1, torch.searchsorted(cumulative, p).clamp(max=k - 1))
     if short.any():
-        full = torch.sort(sub[short], dim=-1, descending=True).values
-        cum_full = full.cumsum(dim=-1)
-        at = torch.searchsorted(cum_full, p[short]).clamp(max=full.shape[1] - 1)
-        threshold[short] = full.gather(1, at)
+        threshold[short] = _mass_threshold(sub[short], p[short])
     probs[rows] = sub.masked_fill(sub < threshold, 0.0)
+
+
+def _mass_threshold(probs: torch.Tensor, p: torch.Tensor, steps: int = 40) -> torch.Tensor:
+    """[R, V], [R, 1] -> [R, 1]: the largest t with sum(probs[probs >= t]) >= p, by bisection (no sort:
+    each step is one masked sum over the rows)."""
+    lo = torch.zeros_like(p)
+    hi = probs.amax(dim=-1, keepdim=True)
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        enough = (probs * (probs >= mid)).sum(dim=-1, keepdim=True) >= p
+        lo = torch.where(enough, mid, lo)
+        hi = torch.where(enough, hi, mid)
+    return lo
 
 
 def token_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprob]:

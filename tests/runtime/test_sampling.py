@@ -79,9 +79,9 @@ def test_top_k_top_p_min_p_restrict_each_row_to_its_own_support():
     assert seen == [{0, 1}, {0}, {0, 1, 2}, {0, 1}]
 
 
-def test_top_p_sorts_the_whole_row_only_when_the_top_candidates_hold_too_little_mass():
+def test_top_p_bisects_the_whole_row_when_the_top_candidates_hold_too_little_mass():
     slope = torch.linspace(2.0, 1.0, 1000)[torch.randperm(1000, generator=torch.Generator().manual_seed(0))]
-    flat = (slope / slope.sum())[None]  # the top 256 of 1000 hold ~30% of the mass: the full-sort path
+    flat = (slope / slope.sum())[None]  # the top 256 of 1000 hold ~30% of the mass: the bisection path
     peaked = torch.softmax(torch.tensor([10.0, 9.0] + [0.0] * 998), -1)[None]
     probs = torch.cat([flat, flat, peaked])
     _top_p(probs, torch.tensor([0.9, 1.0, 0.9]))

@@ -96,3 +96,28 @@ def test_disconnect_mid_stream_frees_its_sequence(cb_server, client):
         time.sleep(0.05)
     assert metric(cb_server, "spyre_running_requests") == 0
     assert client.completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_n_logprobs_echo_and_guided_choice_under_continuous_batching(client):
+    kw = {
+        "model": "tiny",
+        "prompt": "Hello",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True},
+    }
+    res = client.completions.create(n=3, seed=5, logprobs=1, **kw)
+    singles = [client.completions.create(seed=5 + i, **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in res.choices] == singles  # the three ran in one batch, each as it would alone
+    assert all(len(c.logprobs.token_logprobs) == 8 for c in res.choices)
+    scored = client.completions.create(
+        model="tiny", prompt=[5, 6, 7, 8], echo=True, logprobs=0, max_tokens=1, temperature=0
+    )
+    assert (
+        scored.choices[0].logprobs.token_logprobs[0] is None and len(scored.choices[0].logprobs.tokens) == 5
+    )
+    choices = ["Paris", "Rome"]
+    picked = client.completions.create(
+        model="tiny", prompt="Capital?", max_tokens=5, seed=1, extra_body={"guided_choice": choices}
+    )
+    assert picked.choices[0].text in choices

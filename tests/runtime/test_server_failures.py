@@ -6,7 +6,9 @@ import threading
 import time
 
 import httpx
+import psutil
 import pytest
+from spyre_runtime.models import write_tiny_model
 
 from tests.runtime.serverproc import ServerProcess
 from tests.runtime.test_server import metric
@@ -67,6 +69,32 @@ def test_engine_failure_fails_in_flight_requests_turns_unhealthy_and_exits_non_z
         assert "engine failed" in late.json()["error"]["message"]
         assert srv.proc.wait(timeout=30) == 1
         assert "engine loop failed" in srv.log()
+
+
+def test_with_tensor_parallelism_a_failed_step_ends_every_rank(tmp_path):
+    model = write_tiny_model(tmp_path / "tiny-8-4", heads=8, kv_heads=4, seed=3)
+    flag = tmp_path / "fault"
+    env = {**SLOW_ENV, "SPYRE_TEST_FAULT_FILE": str(flag)}
+    srv = ServerProcess(
+        model,
+        env,
+        tmp_path / "s.log",
+        module="tests.runtime.faulty_engine",
+        extra_args=("--tensor-parallel-size", "2"),
+    )
+    with srv.serving():
+        family = psutil.Process(srv.proc.pid).children(recursive=True)
+        assert post_completion(srv, max_tokens=3).status_code == 200
+        flag.touch()
+        res = post_completion(srv, max_tokens=3)
+        assert res.status_code == 500 and "injected fault" in res.json()["error"]["message"]
+        assert srv.proc.wait(timeout=30) == 1
+        _, alive = psutil.wait_procs(family, timeout=10)  # rank 1 was waiting in a collective: killed
+        assert alive == []
+
+
+def post_completion(srv: ServerProcess, **kw) -> httpx.Response:
+    return httpx.post(srv.base + "/v1/completions", json={"model": "tiny", "prompt": "hi", **kw}, timeout=60)
 
 
 @pytest.mark.parametrize("stream", [False, True])
