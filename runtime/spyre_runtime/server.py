@@ -53,7 +53,7 @@ from spyre_runtime.sampling import TokenLogprob
 
 log = logging.getLogger(__name__)
 OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
-DEAD_ENGINE_EXIT_DELAY = 2.0  # seconds for in-flight requests to receive their error before exiting
+DEAD_ENGINE_EXIT_DELAY = 5.0  # seconds for in-flight requests to receive their error before exiting
 
 
 def runtime_version() -> str:
