@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
+from spyre_runtime.warmup import WarmupProgress
 
 log = logging.getLogger(__name__)
 
@@ -261,6 +262,7 @@ class PoolingModel:
         )
         self.is_warm = False
         self.shape_seconds: dict[Shape, float] = {}
+        self.progress = WarmupProgress()  # shapes warmed so far, for the log, /health and a gauge
 
     def _forward(self, ids: torch.Tensor, type_ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """[B, L] x3 -> [B, D] embeddings (pooled, normalized as the folder says) or [B] scores."""
@@ -315,6 +317,7 @@ class PoolingModel:
         """Compiles and runs every shape once."""
         t_all = time.monotonic()
         graphs = len(self.config.shapes)
+        self.progress.start(graphs)
         with torch._dynamo.config.patch(
             recompile_limit=max(8, graphs + 2), accumulated_recompile_limit=max(256, graphs * 2)
         ):
@@ -322,9 +325,8 @@ class PoolingModel:
                 t0 = time.monotonic()
                 self.run(shape, [([self.pad_id] * shape.prompt_len, None)] * shape.batch_size)
                 self.shape_seconds[shape] = time.monotonic() - t0
-                log.info(
-                    "Warmup of pooling shape %s took %.2f s", _shape_str(shape), self.shape_seconds[shape]
-                )
+                what = f"prompt_len:{shape.prompt_len} batch_size:{shape.batch_size}"
+                self.progress.step("Pool", what, self.shape_seconds[shape])
         self.is_warm = True
         seconds = time.monotonic() - t_all
         log.info("Warmup finished in %.2f s", seconds)

@@ -326,11 +326,18 @@ def create_app(state: PoolingState) -> FastAPI:
         if state.boot_error is not None:
             return JSONResponse({"status": "failed"}, status_code=503)
         if not state.is_healthy:
-            return JSONResponse({"status": "warming up"}, status_code=503)
+            body: dict = {"status": "warming up"}
+            if state.model is not None:  # shapes compiled and warmed so far (the operator shows it)
+                body["warming"] = state.model.progress.snapshot()
+            return JSONResponse(body, status_code=503)
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
+        if state.model is not None:
+            progress = state.model.progress.snapshot()
+            state.metrics.warmup_graphs_done.set(progress["done"])
+            state.metrics.warmup_graphs_total.set(progress["total"])
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")

@@ -206,6 +206,7 @@ def test_minilm_embeddings_equal_sentence_transformers(minilm, reference_embeddi
     config = RuntimeConfig(model_dir=minilm, served_model_name="m", backend=backend, shapes=shapes)
     model = PoolingModel(config, detect_pooling(minilm), tok.pad_token_id)
     model.warmup()
+    assert model.progress.snapshot() == {"done": len(shapes), "total": len(shapes)}
     rows = _rows(tok, TEXTS)
     for shape in shapes:
         fitting = [i for i, (ids, _) in enumerate(rows) if len(ids) <= shape.prompt_len]

@@ -213,8 +213,10 @@ def test_health_models_and_metrics(embed_server):
     card = httpx.get(embed_server.base + "/v1/models").json()["data"][0]
     assert (card["id"], card["max_model_len"], card["task"]) == ("minilm", 256, "embed")
     assert httpx.get(embed_server.base + "/v1/models/nope").status_code == 404
+    assert post(embed_server, "/v1/embeddings", {"input": "x"}).status_code == 200
     metrics = httpx.get(embed_server.base + "/metrics").text
     assert 'spyre_requests_total{outcome="pooled"}' in metrics and "spyre_warmup_seconds" in metrics
+    assert "spyre_warmup_graphs 3.0" in metrics and "spyre_warmup_graphs_done 3.0" in metrics
     assert 503 in embed_server.health_codes  # not ready while the shapes warmed up
 
 
