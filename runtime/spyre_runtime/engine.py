@@ -45,6 +45,7 @@ class RequestOutput:
     delta_logprobs: tuple[TokenLogprob, ...] = ()
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # on the final output, when asked
     error: str | None = None  # finish_reason "error": what went wrong
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended the request
 
     @property
     def cumulative_logprob(self) -> float:
@@ -131,6 +132,8 @@ class OutputProcessor:
         if may_stop and stop_token:
             kept = req.output_token_ids if params.include_stop_str_in_output else req.output_token_ids[:-1]
             req.output_text = self._decode(req, kept)
+            if token in params.stop_token_ids:
+                req.stop_reason = token
             req.finish("stop")
             return
         text = self._decode(req, req.output_token_ids)
@@ -141,6 +144,7 @@ class OutputProcessor:
                     req.output_text = (
                         text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
                     )
+                    req.stop_reason = stop
                     req.finish("stop")
                     return
         req.output_text = text
@@ -176,6 +180,7 @@ class OutputProcessor:
             delta_logprobs=tuple(req.logprobs[tokens:]),
             prompt_logprobs=tuple(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             error=req.error,
+            stop_reason=req.stop_reason,
         )
         if req.is_finished:
             self._sent.pop(req.request_id, None)

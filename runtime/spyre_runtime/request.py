@@ -36,6 +36,7 @@ class Request:
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprob per output token, when asked
     prompt_logprobs: list | None = None  # per prompt token (None for the first), when asked
     error: str | None = None  # why the request failed (finish_reason "error")
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not EOS)
     num_computed_tokens: int = 0  # continuous batching: tokens whose KV is in the cache
     num_preemptions: int = 0
 

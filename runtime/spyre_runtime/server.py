@@ -543,7 +543,7 @@ def create_app(state: ServerState) -> FastAPI:
                     lps = completion_logprobs(echoed, out, body.logprobs, bool(body.echo), as_ids)
                 entry = {"index": index, "text": text, "logprobs": lps}
             entry["finish_reason"] = out.finish_reason
-            entry["stop_reason"] = None
+            entry["stop_reason"] = out.stop_reason
             choices.append(entry)
         prompt_tokens = sum(len(p) for p in sub.prompts)
         completion_tokens = sum(len(o.token_ids) for o in outs)
@@ -618,7 +618,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "object": obj,
                 "created": created,
                 "model": config.served_model_name,
-                "choices": [{**choice, "stop_reason": None}] if choice else [],
+                "choices": [{"stop_reason": None, **choice}] if choice else [],
             }
             if include_usage:
                 payload["usage"] = usage_
@@ -652,13 +652,17 @@ def create_app(state: ServerState) -> FastAPI:
                 if chat:
                     delta = {"content": out.delta_text} if out.delta_text else {}
                     lps = {"content": chat_logprobs(out.delta_logprobs, as_ids)} if body.logprobs else None
-                    yield chunk({"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason})
+                    yield chunk(
+                        {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
+                        | ({"stop_reason": out.stop_reason} if out.finished else {})
+                    )
                 else:
                     lps = None
                     if body.logprobs is not None:
                         lps = completion_logprobs([], _delta(out), body.logprobs, False, as_ids)
                     yield chunk(
                         {"index": index, "text": out.delta_text, "logprobs": lps, "finish_reason": reason}
+                        | ({"stop_reason": out.stop_reason} if out.finished else {})
                     )
             else:
                 if include_usage:

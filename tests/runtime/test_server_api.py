@@ -388,6 +388,7 @@ def test_stop_strings_with_and_without_the_stop_string(client):
     stop = text[5:8]
     cut = complete(client, stop=[stop], **kw).choices[0]
     assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
+    assert cut.model_extra["stop_reason"] == stop  # vLLM's field: which stop string ended it
     kept = complete(
         client, stop=[stop], **{**kw, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}
     )
