@@ -90,6 +90,10 @@ def test_with_tensor_parallelism_a_failed_step_ends_every_rank(tmp_path):
     with srv.serving():
         family = psutil.Process(srv.proc.pid).children(recursive=True)
         assert post_completion(srv, max_tokens=3).status_code == 200
+        # prompt scoring (echo + logprobs) runs on both ranks too
+        scored = post_completion(srv, prompt=[5, 6, 7, 8], echo=True, logprobs=1, max_tokens=1, temperature=0)
+        assert scored.status_code == 200, scored.text
+        assert all(x <= 0 for x in scored.json()["choices"][0]["logprobs"]["token_logprobs"][1:])
         flag.touch()
         res = post_completion(srv, max_tokens=3)
         assert res.status_code == 500 and "injected fault" in res.json()["error"]["message"]
