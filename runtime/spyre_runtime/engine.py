@@ -118,6 +118,10 @@ class OutputProcessor:
     def append(self, req: Request, token: int, logprob: TokenLogprob | None, now: float) -> None:
         if req.is_finished:
             return
+        if req.guide is not None and req.guide.is_complete:
+            # the structure is finished (EOS was held back by min_tokens or ignore_eos): nothing may follow
+            req.finish("stop")
+            return
         req.output_token_ids.append(token)
         req.token_times.append(now)
         if logprob is not None:

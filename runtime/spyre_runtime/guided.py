@@ -56,6 +56,11 @@ class Guide:
             return
         llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
+    @property
+    def is_complete(self) -> bool:
+        """The structure is finished: nothing may follow it."""
+        return self.matcher.is_stopped()
+
     def accept(self, token: int) -> None:
         if self.matcher.is_stopped():
             return

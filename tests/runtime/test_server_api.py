@@ -647,3 +647,14 @@ def test_stream_chunks_conform_and_end_with_usage(server, chat):
     assert sorted(finished) == [0, 1]  # each choice finishes once
     if chat:
         assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+
+
+def test_structured_output_ends_with_its_structure_even_when_eos_is_held_back(server):
+    for extra in ({"min_tokens": 5}, {"ignore_eos": True}):
+        for temperature in (0, 1.0):
+            body = {**P, "guided_choice": ["Paris"], "max_tokens": 10, "temperature": temperature, **extra}
+            res = post(server, C, body)
+            assert res.status_code == 200, res.text
+            choice = res.json()["choices"][0]
+            assert choice["text"] == "Paris" and choice["finish_reason"] == "stop", (extra, choice)
+    assert httpx.get(server.base + "/health").status_code == 200
