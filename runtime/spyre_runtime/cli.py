@@ -152,6 +152,7 @@ def cmd_serve(args) -> int:
         from spyre_runtime.pooling_server import serve as serve_pooling
 
         api_key = getattr(args, "api_key", None) or os.environ.get("SPYRE_API_KEY")
+        check_precompiled(config)
         return serve_pooling(config, api_key=api_key)
     check_precompiled(config)
     return serve(config, api_key=args.api_key or os.environ.get("SPYRE_API_KEY") or None)
@@ -162,7 +163,6 @@ def cmd_compile(args) -> int:
     from spyre_runtime.graph_cache import warmup_with_cache
 
     config = _config(args)
-    _refuse_pooling(config, "compile")
     if not config.cache_enabled:
         raise ConfigError(
             "spyre-runtime compile needs TORCH_SENDNN_CACHE_ENABLE=1 and TORCH_SENDNN_CACHE_DIR"
@@ -170,7 +170,12 @@ def cmd_compile(args) -> int:
     if config.backend == "eager":
         raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
     configure_threads(config)
-    executor = ModelExecutor(config, compile_only=True)
+    if is_pooling_task(config.task):
+        from spyre_runtime.pooling import load_pooling_model
+
+        executor = load_pooling_model(config, compile_only=True)
+    else:
+        executor = ModelExecutor(config, compile_only=True)
     try:
         result = warmup_with_cache(executor, config)
     finally:

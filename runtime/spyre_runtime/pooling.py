@@ -13,8 +13,10 @@ right-padded to the shape's prompt length; rows beyond the batch are dummies (on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -213,6 +215,16 @@ def load_fms_encoder(model_dir: Path, spec: PoolingSpec, dtype: torch.dtype):
     return model.to(dtype).eval()
 
 
+def load_pooling_model(config: RuntimeConfig, compile_only: bool = False) -> PoolingModel:
+    """The folder's pooling model, padded with its tokenizer's pad token (a compile Job's entry point)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model_dir)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    spec = detect_pooling(config.model_dir, config.task)
+    return PoolingModel(config, spec, pad_id, compile_only=compile_only)
+
+
 def _is_encoder_key(key: str) -> bool:
     return key.startswith(("embeddings.", "encoder.", "pooler."))
 
@@ -245,7 +257,10 @@ class EncoderBatch:
 class PoolingModel:
     """One compiled forward for every warm-up shape; after warm-up a shape that would compile raises."""
 
-    def __init__(self, config: RuntimeConfig, spec: PoolingSpec, pad_id: int, model=None) -> None:
+    def __init__(
+        self, config: RuntimeConfig, spec: PoolingSpec, pad_id: int, model=None, compile_only: bool = False
+    ) -> None:
+        """`compile_only`: a precompile Job's model (sendnn's card-less backend), see graph_cache.py."""
         from spyre_runtime.executor import compiler_for, resolve_dtype
 
         self.config = config
@@ -254,7 +269,7 @@ class PoolingModel:
         self.dtype = resolve_dtype(config.dtype, config.backend, config.model_dir)
         check_shapes(config, spec)
         self.model = model if model is not None else load_fms_encoder(config.model_dir, spec, self.dtype)
-        backend = compiler_for(config.backend)
+        backend = compiler_for(config.backend, compile_only)
         self._step_fn = (
             self._forward
             if backend is None
@@ -263,6 +278,13 @@ class PoolingModel:
         self.is_warm = False
         self.shape_seconds: dict[Shape, float] = {}
         self.progress = WarmupProgress()  # shapes warmed so far, for the log, /health and a gauge
+
+    def set_env(self, values: dict[str, str]) -> None:
+        """Environment for the compiler (graph_cache.warmup_with_cache's private inductor directory)."""
+        os.environ.update(values)
+
+    def close(self) -> None:
+        pass
 
     def _forward(self, ids: torch.Tensor, type_ids: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         """[B, L] x3 -> [B, D] embeddings (pooled, normalized as the folder says) or [B] scores."""
@@ -309,9 +331,18 @@ class PoolingModel:
                 with torch.compiler.set_stance("fail_on_recompile"):
                     out = self._step_fn(batch.ids, batch.type_ids, batch.key_mask)
             else:
-                with compile_settings(self.config.backend):
+                with compile_settings(self.config.backend), self._cacheable():
                     out = self._step_fn(batch.ids, batch.type_ids, batch.key_mask)
         return out[: batch.num_rows]
+
+    def _cacheable(self):
+        """With the graph cache on, inductor must not prepack the linear layers' weights as mkldnn tensors:
+        they cannot be pickled, so the compiled graph would bypass the cache and every start compile."""
+        if self.config.backend != "inductor" or not self.config.cache_enabled:
+            return contextlib.nullcontext()
+        import torch._inductor.config as inductor_config
+
+        return inductor_config.patch({"cpp.weight_prepack": False})
 
     def warmup(self) -> float:
         """Compiles and runs every shape once."""

@@ -123,13 +123,14 @@ class PoolingState:
             from transformers import AutoTokenizer
 
             from spyre_runtime.executor import configure_threads
+            from spyre_runtime.graph_cache import warmup_with_cache
 
             configure_threads(self.config)
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_dir)
             pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
             self.model = PoolingModel(self.config, self.spec, pad_id)
-            seconds = self.model.warmup()
-            self.metrics.warmup_seconds.set(seconds)
+            warm = warmup_with_cache(self.model, self.config)  # the graph cache, when enabled
+            self.metrics.warmup_seconds.set(warm.seconds)
             self.engine = PoolingEngine(self.model, self.scheduler)
             self.engine.on_step = self._observe_step
             self.engine.start()

@@ -266,3 +266,45 @@ def test_serve_refuses_shapes_longer_than_the_model_before_binding(minilm):
         "spyre-runtime: error: SENDNN_INFERENCE_WARMUP_PROMPT_LENS: 512 is longer than the 256 tokens "
         "minilm accepts"
     )
+
+
+def test_graph_cache_compile_once_then_load_and_strict_mode(cross_encoders, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
+        "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "64",
+        "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2",
+        "TORCH_SENDNN_CACHE_ENABLE": "1",
+        "TORCH_SENDNN_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    argv = [sys.executable, "-m", "spyre_runtime.cli", "compile", str(cross_encoders["bert"])]
+
+    def compile_once() -> dict:
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    cold, warm = compile_once(), compile_once()
+    assert cold["cache"] == "miss" and cold["graphs_compiled"] >= 1
+    assert warm["cache"] == "hit" and warm["graphs_compiled"] == 0 and warm["key"] == cold["key"]
+    strict = {
+        **env,
+        "SENDNN_INFERENCE_REQUIRE_PRECOMPILED_DECODERS": "1",
+        "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "4",
+    }
+    serve = [
+        sys.executable,
+        "-m",
+        "spyre_runtime.cli",
+        "serve",
+        str(cross_encoders["bert"]),
+        "--port",
+        "17997",
+    ]
+    done = subprocess.run(serve, env=strict, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "has no entry for key inductor-" in done.stderr.strip().splitlines()[-1]
