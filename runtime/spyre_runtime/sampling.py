@@ -306,15 +306,14 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> None:
     short = cumulative[:, -1] < p[:, 0]
     threshold = values.gather(1, torch.searchsorted(cumulative, p).clamp(max=k - 1))
     if short.any():
-        threshold[short] = _mass_threshold(sub[short], p[short])
+        threshold[short] = _mass_threshold(sub[short], p[short], values[short, -1:])
     probs[rows] = sub.masked_fill(sub < threshold, 0.0)
 
 
-def _mass_threshold(probs: torch.Tensor, p: torch.Tensor, steps: int = 40) -> torch.Tensor:
-    """[R, V], [R, 1] -> [R, 1]: the largest t with sum(probs[probs >= t]) >= p, by bisection (no sort:
-    each step is one masked sum over the rows)."""
+def _mass_threshold(probs: torch.Tensor, p: torch.Tensor, hi: torch.Tensor, steps: int = 24) -> torch.Tensor:
+    """[R, V], [R, 1], [R, 1] -> [R, 1]: the largest t <= hi with sum(probs[probs >= t]) >= p, by bisection
+    to hi / 2**steps (no sort: each step is one masked sum over the rows)."""
     lo = torch.zeros_like(p)
-    hi = probs.amax(dim=-1, keepdim=True)
     for _ in range(steps):
         mid = (lo + hi) / 2
         enough = (probs * (probs >= mid)).sum(dim=-1, keepdim=True) >= p
