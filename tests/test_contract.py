@@ -153,8 +153,10 @@ def test_serve_stops_before_loading_when_the_plan_cannot_fit(tmp_path):
         "SENDNN_INFERENCE_DYNAMO_BACKEND": "sendnn",
         "SENDNN_INFERENCE_CARD_MEMORY_GIB": "0.000001",
     }
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
     res = subprocess.run(
-        [sys.executable, "-m", "spyre_runtime.cli", "serve", str(model)],
+        [sys.executable, "-m", "spyre_runtime.cli", "generate", str(model), "--prompts", str(prompts)],
         env=env,
         capture_output=True,
         text=True,

@@ -168,7 +168,7 @@ def test_embedding_example_answers_the_openai_client_through_its_service(stack):
     from tests.conftest import REPO
 
     folder = prepare_minilm(Path.home() / ".cache/spyre-serve/models/minilm")
-    target = stack.create_models_claim(NS) / "minilm"
+    target = stack.model_claim_dir(NS, "models") / "minilm"
     if not target.exists():
         shutil.copytree(folder, target)
     manifest = yaml.safe_load((REPO / "examples/embedding.yaml").read_text())

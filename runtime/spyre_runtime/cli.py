@@ -135,7 +135,6 @@ def _config(args):
         from spyre_runtime.workers import check_tensor_parallel
 
         check_tensor_parallel(config)
-        check_memory(config)  # before anything loads or compiles
     for name, value in check_known_configuration(config).env.items():
         os.environ.setdefault(name, value)  # the registry's per-configuration overrides
     return config
@@ -155,6 +154,7 @@ def cmd_serve(args) -> int:
         check_precompiled(config)
         return serve_pooling(config, api_key=api_key)
     check_precompiled(config)
+    check_memory(config)  # after the one-line checks, before anything loads or compiles
     return serve(config, api_key=args.api_key or os.environ.get("SPYRE_API_KEY") or None)
 
 
@@ -169,6 +169,8 @@ def cmd_compile(args) -> int:
         )
     if config.backend == "eager":
         raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
+    if not is_pooling_task(config.task):
+        check_memory(config)
     configure_threads(config)
     if is_pooling_task(config.task):
         from spyre_runtime.pooling import load_pooling_model
@@ -201,6 +203,7 @@ def cmd_generate(args) -> int:
     config = _config(args)
     _refuse_pooling(config, "generate")
     check_precompiled(config)
+    check_memory(config)
     rows = []
     for number, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
         if not line.strip():

@@ -168,13 +168,6 @@ def load_config(
         cache_dir=Path(settings.cache_dir) if settings.cache_dir else None,
         perf_metric_logging_dir=Path(settings.perf_metric_logging_dir),
     )
-    if config.use_cb:  # the expanded menu, once
-        logging.getLogger(__name__).info(
-            "continuous batching menu: prefill chunks %s, decode batch sizes %s, KV lengths %s",
-            list(config.chunk_buckets),
-            list(config.batch_buckets),
-            list(config.kv_buckets),
-        )
     return config
 
 
@@ -233,6 +226,13 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
         capacity, where = int(card_gib * GIB), "card"
     else:
         capacity, where = host_memory_bytes() // max(1, config.tensor_parallel_size), "host"
+    if config.use_cb:  # the expanded menu, once
+        logging.getLogger(__name__).info(
+            "continuous batching menu: prefill chunks %s, decode batch sizes %s, KV lengths %s",
+            list(config.chunk_buckets),
+            list(config.batch_buckets),
+            list(config.kv_buckets),
+        )
     plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4))
     logging.getLogger(__name__).info(
         "memory plan (%s, tensor parallel %d):\n%s", dtype, config.tensor_parallel_size, plan.table()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -150,7 +151,8 @@ def ns(kube, crd):
     core.delete_namespace(name)
     for pv in core.list_persistent_volume(label_selector="spyre-serve.io/test-provisioner=true").items:
         if pv.spec.claim_ref and pv.spec.claim_ref.namespace == name:
-            core.delete_persistent_volume(pv.metadata.name)
+            with contextlib.suppress(client.ApiException):  # the reclaim policy may have removed it already
+                core.delete_persistent_volume(pv.metadata.name)
 
 
 class Namespace:
