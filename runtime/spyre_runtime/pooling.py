@@ -13,7 +13,6 @@ right-padded to the shape's prompt length; rows beyond the batch are dummies (on
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -331,18 +330,9 @@ class PoolingModel:
                 with torch.compiler.set_stance("fail_on_recompile"):
                     out = self._step_fn(batch.ids, batch.type_ids, batch.key_mask)
             else:
-                with compile_settings(self.config.backend), self._cacheable():
+                with compile_settings(self.config.backend, self.config.cache_enabled):
                     out = self._step_fn(batch.ids, batch.type_ids, batch.key_mask)
         return out[: batch.num_rows]
-
-    def _cacheable(self):
-        """With the graph cache on, inductor must not prepack the linear layers' weights as mkldnn tensors:
-        they cannot be pickled, so the compiled graph would bypass the cache and every start compile."""
-        if self.config.backend != "inductor" or not self.config.cache_enabled:
-            return contextlib.nullcontext()
-        import torch._inductor.config as inductor_config
-
-        return inductor_config.patch({"cpp.weight_prepack": False})
 
     def warmup(self) -> float:
         """Compiles and runs every shape once."""
