@@ -387,8 +387,11 @@ class ModelExecutor:
         cfg = self.config
         graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) if cfg.use_cb else 2 * len(cfg.shapes)
         self.progress.start(graphs)
+        # The limits count every compiled entry of `_forward`'s code object in the process, earlier executors'
+        # included (with frozen graphs they stay: a second executor's warmup hit a limit of 8), so a process
+        # that builds several executors (tests) needs room beyond this one's graphs. Serving never compiles.
         with torch._dynamo.config.patch(
-            recompile_limit=max(8, graphs + 2), accumulated_recompile_limit=max(256, graphs * 2)
+            recompile_limit=graphs + 1024, accumulated_recompile_limit=graphs + 4096
         ):
             if cfg.use_cb:
                 self._warm_continuous()
