@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import secrets
 import threading
 import time
 import uuid
@@ -27,7 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.metrics import Metrics
@@ -41,32 +40,13 @@ from spyre_runtime.pooling import (
     detect_pooling,
     shapes_str,
 )
+from spyre_runtime.protocol import APIError, _Strict, bad_request, error_body, install_guards
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
-MAX_BODY_BYTES = 8 * 1024 * 1024
 MAX_INPUTS = 2048  # inputs (or pairs, or documents) in one request, as OpenAI's embeddings API
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-
-def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def bad_request(param: str, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}", param)
-
-
 # ---- request schemas ------------------------------------------------------------------------------
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class _Common(_Strict):
@@ -280,27 +260,7 @@ def create_app(state: PoolingState) -> FastAPI:
     app = FastAPI(title="spyre-serve pooling runtime", lifespan=lifespan)
     config = state.config
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if state.api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                body = error_body(
-                    "invalid or missing API key", "authentication_error", code="invalid_api_key"
-                )
-                return JSONResponse(body, status_code=401)
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
-            return JSONResponse(error_body(message, "invalid_request_error"), status_code=413)
-        return await call_next(request)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        kind = "invalid_request_error" if e.status < 500 else "server_error"
-        if e.status == 503:
-            kind = "service_unavailable"
-        return JSONResponse(error_body(e.message, kind, e.param, e.code), status_code=e.status)
+    install_guards(app, lambda: state.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):

@@ -61,6 +61,42 @@ def bad_request(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param)
 
 
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
+
+
+def install_guards(app, api_key) -> None:
+    """What both servers (decoders, pooling models) do before and around every route: the API key (Bearer)
+    on everything but /health and /metrics, bodies of bounded size, APIError as an OpenAI error body.
+    `api_key()` gives the key (None: open)."""
+    import secrets
+
+    from fastapi import Request
+    from fastapi.responses import JSONResponse
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        key = api_key()
+        if key and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                body = error_body(
+                    "invalid or missing API key", "authentication_error", code="invalid_api_key"
+                )
+                return JSONResponse(body, status_code=401)
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+            return JSONResponse(error_body(message, "invalid_request_error"), status_code=413)
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError):
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        if e.status == 503:
+            kind = "service_unavailable"
+        return JSONResponse(error_body(e.message, kind, e.param, e.code), status_code=e.status)
+
+
 # ---- request schemas -------------------------------------------------------------------------------
 
 

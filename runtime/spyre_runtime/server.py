@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import signal
 import threading
 import time
@@ -35,7 +34,6 @@ from spyre_runtime.graph_cache import warmup_with_cache
 from spyre_runtime.guided import GuideCompiler
 from spyre_runtime.metrics import Metrics
 from spyre_runtime.protocol import (
-    MAX_BODY_BYTES,
     APIError,
     ChatCompletionRequest,
     Choice,
@@ -47,12 +45,12 @@ from spyre_runtime.protocol import (
     bad_request,
     error_body,
     extra_field_message,
+    install_guards,
     param_of,
 )
 from spyre_runtime.sampling import TokenLogprob
 
 log = logging.getLogger(__name__)
-OPEN_PATHS = frozenset({"/health", "/metrics"})  # reachable without the API key
 DEAD_ENGINE_EXIT_DELAY = 5.0  # seconds for in-flight requests to receive their error before exiting
 
 
@@ -278,28 +276,7 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="spyre-serve runtime", lifespan=lifespan)
     config = state.config
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """API key (Bearer) on everything but /health and /metrics; bodies of bounded size."""
-        if state.api_key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {state.api_key}".encode()):
-                body = error_body(
-                    "invalid or missing API key", "authentication_error", code="invalid_api_key"
-                )
-                return JSONResponse(body, status_code=401)
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
-            return JSONResponse(error_body(message, "invalid_request_error"), status_code=413)
-        return await call_next(request)
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, e: APIError):
-        kind = "invalid_request_error" if e.status < 500 else "server_error"
-        if e.status == 503:
-            kind = "service_unavailable"
-        return JSONResponse(error_body(e.message, kind, e.param, e.code), status_code=e.status)
+    install_guards(app, lambda: state.api_key)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError):
