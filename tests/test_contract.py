@@ -4,6 +4,7 @@ flags. The runtime reads its settings with these rules and the operator checks p
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -165,3 +166,29 @@ def test_serve_stops_before_loading_when_the_plan_cannot_fit(tmp_path):
     assert res.returncode == 2, res.stderr
     errors = [line for line in res.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "the memory plan does not fit" in errors[0]
+
+
+def test_memory_utilization_sizes_the_kv_cache_from_the_memory_left(tmp_path, caplog):
+    import json
+
+    from spyre_runtime.config import check_memory, load_config
+
+    (tmp_path / "config.json").write_text(json.dumps({**SMOLLM2, "torch_dtype": "float32"}))
+    env = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "sendnn", "SENDNN_INFERENCE_USE_CB": "1"}
+    config = load_config(tmp_path, env, max_num_seqs=4, max_model_len=256, dtype="float32")
+    caplog.set_level(logging.INFO)
+    sized = check_memory(
+        dataclasses.replace(config, memory_utilization=0.5), {"SENDNN_INFERENCE_CARD_MEMORY_GIB": "2"}
+    )
+    # 1 GiB of a 2 GiB card, less 0.50 GiB of weights: ~0.5 GiB of 64-token blocks of 30 layers x 3 KV heads
+    per_block = 64 * 2 * 30 * 3 * 64 * 4
+    assert (
+        abs(sized.num_kv_blocks - (0.5 * 2**31 - 134_515_008 * 4) // per_block) < 0.03 * sized.num_kv_blocks
+    )
+    assert sized.num_kv_blocks > config.cb_num_blocks
+    assert any("KV cache blocks" in r.getMessage() for r in caplog.records)
+    fixed = dataclasses.replace(config, memory_utilization=0.5, num_kv_blocks=9)
+    assert check_memory(fixed, {"SENDNN_INFERENCE_CARD_MEMORY_GIB": "2"}).num_kv_blocks == 9
+    assert (
+        check_memory(config, {"SENDNN_INFERENCE_CARD_MEMORY_GIB": "2"}).num_kv_blocks == 0
+    )  # off by default

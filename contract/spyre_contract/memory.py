@@ -163,3 +163,10 @@ def host_memory_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def kv_blocks_for(plan: MemoryPlan, utilization: float, bytes_per_block: int, minimum: int) -> int:
+    """vLLM's gpu_memory_utilization idea: the KV blocks that fit in `utilization` of the memory once the
+    weights and the largest activation are placed (never fewer than `minimum`, which holds one sequence)."""
+    room = utilization * plan.capacity - plan.weights - plan.activations
+    return max(minimum, int(room // max(1, bytes_per_block)))

@@ -5,6 +5,7 @@ Bad settings stop start-up with one readable line and exit code 2 (no traceback)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +26,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be positive")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} must be in (0, 1]")
     return value
 
 
@@ -65,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
             choices=["auto", "generate", "embed", "score", "rerank"],
             help="what the model serves (default auto: from the model folder); embed, score and rerank "
             "serve a pooling model (/v1/embeddings, /score, /rerank)",
+        )
+        p.add_argument(
+            "--memory-utilization",
+            type=_fraction,
+            default=None,
+            help="continuous batching without --num-kv-blocks: size the KV cache to fill this share of the "
+            "card's (or host's) memory after the weights and activations, e.g. 0.9",
+        )
+        p.add_argument(
+            "--skip-warmup",
+            action="store_true",
+            help="development only: compile each shape on first use instead of at start-up",
         )
         p.add_argument(
             "--dtype",
@@ -135,6 +158,11 @@ def _config(args):
         from spyre_runtime.workers import check_tensor_parallel
 
         check_tensor_parallel(config)
+    config = dataclasses.replace(
+        config,
+        memory_utilization=getattr(args, "memory_utilization", None) or 0.0,
+        skip_warmup=bool(getattr(args, "skip_warmup", False)),
+    )
     for name, value in check_known_configuration(config).env.items():
         os.environ.setdefault(name, value)  # the registry's per-configuration overrides
     return config
@@ -154,7 +182,7 @@ def cmd_serve(args) -> int:
         check_precompiled(config)
         return serve_pooling(config, api_key=api_key)
     check_precompiled(config)
-    check_memory(config)  # after the one-line checks, before anything loads or compiles
+    config = check_memory(config)  # after the one-line checks, before anything loads or compiles
     return serve(config, api_key=args.api_key or os.environ.get("SPYRE_API_KEY") or None)
 
 
@@ -170,7 +198,7 @@ def cmd_compile(args) -> int:
     if config.backend == "eager":
         raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
     if not is_pooling_task(config.task):
-        check_memory(config)
+        config = check_memory(config)
     configure_threads(config)
     if is_pooling_task(config.task):
         from spyre_runtime.pooling import load_pooling_model
@@ -203,7 +231,7 @@ def cmd_generate(args) -> int:
     config = _config(args)
     _refuse_pooling(config, "generate")
     check_precompiled(config)
-    check_memory(config)
+    config = check_memory(config)
     rows = []
     for number, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
         if not line.strip():

@@ -4,6 +4,7 @@ environment. Every problem raises ConfigError naming the variable (or flag) and 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from collections.abc import Mapping
@@ -33,9 +34,9 @@ from spyre_contract.memory import (
     DEFAULT_CARD_MEMORY_GIB,
     DTYPE_BYTES,
     GIB,
-    MemoryPlan,
     ModelDims,
     host_memory_bytes,
+    kv_blocks_for,
     plan_memory,
 )
 from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
@@ -69,6 +70,10 @@ class RuntimeConfig:
     task: str = "generate"  # generate | embed | score | rerank (pooling tasks: pooling_server.py)
     backend: str = "sendnn"
     dtype: str = "auto"  # auto: the checkpoint's dtype on CPU backends, float16 for sendnn (executor.py)
+    memory_utilization: float = (
+        0.0  # continuous batching: size the KV cache from this share of memory (0: off)
+    )
+    skip_warmup: bool = False  # development: compile on first use instead of at start-up
     use_cb: bool = False
     shapes: tuple[Shape, ...] = (Shape(64, 20, 1),)
     max_model_len: int = 84
@@ -203,10 +208,12 @@ def check_known_configuration(config: RuntimeConfig, environ: Mapping[str, str] 
     return verdict
 
 
-def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None) -> MemoryPlan:
+def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
     """The memory plan before anything compiles: logged as a table, a warning above 90 %, a ConfigError
-    naming the largest consumer when it cannot fit. Card memory for sendnn
-    (SENDNN_INFERENCE_CARD_MEMORY_GIB, default 128), the cgroup limit or RAM (shared by the ranks) on CPU."""
+    naming the largest consumer when it cannot fit; with --memory-utilization and no --num-kv-blocks, the
+    KV cache is sized from the memory left (the config returned carries the block count). Card memory for
+    sendnn (SENDNN_INFERENCE_CARD_MEMORY_GIB, default 128), the cgroup limit or RAM (shared by the ranks)
+    on CPU."""
     import json
 
     env = Env(environ)
@@ -239,8 +246,21 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     )
     if not plan.fits:
         raise ConfigError(plan.refusal())
+    if config.use_cb and config.memory_utilization and not config.num_kv_blocks:
+        per_block = PROMPT_LEN_MULTIPLE * 2 * dims.layers * dims.kv_heads * dims.head_dim
+        per_block = per_block * DTYPE_BYTES.get(dtype, 4) // max(1, config.tensor_parallel_size)
+        blocks = kv_blocks_for(plan, config.memory_utilization, per_block, config.min_kv_blocks)
+        logging.getLogger(__name__).info(
+            "--memory-utilization=%.2f: %d KV cache blocks of %d tokens (%.2f GiB)",
+            config.memory_utilization,
+            blocks,
+            PROMPT_LEN_MULTIPLE,
+            blocks * per_block / GIB,
+        )
+        config = dataclasses.replace(config, num_kv_blocks=blocks)
+        plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4))
     if plan.is_tight:
         logging.getLogger(__name__).warning(
             "the memory plan uses %.0f%% of %s memory", 100 * plan.total / plan.capacity, where
         )
-    return plan
+    return config

@@ -385,6 +385,10 @@ class ModelExecutor:
         every chunk bucket and (batch, KV length) decode bucket of continuous batching."""
         t_all = time.monotonic()
         cfg = self.config
+        if cfg.skip_warmup:  # development only (the operator never sets it)
+            log.warning("warm-up skipped (--skip-warmup): every shape compiles on first use, while serving")
+            self.warmup_seconds = 0.0
+            return 0.0
         graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) if cfg.use_cb else 2 * len(cfg.shapes)
         self.progress.start(graphs)
         # The limits count every compiled entry of `_forward`'s code object in the process, earlier executors'

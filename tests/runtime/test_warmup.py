@@ -57,3 +57,22 @@ def test_health_and_log_show_warmup_progress_while_the_server_starts(tiny_model,
         assert "[Warmup][Decode][4/4] batch_size:1 seq_len:128 new_tokens:8 took" in log and "ETA 0 s" in log
     finally:
         server.stop()
+
+
+def test_skip_warmup_compiles_on_first_use_and_says_so(tiny_model, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello", "max_tokens": 4}) + "\n")
+    env = {**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"}
+    argv = [sys.executable, "-m", "spyre_runtime.cli", "generate", str(tiny_model), "--prompts", str(prompts)]
+    res = subprocess.run([*argv, "--skip-warmup"], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "warm-up skipped (--skip-warmup)" in res.stderr and "[Warmup]" not in res.stderr
+    assert len(res.stdout.splitlines()) == 1
+    warmed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert warmed.returncode == 0 and "[Warmup][Decode][2/2]" in warmed.stderr
+    assert json.loads(warmed.stdout)["text"] == json.loads(res.stdout)["text"]
