@@ -49,6 +49,15 @@ def compiler_for(backend: str, compile_only: bool = False):
     return backend
 
 
+def compile_step(fn, backend_name: str, compile_only: bool = False):
+    """The compiled hot step (static shapes); eager returns `fn` itself. fullgraph: a graph break would
+    split the forward and run Python between its pieces; it fails instead."""
+    backend = compiler_for(backend_name, compile_only)
+    if backend is None:
+        return fn
+    return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
+
+
 def compile_settings(backend: str, cache_enabled: bool = False):
     """Inductor settings while a graph is traced and compiled (warmup): `freezing` turns the weights into
     constants, folded and prepacked for oneDNN (2-3x faster small-batch GEMMs on CPU). It must be on while
@@ -171,13 +180,7 @@ class ModelExecutor:
         self.kv = KVCachePool(
             self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=self.dtype
         )
-        backend = compiler_for(config.backend, compile_only)
-        # fullgraph: a graph break would split the forward and run Python between its pieces; it fails
-        self._step_fn = (
-            self._forward
-            if backend is None
-            else torch.compile(self._forward, backend=backend, dynamic=False, fullgraph=True)
-        )
+        self._step_fn = compile_step(self._forward, config.backend, compile_only)
         self.is_warm = False
         self.warmup_seconds: float | None = None
         self.shape_seconds: dict[Shape, float] = {}

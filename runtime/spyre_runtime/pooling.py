@@ -260,7 +260,7 @@ class PoolingModel:
         self, config: RuntimeConfig, spec: PoolingSpec, pad_id: int, model=None, compile_only: bool = False
     ) -> None:
         """`compile_only`: a precompile Job's model (sendnn's card-less backend), see graph_cache.py."""
-        from spyre_runtime.executor import compiler_for, resolve_dtype
+        from spyre_runtime.executor import compile_step, resolve_dtype
 
         self.config = config
         self.spec = spec
@@ -268,12 +268,7 @@ class PoolingModel:
         self.dtype = resolve_dtype(config.dtype, config.backend, config.model_dir)
         check_shapes(config, spec)
         self.model = model if model is not None else load_fms_encoder(config.model_dir, spec, self.dtype)
-        backend = compiler_for(config.backend, compile_only)
-        self._step_fn = (
-            self._forward
-            if backend is None
-            else torch.compile(self._forward, backend=backend, dynamic=False, fullgraph=True)
-        )
+        self._step_fn = compile_step(self._forward, config.backend, compile_only)
         self.is_warm = False
         self.shape_seconds: dict[Shape, float] = {}
         self.progress = WarmupProgress()  # shapes warmed so far, for the log, /health and a gauge
