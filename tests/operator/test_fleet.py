@@ -13,7 +13,6 @@ from tests.cluster.controlplane import register_nodes, spyre_nodes
 from tests.conftest import REPO, kubectl, wait_for
 from tests.operator.conftest import OperatorProcess
 from tests.operator.test_reconcile import hashes, spec
-from tests.operator.test_unkind import ready_pods
 
 pytestmark = pytest.mark.cluster
 
@@ -182,21 +181,34 @@ def test_operator_settings_roll_out_across_models_a_few_at_a_time(operator, ns, 
     most = 0
     try:
 
-        def rolling() -> int:
-            n = 0
-            for name in names:
-                current = hashes(ns, name)
-                if any(h != old[name] for h in current) and not (
-                    len(current) == 1 and current[0] != old[name] and ready_pods(ns, name) == 1
-                ):
-                    n += 1
-            return n
+        def snapshot() -> dict[str, list[tuple[str, bool]]]:
+            """(template hash, Ready) of every live pod per model, from one LIST: one instant of the
+            cluster, so a model that finished is never counted beside one that started after it."""
+            pods = ns.core.list_namespaced_pod(ns.name).items
+            out: dict[str, list[tuple[str, bool]]] = {name: [] for name in names}
+            for p in pods:
+                model = (p.metadata.labels or {}).get("spyre-serve.io/model")
+                if model in out and not p.metadata.deletion_timestamp:
+                    ready = any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
+                    out[model].append((p.metadata.labels["spyre-serve.io/template-hash"], ready))
+            return out
+
+        def rolling(now) -> int:
+            return sum(
+                any(h != old[name] for h, _ in pods) and not (len(pods) == 1 and pods[0][1])
+                for name, pods in now.items()
+            )
 
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
-            most = max(most, rolling())
-            done = [n for n in names[:-1] if hashes(ns, n) != [old[n]] and ready_pods(ns, n) == 1]
-            if len(done) == len(names) - 1 and len(ns.pods(names[-1])) == 1:
+            now = snapshot()
+            most = max(most, rolling(now))
+            done = [
+                n
+                for n in names[:-1]
+                if len(now[n]) == 1 and now[n][0][0] != old[n] and now[n][0][1]
+            ]
+            if len(done) == len(names) - 1 and len(now[names[-1]]) == 1:
                 break
             time.sleep(0.3)
         else:
