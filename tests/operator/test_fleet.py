@@ -203,11 +203,7 @@ def test_operator_settings_roll_out_across_models_a_few_at_a_time(operator, ns, 
         while time.monotonic() < deadline:
             now = snapshot()
             most = max(most, rolling(now))
-            done = [
-                n
-                for n in names[:-1]
-                if len(now[n]) == 1 and now[n][0][0] != old[n] and now[n][0][1]
-            ]
+            done = [n for n in names[:-1] if len(now[n]) == 1 and now[n][0][0] != old[n] and now[n][0][1]]
             if len(done) == len(names) - 1 and len(now[names[-1]]) == 1:
                 break
             time.sleep(0.3)
