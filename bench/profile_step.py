@@ -5,7 +5,9 @@ through the runtime's own ModelExecutor on SmolLM2 (inductor). A script with a r
                                            [--iters 20] [--trace DIR] [--out bench/results-profile.json]
 
 Prints the median time of the compiled forward and of the whole executor step (inputs built, forward,
-sampling), and torch.profiler's top operators for both. `--trace DIR` also keeps inductor's output code
+sampling), and torch.profiler's top operators for both. The chunk runs as a mixed step (the chunk and the
+decode rows in one forward, as serving runs it). `--no-prepack`: frozen weights not prepacked (what the
+graph cache implies). `--trace DIR` also keeps inductor's output code
 (TORCH_COMPILE_DEBUG-style) under DIR.
 """
 
@@ -56,8 +58,13 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument(
+        "--no-prepack", action="store_true", help="frozen weights left unpacked (as with the graph cache)"
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    import dataclasses
+
     from spyre_runtime.cb_scheduler import ContinuousStep, DecodeRow, PrefillChunk
     from spyre_runtime.config import load_config
     from spyre_runtime.executor import ModelExecutor
@@ -76,6 +83,7 @@ def main() -> int:
         max_model_len=args.kv,
         max_num_batched_tokens=args.chunk,
     )
+    cfg = dataclasses.replace(cfg, cache_enabled=args.no_prepack)  # compile_settings: no prepack with a cache
     t0 = time.perf_counter()
     ex = ModelExecutor(cfg)
     load_s = time.perf_counter() - t0
@@ -93,7 +101,9 @@ def main() -> int:
     decode = ContinuousStep(batch_size=args.batch, kv_len=args.kv, decode=rows)
     chunk = PrefillChunk(None, tuple(range(1, args.chunk + 1)), 0, args.chunk, tuple(range(1, 1 + nb)), True)
     decode_args = ex.batch_decode_inputs(decode)
-    chunk_args = ex.chunk_inputs(chunk, ex.prefill_kv_len)
+    # chunks run beside the decode rows (mixed steps, SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default)
+    mixed = dataclasses.replace(decode, prefill=chunk, mixed=True)
+    chunk_args = ex.mixed_inputs(mixed, ex.prefill_kv_len)
     res = {
         "config": vars(args) | {"out": None},
         "load_s": load_s,
@@ -101,7 +111,7 @@ def main() -> int:
         "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters),
         "decode_inputs_ms": timed(lambda: ex.batch_decode_inputs(decode), args.iters),
         "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4)),
-        "chunk_inputs_ms": timed(lambda: ex.chunk_inputs(chunk, ex.prefill_kv_len), args.iters),
+        "chunk_inputs_ms": timed(lambda: ex.mixed_inputs(mixed, ex.prefill_kv_len), args.iters),
         "decode_top_ops": top_ops(lambda: ex.run_local(*decode_args)),
         "chunk_top_ops": top_ops(lambda: ex.run_local(*chunk_args)),
         "threads": torch.get_num_threads(),

@@ -8,23 +8,22 @@ sampled tokens; `update(step)` returns the requests that finished and left.
        │ preempted (blocks freed, re-prefilled later: prompt + output so far)  ▼
        └───────────────────────────────────────────────────────────────── running ──finished──► freed
 
-A step is either one prefill chunk of one request, or one decode step of every running request:
+A step is a decode of every running request, a prefill chunk of one request, or both at once:
 - Chunks hold at most `max_num_batched_tokens` tokens and run at the smallest chunk bucket that fits.
-- Prefills go first: a waiting request is admitted as soon as a sequence slot and blocks are free, so the
-  decode batch fills up. With `interleave` (SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1) a decode step runs
-  between two chunks of one prompt: running requests keep streaming while a long prompt arrives. Without
-  it, all chunks of a prompt run back to back.
-- A decode step runs at the smallest (batch, KV length) bucket holding every running request.
-- When a running request needs a new block and none is free, the most recently admitted running request is
-  preempted (recompute): its blocks are freed, its whole prompt + output is prefilled again when it is
-  re-admitted (its prompt blocks usually still hit the prefix cache). A request still in prefill is the
-  first victim. No request is lost.
+- Prefills are not held back: a waiting request is admitted as soon as a sequence slot and blocks are free,
+  so the decode batch fills up. With `interleave` (SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default) a
+  chunk and the decode of every running request run as one mixed step (vLLM's chunked prefill): the running
+  requests keep streaming while a prompt arrives, and the decode rows ride through the chunk's GEMMs instead
+  of reading the weights again. Without it, all chunks of a prompt run alone, back to back.
+- A decode step runs at the smallest (batch, KV length) bucket holding every running request; a mixed step
+  at the largest batch bucket (one graph per chunk bucket).
 Invariants: at most `max_num_seqs` requests hold blocks; prompt + max_tokens <= max_model_len for every
 admitted request, and the pool holds one such sequence, so the oldest running request always progresses.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -61,16 +60,18 @@ class ContinuousStep:
     batch_size: int = 1  # decode bucket
     kv_len: int = 0  # decode bucket
 
+    mixed: bool = False  # the chunk and the decode rows run as one forward
+
     @property
     def is_prefill(self) -> bool:
         return self.prefill is not None
 
     @property
     def requests(self) -> tuple[Request, ...]:
-        """The requests that receive a sampled token from this step, in row order."""
-        if self.prefill is not None:
-            return (self.prefill.request,) if self.prefill.is_last else ()
-        return tuple(row.request for row in self.decode)
+        """The requests that receive a sampled token from this step, in row order: the decode rows, then
+        the prefilled request when its chunk ends its prompt."""
+        done = (self.prefill.request,) if self.prefill is not None and self.prefill.is_last else ()
+        return tuple(row.request for row in self.decode) + done
 
     @property
     def scheduled(self) -> tuple[Request, ...]:
@@ -79,13 +80,16 @@ class ContinuousStep:
 
     @property
     def occupancy(self) -> float:
-        if self.prefill is not None:
-            return len(self.prefill.token_ids) / self.prefill.chunk_size
-        return len(self.decode) / self.batch_size
+        """Live tokens / tokens the step's graph computes."""
+        chunk = (len(self.prefill.token_ids), self.prefill.chunk_size) if self.prefill is not None else (0, 0)
+        decode = (
+            (len(self.decode), self.batch_size) if self.decode or self.mixed or not self.prefill else (0, 0)
+        )
+        return (chunk[0] + decode[0]) / max(1, chunk[1] + decode[1])
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prefill.token_ids) if self.prefill is not None else len(self.decode)
+        return (len(self.prefill.token_ids) if self.prefill is not None else 0) + len(self.decode)
 
 
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -105,7 +109,6 @@ class ContinuousScheduler:
         self.waiting: deque[Request] = deque()
         self.prefilling: Request | None = None
         self.running: list[Request] = []  # in admission order
-        self._last_was_prefill = False
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, in all
 
@@ -155,14 +158,24 @@ class ContinuousScheduler:
     # ---- steps -----------------------------------------------------------------------------------
 
     def schedule(self) -> ContinuousStep | None:
-        step = None
-        mid_prompt = self.prefilling is not None and self.prefilling.num_computed_tokens > 0
-        if not (self.interleave and mid_prompt and self._last_was_prefill and self.running):
-            step = self._prefill_step()
-        if step is None:
-            step = self._decode_step() or self._prefill_step()  # (the latter: every decoder was preempted)
-        self._last_was_prefill = step is not None and step.is_prefill
-        return step
+        if self.interleave:
+            return self._mixed_step()
+        return self._prefill_step() or self._decode_step() or self._prefill_step()
+        # (the last: every decoder was preempted)
+
+    def _mixed_step(self) -> ContinuousStep | None:
+        """The decode of every running request and the next chunk of the prompt being prefilled, as one
+        step. The decode rows take their blocks first (a preemption may end the prefill: its request is
+        then the first to be admitted again)."""
+        decode = self._decode_step()
+        if self.prefilling is None:
+            self._admit()
+        if self.prefilling is None:
+            return decode
+        chunk = self._next_chunk(self.prefilling)
+        if decode is None:
+            return ContinuousStep(prefill=chunk, batch_size=max(self.batch_buckets), mixed=True)
+        return dataclasses.replace(decode, prefill=chunk, batch_size=max(self.batch_buckets), mixed=True)
 
     def _prefill_step(self) -> ContinuousStep | None:
         if self.prefilling is None:
@@ -247,9 +260,8 @@ class ContinuousScheduler:
             if step.prefill.is_last:
                 self.prefilling = None
                 self.running.append(req)
-        else:
-            for row in step.decode:
-                row.request.num_computed_tokens = row.position + 1
+        for row in step.decode:
+            row.request.num_computed_tokens = row.position + 1
         for req in step.requests:
             if req.is_finished and req in self.running:
                 self._release(req)

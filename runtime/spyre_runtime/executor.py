@@ -205,8 +205,13 @@ class ModelExecutor:
         block_table=None,
         slab_start=None,
         whole_cache=False,
+        mixed=0,
+        ctx_slots=None,
+        decode_mask=None,
     ):
         # input_ids, position_ids, slot_mapping: [B, L]; mask: [B, L, K]; block_table: [B, nb] -> [B, V]
+        # mixed = C: one row of C chunk tokens and B decode tokens -> [B + 1, V] (the chunk's last token, then
+        # the decode rows); see kv_cache.py
         kwargs = {"mask": mask, "slot_mapping": slot_mapping}
         if block_table is not None:
             kwargs["block_table"] = block_table
@@ -214,16 +219,19 @@ class ModelExecutor:
             kwargs["slab_start"] = slab_start
         if whole_cache:
             kwargs["whole_cache"] = True
+        if mixed:
+            kwargs.update(mixed=mixed, ctx_slots=ctx_slots, decode_mask=decode_mask)
+        last = input_ids.shape[1] - mixed + 1 if mixed else 1
         logits, _ = self.model(
             input_ids,
             position_ids=position_ids,
             past_key_value_states=self.kv.layers,
             use_cache=True,
-            last_n_tokens=1,
+            last_n_tokens=last,
             attn_name=kv_cache.ATTN_NAME,
             **kwargs,
         )
-        return logits[:, -1, :]
+        return logits[0] if mixed else logits[:, -1, :]
 
     def _run(self, *args) -> torch.Tensor:
         if self.workers is not None:
@@ -367,8 +375,33 @@ class ModelExecutor:
             slots[:n, 0] = flat.gather(1, position[:, None])[:, 0]
         return ids, pos, mask, slots, None, None, True
 
+    def mixed_inputs(self, step: ContinuousStep, kv_len: int):
+        """One row: the chunk (left-padded to its bucket) then `batch_size` decode tokens. The chunk attends
+        to its request's first `kv_len` flat slots (`ctx_slots`, gathered); the decode tokens read the whole
+        cache (kv_cache.py)."""
+        c_ids, c_pos, c_mask, c_slots, table = self.chunk_inputs(step.prefill, kv_len)
+        d_ids, d_pos, d_mask, d_slots, *_ = self.batch_decode_inputs(step)
+        logical = torch.arange(kv_len)
+        ctx_slots = table[0, logical // BLOCK_SIZE] * BLOCK_SIZE + logical % BLOCK_SIZE
+        return (
+            torch.cat([c_ids, d_ids.view(1, -1)], dim=1),
+            torch.cat([c_pos, d_pos.view(1, -1)], dim=1),
+            c_mask,
+            torch.cat([c_slots, d_slots.view(1, -1)], dim=1),
+            None,
+            None,
+            False,
+            step.prefill.chunk_size,
+            ctx_slots,
+            d_mask,
+        )
+
     def execute_continuous(self, step: ContinuousStep) -> SamplerOutput:
-        if step.prefill is not None:
+        if step.mixed:
+            logits = self._run(*self.mixed_inputs(step, self.prefill_kv_len))  # [chunk's last, decode rows]
+            rows = list(range(1, 1 + len(step.decode))) + ([0] if step.prefill.is_last else [])
+            logits = logits[rows]
+        elif step.prefill is not None:
             logits = self._run(*self.chunk_inputs(step.prefill, self.prefill_kv_len))
         else:
             logits = self._run(*self.batch_decode_inputs(step))
@@ -430,11 +463,17 @@ class ModelExecutor:
         """Dummy steps on the scratch block only: nothing a request owns is written."""
         cfg = self.config
         kv_max = self.prefill_kv_len
+        rows = max(cfg.batch_buckets)
         for size in cfg.chunk_buckets:
             t0 = time.monotonic()
             chunk = PrefillChunk(None, (1,) * size, 0, size, (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE), True)
-            self._run(*self.chunk_inputs(chunk, kv_max))
-            self.progress.step("Prefill", f"chunk:{size} kv_len:{kv_max}", time.monotonic() - t0)
+            if cfg.cp_interleave_steps:  # chunks run as mixed steps, beside the decode of `rows` requests
+                self._run(*self.mixed_inputs(ContinuousStep(chunk, batch_size=rows, mixed=True), kv_max))
+                what = f"chunk:{size} decode_rows:{rows} kv_len:{kv_max}"
+            else:
+                self._run(*self.chunk_inputs(chunk, kv_max))
+                what = f"chunk:{size} kv_len:{kv_max}"
+            self.progress.step("Prefill", what, time.monotonic() - t0)
         for batch in cfg.batch_buckets:  # decode reads the whole cache: one graph per batch bucket
             t0 = time.monotonic()
             self._run(*self.batch_decode_inputs(ContinuousStep(batch_size=batch, kv_len=kv_max)))

@@ -13,6 +13,11 @@ attention kwargs are fixed-shape tensors:
                           cache in place, K = num_blocks * BLOCK_SIZE, and `mask` [B, 1, K] marks the
                           flat slots of the row's own tokens. Nothing is gathered or copied: a decode step
                           reads the cache once, whatever the rows' lengths and blocks
+    mixed        int C    a mixed step (continuous batching, vLLM's chunked prefill): one row of C + B
+                          tokens, a prefill chunk of C tokens then B decode tokens, through every linear
+                          layer once. The chunk attends to `ctx_slots` [K] (its request's flat slots, gathered
+                          from the cache) under `mask` [1, C, K]; the decode tokens read the whole cache
+                          under `decode_mask` [B, 1, S] as `whole_cache` does
     (none of them: a prefill with no earlier context attends to the fresh keys)
 
 Block 0 is scratch: dummy rows write there and nobody reads it.
@@ -35,7 +40,7 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
     slots = attn_kwargs["slot_mapping"].reshape(-1)
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, keys.reshape(-1, *keys.shape[2:]))
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, values.reshape(-1, *values.shape[2:]))
-    if attn_kwargs.get("whole_cache"):
+    if attn_kwargs.get("whole_cache") or attn_kwargs.get("mixed"):
         return key_cache.flatten(0, 1)[None], value_cache.flatten(0, 1)[None], key_cache, value_cache
     slab_start = attn_kwargs.get("slab_start")
     if slab_start is not None:
@@ -57,12 +62,41 @@ def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **at
     # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd]; mask: [B, L, K] -> [B, L, h, hd]
     if attn_kwargs.get("whole_cache"):
         return _whole_cache_decode(query, keys[0], values[0], kvheads, scale_factor, attn_kwargs["mask"])
-    q = query.transpose(1, 2)
-    k = keys.transpose(1, 2)
-    v = values.transpose(1, 2)
-    mask = attn_kwargs["mask"].unsqueeze(1)
+    chunk = attn_kwargs.get("mixed")
+    if chunk:
+        # keys/values: the whole cache [1, S, kvh, hd], this step's tokens already stored
+        ctx = attn_kwargs["ctx_slots"]
+        prefill = _sdpa(
+            query[:, :chunk],
+            keys[0].index_select(0, ctx)[None],
+            values[0].index_select(0, ctx)[None],
+            attn_kwargs["mask"],
+            nheads,
+            kvheads,
+            scale_factor,
+        )
+        rows = query.shape[1] - chunk
+        decode = _whole_cache_decode(
+            query[0, chunk:].unsqueeze(1),
+            keys[0],
+            values[0],
+            kvheads,
+            scale_factor,
+            attn_kwargs["decode_mask"],
+        )
+        return torch.cat([prefill, decode.view(1, rows, nheads, -1)], dim=1)
+    return _sdpa(query, keys, values, attn_kwargs["mask"], nheads, kvheads, scale_factor)
+
+
+def _sdpa(query, keys, values, mask, nheads, kvheads, scale_factor):
+    # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd]; mask: [B, L, K] -> [B, L, h, hd]
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=scale_factor, enable_gqa=nheads != kvheads
+        query.transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask.unsqueeze(1),
+        scale=scale_factor,
+        enable_gqa=nheads != kvheads,
     )
     return out.transpose(1, 2).contiguous()
 

@@ -171,7 +171,8 @@ class ServerState:
 
     def _observe_step(self, step, seconds: float) -> None:
         m = self.metrics
-        m.step_seconds.labels("prefill" if step.is_prefill else "decode").observe(seconds)
+        kind = "prefill" if step.is_prefill else "decode"
+        m.step_seconds.labels("mixed" if getattr(step, "mixed", False) else kind).observe(seconds)
         m.batch_occupancy.set(step.occupancy)
         self._observe_queue()
 

@@ -39,11 +39,12 @@ def drive(sched: ContinuousScheduler, arrivals: dict[int, list[Request]], num_st
             if r.num_output_tokens >= r.sampling.max_tokens:
                 r.finish("length")
         done = sched.update(step)
-        ids = (step.prefill.request,) if step.prefill else tuple(row.request for row in step.decode)
+        ids = tuple(row.request for row in step.decode) + ((step.prefill.request,) if step.prefill else ())
+        kind = "prefill" if step.is_prefill else "decode"
         rows.append(
             (
                 t,
-                "prefill" if step.is_prefill else "decode",
+                "mixed" if step.is_prefill and step.decode else kind,
                 tuple(r.request_id for r in ids),
                 step.num_tokens,
                 sched.num_waiting,
@@ -62,23 +63,24 @@ def test_requests_join_and_leave_the_running_batch():
     assert rows == [
         (0, "prefill", ("a",), 64, 0, 1, 2, ()),  # a's first chunk; a holds 2 blocks (100 tokens)
         (1, "prefill", ("a",), 36, 1, 1, 2, ()),  # nobody decodes yet, so a's last chunk follows
-        (2, "prefill", ("b",), 30, 0, 2, 3, ()),  # prefills first: b joins at once
-        (3, "decode", ("a", "b"), 2, 0, 2, 3, ()),
-        (4, "decode", ("a", "b"), 2, 0, 1, 1, ("a",)),  # a leaves at once, its blocks freed...
-        (5, "decode", ("b",), 1, 0, 0, 0, ("b",)),  # ...b goes on alone
+        (2, "mixed", ("a", "b"), 31, 0, 2, 3, ()),  # b's whole prompt beside a's decode: b joins at once
+        (3, "decode", ("a", "b"), 2, 0, 1, 1, ("a",)),  # a leaves at once, its blocks freed...
+        (4, "decode", ("b",), 1, 0, 1, 1, ()),  # ...b goes on alone
+        (5, "decode", ("b",), 1, 0, 0, 0, ("b",)),
         (6, "idle", (), 0, 0, 0, 0, ()),
     ]
     assert [a.num_output_tokens, b.num_output_tokens] == [3, 4]
 
 
-def test_long_prompt_chunks_alternate_with_decodes_only_when_interleaving():
+def test_long_prompt_chunks_run_beside_the_decodes_only_when_interleaving():
     def run(interleave: bool) -> list[str]:
         s = ContinuousScheduler(config(cp_interleave_steps=interleave))
         rows = drive(s, {0: [req("a", 10, 8)], 2: [req("long", 200, 2)]}, 9)
         return [f"{kind[0]}{''.join(ids)}" for _, kind, ids, *_ in rows]
 
-    # chunks of 64, 64, 64, 8 tokens for the 200-token prompt
-    assert run(True) == ["pa", "da", "plong", "da", "plong", "da", "plong", "da", "plong"]
+    # chunks of 64, 64, 64, 8 tokens for the 200-token prompt, each in one step with a's decode: a streams
+    # on while the prompt arrives, and the last chunk gives long its first token
+    assert run(True) == ["pa", "da", "malong", "malong", "malong", "malong", "dalong", "da", "i"]
     # without: the whole prompt first; long (max_tokens 2) then decodes once beside a and leaves
     assert run(False) == ["pa", "da", "plong", "plong", "plong", "plong", "dalong", "da", "da"]
 
@@ -90,11 +92,11 @@ def test_max_num_seqs_holds_back_admission_until_a_request_leaves():
         (kind[0], ids, waiting, running, done) for _, kind, ids, _, waiting, running, _, done in rows
     ] == [
         ("p", ("a",), 2, 1, ()),
-        ("p", ("b",), 1, 2, ()),  # two running: c waits
-        ("d", ("a", "b"), 1, 2, ()),
+        ("m", ("a", "b"), 1, 2, ()),  # two running: c waits
         ("d", ("a", "b"), 1, 1, ("a",)),
-        ("p", ("c",), 0, 1, ("c",)),  # a left, c is admitted (and done: max_tokens 1)
+        ("m", ("b", "c"), 0, 1, ("c",)),  # a left, c is admitted (and done: max_tokens 1)
         ("d", ("b",), 0, 0, ("b",)),
+        ("i", (), 0, 0, ()),
         ("i", (), 0, 0, ()),
     ]
 
@@ -121,18 +123,19 @@ def test_prefix_cache_hit_skips_computed_blocks_and_eviction_keeps_counts():
 def test_block_pressure_preempts_the_newest_request_and_resumes_it_without_loss():
     # scratch + 4 blocks. a and b hold 2 blocks each (120-token prompts); when a grows past 128 tokens it
     # needs a third block, so b (the newest) is preempted, and resumed once a has finished: b re-prefills
-    # prompt + its 9 tokens (129), of which the first prompt block is still in the prefix cache.
+    # prompt + its 8 tokens (128), of which the first prompt block is still in the prefix cache.
     s = ContinuousScheduler(config(num_kv_blocks=5, max_num_batched_tokens=128))
     a, b = req("a", list(range(3, 123)), 12), req("b", list(range(200, 320)), 12)
     rows = drive(s, {0: [a, b]}, 18)
     assert [row[1:] for row in rows] == [
         ("prefill", ("a",), 120, 1, 1, 2, ()),
-        ("prefill", ("b",), 120, 0, 2, 4, ()),
-        *[("decode", ("a", "b"), 2, 0, 2, 4, ())] * 8,
+        ("mixed", ("a", "b"), 121, 0, 2, 4, ()),
+        *[("decode", ("a", "b"), 2, 0, 2, 4, ())] * 7,
         ("decode", ("a",), 1, 1, 1, 3, ()),  # b preempted: back to waiting, its blocks freed
         ("decode", ("a",), 1, 1, 1, 3, ()),
         ("decode", ("a",), 1, 1, 0, 0, ("a",)),
-        ("prefill", ("b",), 65, 0, 1, 3, ()),  # 129 tokens, 64 of them hit the cache
+        ("prefill", ("b",), 64, 0, 1, 2, ()),  # 128 tokens, 64 of them hit the cache
+        ("decode", ("b",), 1, 0, 1, 3, ()),
         ("decode", ("b",), 1, 0, 1, 3, ()),
         ("decode", ("b",), 1, 0, 0, 0, ("b",)),
         ("idle", (), 0, 0, 0, 0, ()),

@@ -1,13 +1,14 @@
 """The serving hot path: --dtype (flag, environment, checkpoint default), weights frozen into the compiled
 graphs (inductor `freezing`), one whole graph per bucket (no graph break)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
 
 import pytest
 import torch
-from spyre_runtime.cb_scheduler import ContinuousStep, DecodeRow
+from spyre_runtime.cb_scheduler import ContinuousStep, DecodeRow, PrefillChunk
 from spyre_runtime.config import ConfigError, RuntimeConfig, load_config
 from spyre_runtime.executor import ModelExecutor, resolve_dtype
 
@@ -104,3 +105,37 @@ def test_inductor_freezes_weights_in_one_graph_per_bucket(tiny_model):
     with torch.inference_mode():
         eager = ex._forward(*args)
     assert not torch.allclose(eager, before)
+
+
+def test_a_mixed_step_equals_its_decode_and_its_chunk_run_apart(tiny_model):
+    """Chunked prefill beside the decode (one forward of chunk + decode tokens) computes what a decode step
+    and a prefill step compute on their own: the chunk's last-token logits and every decode row's."""
+    cfg = RuntimeConfig(
+        model_dir=tiny_model,
+        served_model_name="t",
+        backend="eager",
+        use_cb=True,
+        max_model_len=128,
+        max_num_seqs=2,
+        max_num_batched_tokens=64,
+        decode_batch_buckets=(2,),
+        kv_len_buckets=(128,),
+    )
+    ex = ModelExecutor(cfg)
+    kv = ex.prefill_kv_len
+    # a: 10 prompt tokens in block 1, prefilled first; then a decodes while b's 20-token prompt (block 3) runs
+    a = PrefillChunk(None, tuple(range(5, 15)), 0, 64, (1,), True)
+    ex.run_local(*ex.chunk_inputs(a, kv))
+    saved = [(k.clone(), v.clone()) for k, v in ex.kv.layers]
+    decode = ContinuousStep(decode=(DecodeRow(None, 7, 10, (1,)),), batch_size=2, kv_len=128)
+    b = PrefillChunk(None, tuple(range(30, 50)), 0, 64, (3,), True)
+    apart_decode = ex.run_local(*ex.batch_decode_inputs(decode))[0]
+    apart_chunk = ex.run_local(*ex.chunk_inputs(b, kv))[0]
+    for (k, v), (k0, v0) in zip(ex.kv.layers, saved, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    mixed = ex.run_local(*ex.mixed_inputs(dataclasses.replace(decode, prefill=b, mixed=True), kv))
+    assert mixed.shape[0] == 3  # the chunk's last token, then both decode rows (one of them a dummy)
+    torch.testing.assert_close(mixed[0], apart_chunk, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(mixed[1], apart_decode, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(mixed[0], mixed[1])
