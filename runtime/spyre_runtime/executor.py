@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from spyre_runtime import kv_cache
+from spyre_runtime import kv_cache, linear
 from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
 from spyre_runtime.graph_cache import loading
@@ -171,8 +171,10 @@ class ModelExecutor:
             torch.distributed.barrier()
         self.model = model
         self.dims = model_dims(self.model)
+        self._pack_decode_weights()
         self._prime_rotary(max(config.max_model_len, max(s.max_len for s in config.shapes)))
         self.prefill_kv_len = max(config.kv_buckets)  # chunks see up to the longest KV bucket
+        self.decode_table_width = blocks_for(config.max_model_len)  # blocks of the longest sequence
         if config.use_cb:
             num_blocks = config.cb_num_blocks
         else:
@@ -185,6 +187,15 @@ class ModelExecutor:
         self.warmup_seconds: float | None = None
         self.shape_seconds: dict[Shape, float] = {}
         self.progress = WarmupProgress()  # graphs warmed so far, for the log, /health and a gauge
+
+    def _pack_decode_weights(self) -> None:
+        """Decode steps of the largest batch bucket (the common case under load) run their GEMMs on weights
+        prepacked for that row count (linear.py); one more copy of the linear weights in memory."""
+        cfg = self.config
+        rows = max(cfg.batch_buckets) if cfg.use_cb else max(s.batch_size for s in cfg.shapes)
+        if rows > 1 and linear.can_pack(self.dtype, cfg.backend):
+            n = linear.pack_linears(self.model, rows)
+            log.info("linear layers: %d run on weights prepacked for %d-row decode steps", n, rows)
 
     def _prime_rotary(self, max_len: int) -> None:
         """Fills FMS's rotary-frequency cache before compiling, so tracing never mutates it."""
@@ -204,23 +215,24 @@ class ModelExecutor:
         slot_mapping,
         block_table=None,
         slab_start=None,
-        whole_cache=False,
+        seq_lens=None,
         mixed=0,
         ctx_slots=None,
-        decode_mask=None,
     ):
         # input_ids, position_ids, slot_mapping: [B, L]; mask: [B, L, K]; block_table: [B, nb] -> [B, V]
-        # mixed = C: one row of C chunk tokens and B decode tokens -> [B + 1, V] (the chunk's last token, then
-        # the decode rows); see kv_cache.py
-        kwargs = {"mask": mask, "slot_mapping": slot_mapping}
+        # seq_lens [B]: a paged decode (block_table: the rows'); mixed = C: one row of C chunk tokens and B
+        # decode tokens -> [B + 1, V] (the chunk's last token, then the decode rows); see kv_cache.py
+        kwargs = {"slot_mapping": slot_mapping}
+        if mask is not None:
+            kwargs["mask"] = mask
         if block_table is not None:
             kwargs["block_table"] = block_table
         if slab_start is not None:
             kwargs["slab_start"] = slab_start
-        if whole_cache:
-            kwargs["whole_cache"] = True
+        if seq_lens is not None:
+            kwargs["seq_lens"] = seq_lens
         if mixed:
-            kwargs.update(mixed=mixed, ctx_slots=ctx_slots, decode_mask=decode_mask)
+            kwargs.update(mixed=mixed, ctx_slots=ctx_slots)
         last = input_ids.shape[1] - mixed + 1 if mixed else 1
         logits, _ = self.model(
             input_ids,
@@ -349,51 +361,44 @@ class ModelExecutor:
         return ids, pos, mask, slots, table
 
     def batch_decode_inputs(self, step: ContinuousStep):
-        """[batch_size, 1] decode of every running request, reading the whole cache in place (kv_cache.py):
-        mask [B, 1, S] marks each row's own flat slots up to its position (S = every slot of the cache).
+        """[batch_size, 1] decode of every running request: each row's block table (padded with scratch to
+        the longest sequence's) and its length; the paged op reads each row's live slots (kv_cache.py).
         Dummy rows write scratch and see one scratch slot. The step's KV bucket plays no part."""
-        B, S = step.batch_size, self.kv.num_blocks * BLOCK_SIZE
+        B = step.batch_size
         n = len(step.decode)
         ids = torch.zeros(B, 1, dtype=torch.long)
         pos = torch.zeros(B, 1, dtype=torch.long)
         slots = torch.full((B, 1), SCRATCH_BLOCK * BLOCK_SIZE, dtype=torch.long)
-        mask = torch.zeros(B, 1, S, dtype=torch.bool)
-        mask[n:, 0, SCRATCH_BLOCK * BLOCK_SIZE] = True
+        table = torch.full((B, self.decode_table_width), SCRATCH_BLOCK, dtype=torch.long)
+        seq_lens = torch.ones(B, dtype=torch.long)
         if n:
-            width = max(len(row.block_table) for row in step.decode)
-            table = torch.tensor(
-                [
-                    (*row.block_table, *(SCRATCH_BLOCK,) * (width - len(row.block_table)))
-                    for row in step.decode
-                ]
-            )
-            flat = (table[:, :, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).view(n, -1)  # by logical index
+            for r, row in enumerate(step.decode):
+                table[r, : len(row.block_table)] = torch.tensor(row.block_table, dtype=torch.long)
             position = torch.tensor([row.position for row in step.decode])
-            mask[:n, 0].scatter_(1, flat, torch.arange(flat.shape[1])[None, :] <= position[:, None])
             ids[:n, 0] = torch.tensor([row.token_id for row in step.decode])
             pos[:n, 0] = position
-            slots[:n, 0] = flat.gather(1, position[:, None])[:, 0]
-        return ids, pos, mask, slots, None, None, True
+            slots[:n, 0] = table[torch.arange(n), position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+            seq_lens[:n] = position + 1
+        return ids, pos, None, slots, table, None, seq_lens
 
     def mixed_inputs(self, step: ContinuousStep, kv_len: int):
         """One row: the chunk (left-padded to its bucket) then `batch_size` decode tokens. The chunk attends
-        to its request's first `kv_len` flat slots (`ctx_slots`, gathered); the decode tokens read the whole
-        cache (kv_cache.py)."""
-        c_ids, c_pos, c_mask, c_slots, table = self.chunk_inputs(step.prefill, kv_len)
-        d_ids, d_pos, d_mask, d_slots, *_ = self.batch_decode_inputs(step)
+        to its request's first `kv_len` flat slots (`ctx_slots`, gathered); the decode tokens as in a decode
+        step (kv_cache.py)."""
+        c_ids, c_pos, c_mask, c_slots, c_table = self.chunk_inputs(step.prefill, kv_len)
+        d_ids, d_pos, _, d_slots, d_table, _, seq_lens = self.batch_decode_inputs(step)
         logical = torch.arange(kv_len)
-        ctx_slots = table[0, logical // BLOCK_SIZE] * BLOCK_SIZE + logical % BLOCK_SIZE
+        ctx_slots = c_table[0, logical // BLOCK_SIZE] * BLOCK_SIZE + logical % BLOCK_SIZE
         return (
             torch.cat([c_ids, d_ids.view(1, -1)], dim=1),
             torch.cat([c_pos, d_pos.view(1, -1)], dim=1),
             c_mask,
             torch.cat([c_slots, d_slots.view(1, -1)], dim=1),
+            d_table,
             None,
-            None,
-            False,
+            seq_lens,
             step.prefill.chunk_size,
             ctx_slots,
-            d_mask,
         )
 
     def execute_continuous(self, step: ContinuousStep) -> SamplerOutput:

@@ -9,15 +9,14 @@ attention kwargs are fixed-shape tensors:
     block_table  [B, nb]  blocks of each row; K = nb * BLOCK_SIZE keys are gathered from the cache
     slab_start   int      instead of a block table: row r owns blocks slab_start + r*nb ... (static
                           batching), so the context is a view of the cache and nothing is gathered
-    whole_cache  True     instead of a block table (continuous-batching decode): every row reads the whole
-                          cache in place, K = num_blocks * BLOCK_SIZE, and `mask` [B, 1, K] marks the
-                          flat slots of the row's own tokens. Nothing is gathered or copied: a decode step
-                          reads the cache once, whatever the rows' lengths and blocks
+    seq_lens     [B]      with `block_table` [B, nb] and no mask (continuous-batching decode, one token per
+                          row): paged attention over each row's own first seq_lens[r] slots, in an op that is
+                          opaque to the compiler (`paged_decode`), so the keys read follow the rows' real
+                          lengths, not a bucket: one graph per batch bucket, and a step reads only live KV
     mixed        int C    a mixed step (continuous batching, vLLM's chunked prefill): one row of C + B
                           tokens, a prefill chunk of C tokens then B decode tokens, through every linear
                           layer once. The chunk attends to `ctx_slots` [K] (its request's flat slots, gathered
-                          from the cache) under `mask` [1, C, K]; the decode tokens read the whole cache
-                          under `decode_mask` [B, 1, S] as `whole_cache` does
+                          from the cache) under `mask` [1, C, K]; the decode tokens as `seq_lens` above
     (none of them: a prefill with no earlier context attends to the fresh keys)
 
 Block 0 is scratch: dummy rows write there and nobody reads it.
@@ -40,8 +39,8 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
     slots = attn_kwargs["slot_mapping"].reshape(-1)
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, keys.reshape(-1, *keys.shape[2:]))
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, values.reshape(-1, *values.shape[2:]))
-    if attn_kwargs.get("whole_cache") or attn_kwargs.get("mixed"):
-        return key_cache.flatten(0, 1)[None], value_cache.flatten(0, 1)[None], key_cache, value_cache
+    if attn_kwargs.get("seq_lens") is not None:  # paged decode (or mixed): the op reads the cache itself
+        return key_cache, value_cache, key_cache, value_cache
     slab_start = attn_kwargs.get("slab_start")
     if slab_start is not None:
         # rows own consecutive blocks: the context is a view of the cache, nothing is gathered
@@ -59,65 +58,82 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
 
 
 def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
-    # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd]; mask: [B, L, K] -> [B, L, h, hd]
-    if attn_kwargs.get("whole_cache"):
-        return _whole_cache_decode(query, keys[0], values[0], kvheads, scale_factor, attn_kwargs["mask"])
+    # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd] (or the caches, see _store) -> [B, L, h, hd]
+    scale = query.shape[-1] ** -0.5 if scale_factor is None else scale_factor
     chunk = attn_kwargs.get("mixed")
     if chunk:
-        # keys/values: the whole cache [1, S, kvh, hd], this step's tokens already stored
         ctx = attn_kwargs["ctx_slots"]
+        flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)
         prefill = _sdpa(
             query[:, :chunk],
-            keys[0].index_select(0, ctx)[None],
-            values[0].index_select(0, ctx)[None],
+            flat_keys.index_select(0, ctx)[None],
+            flat_values.index_select(0, ctx)[None],
             attn_kwargs["mask"],
             nheads,
             kvheads,
-            scale_factor,
+            scale,
         )
-        rows = query.shape[1] - chunk
-        decode = _whole_cache_decode(
-            query[0, chunk:].unsqueeze(1),
-            keys[0],
-            values[0],
-            kvheads,
-            scale_factor,
-            attn_kwargs["decode_mask"],
+        decode = paged_decode(
+            query[0, chunk:], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
         )
-        return torch.cat([prefill, decode.view(1, rows, nheads, -1)], dim=1)
-    return _sdpa(query, keys, values, attn_kwargs["mask"], nheads, kvheads, scale_factor)
+        return torch.cat([prefill, decode[None]], dim=1)
+    if attn_kwargs.get("seq_lens") is not None:
+        out = paged_decode(
+            query[:, 0], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
+        )
+        return out[:, None]
+    return _sdpa(query, keys, values, attn_kwargs["mask"], nheads, kvheads, scale)
 
 
-def _sdpa(query, keys, values, mask, nheads, kvheads, scale_factor):
+def _sdpa(query, keys, values, mask, nheads, kvheads, scale):
     # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd]; mask: [B, L, K] -> [B, L, h, hd]
     out = F.scaled_dot_product_attention(
         query.transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
         attn_mask=mask.unsqueeze(1),
-        scale=scale_factor,
+        scale=scale,
         enable_gqa=nheads != kvheads,
     )
     return out.transpose(1, 2).contiguous()
 
 
-def _whole_cache_decode(query, keys, values, kvheads, scale_factor, mask):
-    """One token per row against the whole cache, as two batched GEMMs per KV head.
-    query: [B, 1, h, hd]; keys/values: [S, kvh, hd] (the cache, flat); mask: [B, 1, S] -> [B, 1, h, hd]"""
-    rows, _, nheads, head_dim = query.shape
-    group = nheads // kvheads
-    scale = head_dim**-0.5 if scale_factor is None else scale_factor
-    # [kvh, B * group, hd]: the query heads that share a KV head become rows of one GEMM
-    q = (
-        query.reshape(rows, kvheads, group, head_dim)
-        .permute(1, 0, 2, 3)
-        .reshape(kvheads, rows * group, head_dim)
+@torch.library.custom_op("spyre_serve::paged_decode", mutates_args=())
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One token per row against the row's own first seq_lens[r] cached tokens.
+    query: [B, h, hd]; caches: [num_blocks, BLOCK_SIZE, kvh, hd]; block_table: [B, nb]; seq_lens: [B] ->
+    [B, h, hd]. Opaque to the compiler: the keys gathered follow this step's longest row (a Python int here),
+    so the compiled graph keeps one static shape while a step reads only live blocks. The query heads that
+    share a KV head are that head's queries (FMS's and torch's GQA order: head i uses KV head i // group)."""
+    rows, nheads, head_dim = query.shape
+    kvheads = key_cache.shape[2]
+    length = int(seq_lens.max())
+    blocks = block_table[
+        :, : -(-length // BLOCK_SIZE)
+    ].flatten()  # index_select: about 2x faster than [table]
+    keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
+    values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
+    mask = torch.arange(length) < seq_lens[:, None]  # [B, L]
+    out = F.scaled_dot_product_attention(
+        query.view(rows, kvheads, nheads // kvheads, head_dim),
+        keys,
+        values,
+        attn_mask=mask[:, None, None],
+        scale=scale,
     )
-    scores = torch.bmm(q, keys.permute(1, 2, 0)).float() * scale  # [kvh, B * group, S]
-    scores = scores.view(kvheads, rows, group, -1).masked_fill(~mask.view(1, rows, 1, -1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(kvheads, rows * group, -1)
-    out = torch.bmm(probs, values.transpose(0, 1))  # [kvh, B * group, hd]
-    return out.view(kvheads, rows, group, head_dim).permute(1, 0, 2, 3).reshape(rows, 1, nheads, head_dim)
+    return out.reshape(rows, nheads, head_dim)
+
+
+@paged_decode.register_fake
+def _(query, key_cache, value_cache, block_table, seq_lens, scale):
+    return torch.empty_like(query)
 
 
 def register() -> None:

@@ -2,6 +2,7 @@
 graphs (inductor `freezing`), one whole graph per bucket (no graph break)."""
 
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -139,3 +140,55 @@ def test_a_mixed_step_equals_its_decode_and_its_chunk_run_apart(tiny_model):
     torch.testing.assert_close(mixed[0], apart_chunk, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mixed[1], apart_decode, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(mixed[0], mixed[1])
+
+
+def test_paged_decode_reads_each_rows_own_slots_only():
+    """The paged decode op against attention computed row by row on that row's keys: rows of different
+    lengths in scattered blocks, GQA (6 query heads on 2 KV heads), and garbage in every other slot."""
+    from spyre_runtime.kv_cache import BLOCK_SIZE, paged_decode
+
+    torch.manual_seed(0)
+    kvh, group, hd = 2, 3, 16
+    key_cache = torch.randn(9, BLOCK_SIZE, kvh, hd) * 50  # garbage: any slot read by mistake shows
+    value_cache = torch.randn(9, BLOCK_SIZE, kvh, hd) * 50
+    tables = torch.tensor([[4, 2, 7], [1, 0, 0], [8, 3, 0]])
+    lens = torch.tensor([150, 64, 65])
+    query = torch.randn(3, kvh * group, hd)
+    out = paged_decode(query, key_cache, value_cache, tables, lens, hd**-0.5)
+    for r in range(3):
+        keys = key_cache[tables[r]].flatten(0, 1)[: lens[r]]  # [L, kvh, hd]
+        values = value_cache[tables[r]].flatten(0, 1)[: lens[r]]
+        for h in range(kvh * group):
+            scores = keys[:, h // group] @ query[r, h] * hd**-0.5
+            expected = torch.softmax(scores, dim=0) @ values[:, h // group]
+            torch.testing.assert_close(out[r, h], expected, atol=1e-4, rtol=1e-4)
+
+
+def test_packed_linear_packs_once_for_its_row_count_and_equals_f_linear():
+    from spyre_runtime import linear
+
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    slot = next(linear._slots)
+    for rows in (8, 3, 1):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(
+            linear.packed_linear(x, weight, bias, 8, slot),
+            torch.nn.functional.linear(x, weight, bias),
+            atol=1e-4,
+            rtol=1e-4,
+        )
+    assert slot in linear._PACKED
+    # two models one after the other (the second's weights may reuse the first's freed memory): each is
+    # served by its own packed weights
+    x = torch.randn(8, 64)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        before = model(x)
+        assert linear.pack_linears(model, 8) == 2
+        torch.testing.assert_close(model(x), before, atol=1e-4, rtol=1e-4)
+        slots = [m.forward.args[2] for m in (model[0], model[2])]
+        assert all(s in linear._PACKED for s in slots)  # the model's layers went through the op
+        del model
+        gc.collect()  # (a layer and its forward hold each other)
+        assert not any(s in linear._PACKED for s in slots)  # dropped with the layers
