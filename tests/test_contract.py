@@ -192,3 +192,26 @@ def test_memory_utilization_sizes_the_kv_cache_from_the_memory_left(tmp_path, ca
     assert (
         check_memory(config, {"SENDNN_INFERENCE_CARD_MEMORY_GIB": "2"}).num_kv_blocks == 0
     )  # off by default
+
+
+@pytest.mark.parametrize(
+    ("backend", "dtype_bytes", "seqs", "packed"),
+    [
+        ("inductor", 4, 8, True),
+        ("eager", 4, 8, True),
+        ("inductor", 2, 8, False),
+        ("inductor", 4, 1, False),
+        ("sendnn", 4, 8, False),
+    ],
+)
+def test_memory_plan_counts_the_cpu_decode_weights_packed_again(backend, dtype_bytes, seqs, packed):
+    """fp32 decoders on CPU backends run their linear layers on a second, packed copy of the weights when a
+    decode step has several rows: the plan counts it (a row of its own, in the total)."""
+    from spyre_contract.memory import GIB, ModelDims, plan_memory
+
+    env = CB | {"SENDNN_INFERENCE_DYNAMO_BACKEND": backend}
+    settings = read_environment(env, EngineFlags(max_num_seqs=seqs, max_model_len=512))
+    plan = plan_memory(ModelDims.from_config(SMOLLM2), settings, 128 * GIB, "host", dtype_bytes)
+    assert plan.packed_weights == (plan.weights if packed else 0)
+    assert plan.total == plan.weights + plan.packed_weights + plan.kv_cache + plan.activations
+    assert ("weights packed for decode (CPU)" in plan.table()) is packed

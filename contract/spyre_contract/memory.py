@@ -71,10 +71,11 @@ class MemoryPlan:
     largest_shape: str
     capacity: int  # bytes available per rank
     where: str  # "card" or "host"
+    packed_weights: int = 0  # CPU fp32 decoders: the linear weights packed again for MKL's decode GEMM
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv_cache + self.activations
+        return self.weights + self.packed_weights + self.kv_cache + self.activations
 
     @property
     def fits(self) -> bool:
@@ -87,6 +88,7 @@ class MemoryPlan:
     def table(self) -> str:
         rows = [
             ("weights (per rank)", self.weights),
+            *([("weights packed for decode (CPU)", self.packed_weights)] if self.packed_weights else []),
             ("KV cache", self.kv_cache),
             (f"largest activation ({self.largest_shape})", self.activations),
             ("total", self.total),
@@ -99,7 +101,11 @@ class MemoryPlan:
 
     def refusal(self) -> str:
         """The one line that stops start-up: the largest consumer and what would fit instead."""
-        parts = {"weights": self.weights, "KV cache": self.kv_cache, "activations": self.activations}
+        parts = {
+            "weights": self.weights + self.packed_weights,
+            "KV cache": self.kv_cache,
+            "activations": self.activations,
+        }
         name, largest = max(parts.items(), key=lambda kv: kv[1])
         room = self.capacity - (self.total - largest)
         if name == "weights":
@@ -144,7 +150,11 @@ def plan_memory(
         act = rows * 4 * dims.hidden * dtype_bytes + mlp + scores + logits
         if act > largest:
             largest, label = act, name
-    return MemoryPlan(weights, kv, largest, label, capacity, where)
+    # CPU backends run fp32 linear layers on a second copy of their weights, packed for the decode batch size
+    # (the runtime's linear.py), when decode steps have more than one row
+    decode_rows = settings.max_num_seqs if settings.use_cb else max(s.batch_size for s in settings.shapes)
+    packed = weights if settings.backend != "sendnn" and dtype_bytes == 4 and decode_rows > 1 else 0
+    return MemoryPlan(weights, kv, largest, label, capacity, where, packed)
 
 
 def host_memory_bytes() -> int:
