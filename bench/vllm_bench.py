@@ -57,6 +57,16 @@ OURS_CONFIGS = {
         {"SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "8", "SENDNN_INFERENCE_CB_KV_LENS": "384"},
         ("--max-num-batched-tokens", "128"),
     ),
+    # the same three graphs with chunks of 128 and 256 tokens: every prompt of the workload (<= 256 tokens)
+    # is prefilled in one mixed step
+    "long-chunks": (
+        {
+            "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "8",
+            "SENDNN_INFERENCE_CB_KV_LENS": "384",
+            "SENDNN_INFERENCE_CB_PREFILL_SIZES": "128,256",
+        },
+        ("--max-num-batched-tokens", "256"),
+    ),
 }
 OURS_ENV = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", "SENDNN_INFERENCE_USE_CB": "1"}
 OURS_ARGS = ("--max-num-seqs", "8", "--max-model-len", "384")
