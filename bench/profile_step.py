@@ -6,8 +6,7 @@ through the runtime's own ModelExecutor on SmolLM2 (inductor). A script with a r
 
 Prints the median time of the compiled forward and of the whole executor step (inputs built, forward,
 sampling), and torch.profiler's top operators for both. The chunk runs as a mixed step (the chunk and the
-decode rows in one forward, as serving runs it). `--no-prepack`: frozen weights not prepacked (what the
-graph cache implies). `--trace DIR` also keeps inductor's output code
+decode rows in one forward, as serving runs it). `--trace DIR` also keeps inductor's output code
 (TORCH_COMPILE_DEBUG-style) under DIR.
 """
 
@@ -58,9 +57,6 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="inductor")
-    ap.add_argument(
-        "--no-prepack", action="store_true", help="frozen weights left unpacked (as with the graph cache)"
-    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     import dataclasses
@@ -83,7 +79,6 @@ def main() -> int:
         max_model_len=args.kv,
         max_num_batched_tokens=args.chunk,
     )
-    cfg = dataclasses.replace(cfg, cache_enabled=args.no_prepack)  # compile_settings: no prepack with a cache
     t0 = time.perf_counter()
     ex = ModelExecutor(cfg)
     load_s = time.perf_counter() - t0

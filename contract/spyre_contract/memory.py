@@ -153,7 +153,12 @@ def plan_memory(
     # CPU backends run fp32 linear layers on a second copy of their weights, packed for the decode batch size
     # (the runtime's linear.py), when decode steps have more than one row
     decode_rows = settings.max_num_seqs if settings.use_cb else max(s.batch_size for s in settings.shapes)
-    packed = weights if settings.backend != "sendnn" and dtype_bytes == 4 and decode_rows > 1 else 0
+    packed = 0
+    if settings.backend != "sendnn" and dtype_bytes == 4 and decode_rows > 1:
+        # the linear layers and the LM head; not an untied input embedding, nor a tensor-parallel head
+        embedding = dims.vocab * dims.hidden * dtype_bytes
+        unpacked = (0 if dims.tied else embedding) + (embedding if tp > 1 else 0)
+        packed = max(0, weights - unpacked // tp)
     return MemoryPlan(weights, kv, largest, label, capacity, where, packed)
 
 

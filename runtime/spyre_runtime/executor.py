@@ -236,6 +236,8 @@ class ModelExecutor:
             kwargs["slab_start"] = slab_start
         if seq_lens is not None:
             kwargs["seq_lens"] = seq_lens
+            if self.config.backend == "sendnn":  # the card's compiler cannot call the opaque paged op
+                kwargs["static_decode"] = True
         if mixed:
             kwargs.update(mixed=mixed, ctx_slots=ctx_slots)
         last = input_ids.shape[1] - mixed + 1 if mixed else 1
@@ -484,7 +486,7 @@ class ModelExecutor:
                 self._run(*self.chunk_inputs(chunk, kv_max))
                 what = f"chunk:{size} kv_len:{kv_max}"
             self.progress.step("Prefill", what, time.monotonic() - t0)
-        for batch in cfg.batch_buckets:  # decode reads the whole cache: one graph per batch bucket
+        for batch in cfg.batch_buckets:  # paged decode reads live slots: one graph per batch bucket
             t0 = time.monotonic()
             self._run(*self.batch_decode_inputs(ContinuousStep(batch_size=batch, kv_len=kv_max)))
             self.progress.step("Decode", f"batch_size:{batch} kv_len:{kv_max}", time.monotonic() - t0)

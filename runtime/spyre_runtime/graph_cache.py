@@ -69,6 +69,11 @@ def _version(dist: str) -> str:
         return "none"
 
 
+# The layout of the compiled graphs (attention op, mixed steps, packed linear layers): a change of it makes
+# earlier entries misses, whatever the package's version says. 2: mixed steps, paged decode, packed weights.
+GRAPH_FORMAT = 2
+
+
 def cache_configuration(config: RuntimeConfig) -> dict:
     """Everything that changes the compiled graphs, as plain JSON."""
     import torch
@@ -85,6 +90,7 @@ def cache_configuration(config: RuntimeConfig) -> dict:
             "batch_buckets": list(config.batch_buckets),
             "kv_buckets": list(config.kv_buckets),
             "num_kv_blocks": config.cb_num_blocks,
+            "mixed_steps": config.cp_interleave_steps,  # chunk graphs with or without the decode rows
         }
     else:
         shapes = {
@@ -99,6 +105,8 @@ def cache_configuration(config: RuntimeConfig) -> dict:
             ).hexdigest(),
         },
         "backend": config.backend,
+        "dtype": config.dtype,
+        "graph_format": GRAPH_FORMAT,
         "shapes": shapes,
         "tensor_parallel_size": config.tensor_parallel_size,
         "versions": {

@@ -19,7 +19,10 @@ attention kwargs are fixed-shape tensors:
                           from the cache) under `mask` [1, C, K]; the decode tokens as `seq_lens` above
     (none of them: a prefill with no earlier context attends to the fresh keys)
 
-Block 0 is scratch: dummy rows write there and nobody reads it.
+    static_decode True    with `seq_lens`: the same attention in plain static-shape tensor ops
+                          (`static_paged_decode`), for sendnn, which cannot call the opaque op
+
+Block 0 is scratch: dummy rows and padding tokens write there, and only they read it.
 """
 
 from __future__ import annotations
@@ -73,12 +76,12 @@ def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **at
             kvheads,
             scale,
         )
-        decode = paged_decode(
+        decode = _decode_op(attn_kwargs)(
             query[0, chunk:], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
         )
         return torch.cat([prefill, decode[None]], dim=1)
     if attn_kwargs.get("seq_lens") is not None:
-        out = paged_decode(
+        out = _decode_op(attn_kwargs)(
             query[:, 0], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
         )
         return out[:, None]
@@ -134,6 +137,30 @@ def paged_decode(
 @paged_decode.register_fake
 def _(query, key_cache, value_cache, block_table, seq_lens, scale):
     return torch.empty_like(query)
+
+
+def static_paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale):
+    """What `paged_decode` computes, in plain tensor ops of static shape (every row gathers the whole width
+    of its block table, masked past its length): for device compilers (sendnn) that lower the graph
+    themselves and cannot call back into Python."""
+    rows, nheads, head_dim = query.shape
+    kvheads = key_cache.shape[2]
+    blocks = block_table.flatten()
+    keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim).transpose(1, 2)
+    values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim).transpose(1, 2)
+    mask = torch.arange(keys.shape[2]) < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        query.view(rows, kvheads, nheads // kvheads, head_dim),
+        keys,
+        values,
+        attn_mask=mask[:, None, None],
+        scale=scale,
+    )
+    return out.reshape(rows, nheads, head_dim)
+
+
+def _decode_op(attn_kwargs):
+    return static_paged_decode if attn_kwargs.get("static_decode") else paged_decode
 
 
 def register() -> None:

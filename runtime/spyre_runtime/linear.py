@@ -7,7 +7,8 @@ layers at 8 rows, 26 ms unpacked, 18 ms packed). Inductor prepacks by itself onl
 graph ran unpacked GEMMs. Here the packing is done at run time instead, inside an op that is opaque to
 the compiler: the compiled graph (cached or not) holds plain weights, and the first call with `rows` rows
 packs the weight once (one extra copy of the weights per packed row count). Any other row count runs the
-plain GEMM (`_mkl_linear` falls back to it), so results are the same either way.
+plain GEMM. The packed and plain GEMMs agree to float rounding, not bit for bit, so a row's logits can differ
+in the last bits between a full decode step and a mixed one.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The serving hot path: --dtype (flag, environment, checkpoint default), weights frozen into the compiled
-graphs (inductor `freezing`), one whole graph per bucket (no graph break)."""
+"""The serving hot path: --dtype (flag, environment, checkpoint default), linear layers on weights packed at
+warm-up (no inductor freezing for fp32 CPU decoders), paged decode attention, mixed steps, one whole graph per
+bucket (no graph break)."""
 
 import dataclasses
 import gc
@@ -150,7 +151,7 @@ def test_a_mixed_step_equals_its_decode_and_its_chunk_run_apart(tiny_model):
 def test_paged_decode_reads_each_rows_own_slots_only():
     """The paged decode op against attention computed row by row on that row's keys: rows of different
     lengths in scattered blocks, GQA (6 query heads on 2 KV heads), and garbage in every other slot."""
-    from spyre_runtime.kv_cache import BLOCK_SIZE, paged_decode
+    from spyre_runtime.kv_cache import BLOCK_SIZE, paged_decode, static_paged_decode
 
     torch.manual_seed(0)
     kvh, group, hd = 2, 3, 16
@@ -167,6 +168,9 @@ def test_paged_decode_reads_each_rows_own_slots_only():
             scores = keys[:, h // group] @ query[r, h] * hd**-0.5
             expected = torch.softmax(scores, dim=0) @ values[:, h // group]
             torch.testing.assert_close(out[r, h], expected, atol=1e-4, rtol=1e-4)
+    # the static-shape form (for sendnn) computes the same
+    static = static_paged_decode(query, key_cache, value_cache, tables, lens, hd**-0.5)
+    torch.testing.assert_close(static, out, atol=1e-4, rtol=1e-4)
 
 
 def test_packed_linear_packs_once_for_its_row_count_and_equals_f_linear():
