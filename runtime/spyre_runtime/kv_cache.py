@@ -115,23 +115,9 @@ def paged_decode(
     [B, h, hd]. Opaque to the compiler: the keys gathered follow this step's longest row (a Python int here),
     so the compiled graph keeps one static shape while a step reads only live blocks. The query heads that
     share a KV head are that head's queries (FMS's and torch's GQA order: head i uses KV head i // group)."""
-    rows, nheads, head_dim = query.shape
-    kvheads = key_cache.shape[2]
     length = int(seq_lens.max())
-    blocks = block_table[
-        :, : -(-length // BLOCK_SIZE)
-    ].flatten()  # index_select: about 2x faster than [table]
-    keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
-    values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
-    mask = torch.arange(length) < seq_lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(
-        query.view(rows, kvheads, nheads // kvheads, head_dim),
-        keys,
-        values,
-        attn_mask=mask[:, None, None],
-        scale=scale,
-    )
-    return out.reshape(rows, nheads, head_dim)
+    table = block_table[:, : -(-length // BLOCK_SIZE)]
+    return _attend_blocks(query, key_cache, value_cache, table, seq_lens, scale, length)
 
 
 @paged_decode.register_fake
@@ -143,12 +129,19 @@ def static_paged_decode(query, key_cache, value_cache, block_table, seq_lens, sc
     """What `paged_decode` computes, in plain tensor ops of static shape (every row gathers the whole width
     of its block table, masked past its length): for device compilers (sendnn) that lower the graph
     themselves and cannot call back into Python."""
+    length = block_table.shape[1] * BLOCK_SIZE
+    return _attend_blocks(query, key_cache, value_cache, block_table, seq_lens, scale, length)
+
+
+def _attend_blocks(query, key_cache, value_cache, table, seq_lens, scale, length):
+    """Row r's query heads against the first `length` slots of its blocks `table[r]`, masked past
+    seq_lens[r]. The query heads that share a KV head are that head's query length (no GQA expansion)."""
     rows, nheads, head_dim = query.shape
     kvheads = key_cache.shape[2]
-    blocks = block_table.flatten()
-    keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim).transpose(1, 2)
-    values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim).transpose(1, 2)
-    mask = torch.arange(keys.shape[2]) < seq_lens[:, None]
+    blocks = table.flatten()  # index_select: about 2x faster than key_cache[table]
+    keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
+    values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
+    mask = torch.arange(length) < seq_lens[:, None]  # [B, L]
     out = F.scaled_dot_product_attention(
         query.view(rows, kvheads, nheads // kvheads, head_dim),
         keys,

@@ -15,6 +15,14 @@ from spyre_runtime.config import ConfigError, RuntimeConfig, load_config
 from spyre_runtime.executor import ModelExecutor, resolve_dtype
 
 
+def small_cb(model_dir, backend: str = "eager", **kw) -> RuntimeConfig:
+    """Continuous batching of 2 sequences of up to 128 tokens, chunks of 64."""
+    base = {"max_model_len": 128, "max_num_seqs": 2, "max_num_batched_tokens": 64}
+    return RuntimeConfig(
+        model_dir=model_dir, served_model_name="t", backend=backend, use_cb=True, **(base | kw)
+    )
+
+
 def test_dtype_comes_from_flag_then_environment_then_auto(tiny_model):
     assert load_config(tiny_model, environ={}).dtype == "auto"
     assert load_config(tiny_model, environ={"SENDNN_INFERENCE_DTYPE": "bfloat16"}).dtype == "bfloat16"
@@ -54,16 +62,7 @@ def test_auto_dtype_is_the_checkpoints_on_cpu_and_float16_on_spyre(tmp_path):
 
 
 def test_bfloat16_weights_and_kv_cache(tiny_model):
-    cfg = RuntimeConfig(
-        model_dir=tiny_model,
-        served_model_name="t",
-        backend="eager",
-        dtype="bfloat16",
-        use_cb=True,
-        max_model_len=128,
-        max_num_seqs=2,
-        max_num_batched_tokens=64,
-    )
+    cfg = small_cb(tiny_model, dtype="bfloat16")
     ex = ModelExecutor(cfg)
     assert {p.dtype for p in ex.model.parameters()} == {torch.bfloat16}
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in ex.kv.layers)
@@ -81,17 +80,7 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     from torch._dynamo.utils import counters
 
     counters.clear()
-    cfg = RuntimeConfig(
-        model_dir=tiny_model,
-        served_model_name="t",
-        backend="inductor",
-        use_cb=True,
-        max_model_len=128,
-        max_num_seqs=2,
-        max_num_batched_tokens=64,
-        decode_batch_buckets=(2,),
-        kv_len_buckets=(128,),
-    )
+    cfg = small_cb(tiny_model, "inductor", decode_batch_buckets=(2,), kv_len_buckets=(128,))
     ex = ModelExecutor(cfg)
     ex.warmup()
     assert counters["stats"]["unique_graphs"] == len(cfg.chunk_buckets) + 1  # chunk 64 and decode batch 2
@@ -117,17 +106,7 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
 def test_a_mixed_step_equals_its_decode_and_its_chunk_run_apart(tiny_model):
     """Chunked prefill beside the decode (one forward of chunk + decode tokens) computes what a decode step
     and a prefill step compute on their own: the chunk's last-token logits and every decode row's."""
-    cfg = RuntimeConfig(
-        model_dir=tiny_model,
-        served_model_name="t",
-        backend="eager",
-        use_cb=True,
-        max_model_len=128,
-        max_num_seqs=2,
-        max_num_batched_tokens=64,
-        decode_batch_buckets=(2,),
-        kv_len_buckets=(128,),
-    )
+    cfg = small_cb(tiny_model, decode_batch_buckets=(2,), kv_len_buckets=(128,))
     ex = ModelExecutor(cfg)
     kv = ex.prefill_kv_len
     # a: 10 prompt tokens in block 1, prefilled first; then a decodes while b's 20-token prompt (block 3) runs
