@@ -97,8 +97,8 @@ def main() -> int:
     chunk = PrefillChunk(None, tuple(range(1, args.chunk + 1)), 0, args.chunk, tuple(range(1, 1 + nb)), True)
     decode_args = ex.batch_decode_inputs(decode)
     # chunks run beside the decode rows (mixed steps, SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default)
-    mixed = dataclasses.replace(decode, prefill=chunk, mixed=True)
-    chunk_args = ex.mixed_inputs(mixed, ex.prefill_kv_len)
+    mixed = dataclasses.replace(decode, chunks=(chunk,), mixed=True, pieces=ex.config.prefill_pieces)
+    chunk_args = ex.mixed_inputs(mixed)
     res = {
         "config": vars(args) | {"out": None},
         "load_s": load_s,
@@ -106,7 +106,7 @@ def main() -> int:
         "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters),
         "decode_inputs_ms": timed(lambda: ex.batch_decode_inputs(decode), args.iters),
         "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4)),
-        "chunk_inputs_ms": timed(lambda: ex.mixed_inputs(mixed, ex.prefill_kv_len), args.iters),
+        "chunk_inputs_ms": timed(lambda: ex.mixed_inputs(mixed), args.iters),
         "decode_top_ops": top_ops(lambda: ex.run_local(*decode_args)),
         "chunk_top_ops": top_ops(lambda: ex.run_local(*chunk_args)),
         "threads": torch.get_num_threads(),

@@ -3,20 +3,26 @@
 Same contract as the static scheduler: `step = schedule()`; the executor runs it; the engine appends the
 sampled tokens; `update(step)` returns the requests that finished and left.
 
-    waiting ──admit (blocks allocated, prefix hits counted as computed)──► prefilling (one at a time)
+    waiting ──admit (blocks allocated, prefix hits counted as computed)──► prefilling (admission order)
        ▲                                                                      │ chunk by chunk
        │ preempted (blocks freed, re-prefilled later: prompt + output so far)  ▼
        └───────────────────────────────────────────────────────────────── running ──finished──► freed
 
-A step is a decode of every running request, a prefill chunk of one request, or both at once:
-- Chunks hold at most `max_num_batched_tokens` tokens and run at the smallest chunk bucket that fits.
-- Prefills are not held back: a waiting request is admitted as soon as a sequence slot and blocks are free,
-  so the decode batch fills up. With `interleave` (SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default) a
-  chunk and the decode of every running request run as one mixed step (vLLM's chunked prefill): the running
-  requests keep streaming while a prompt arrives, and the decode rows ride through the chunk's GEMMs instead
-  of reading the weights again. Without it, all chunks of a prompt run alone, back to back.
-- A decode step runs at the smallest (batch, KV length) bucket holding every running request; a mixed step
-  at the largest batch bucket (one graph per chunk bucket).
+A step is a decode of every running request, prefill chunks, or both at once:
+- Prefills are not held back: waiting requests are admitted as soon as sequence slots and blocks are free,
+  so the decode batch fills up.
+- With `interleave` (SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default) the decode of every running request
+  and a chunk made of pieces of up to `prefill_pieces` prompts (in admission order, the first one's next
+  tokens first, then the next prompt's while tokens are left) run as one mixed step, as vLLM's chunked
+  prefill does: the running requests keep streaming while prompts arrive, the decode rows ride through the
+  chunk's GEMMs instead of reading the weights again, and a step's token budget
+  (`max_num_batched_tokens`) is spent on as many prompts as it holds instead of padding one prompt's last
+  piece. The chunk runs at the smallest chunk bucket holding every piece's tokens but their last ones (those
+  go to `prefill_pieces` places of their own, see the executor), and a mixed step at the largest batch
+  bucket: one graph per chunk bucket.
+- Without it, a prompt's chunks (at most `max_num_batched_tokens` tokens, the smallest bucket that fits) run
+  alone, back to back, one prompt at a time.
+- A decode step runs at the smallest (batch, KV length) bucket holding every running request.
 Invariants: at most `max_num_seqs` requests hold blocks; prompt + max_tokens <= max_model_len for every
 admitted request, and the pool holds one such sequence, so the oldest running request always progresses.
 """
@@ -55,41 +61,47 @@ class DecodeRow:
 
 @dataclass(frozen=True)
 class ContinuousStep:
-    prefill: PrefillChunk | None = None
+    chunks: tuple[PrefillChunk, ...] = ()  # prefill pieces, one per prompt (one alone unless mixed)
     decode: tuple[DecodeRow, ...] = ()
     batch_size: int = 1  # decode bucket
     kv_len: int = 0  # decode bucket
 
     mixed: bool = False  # the chunk and the decode rows run as one forward
+    pieces: int = 0  # mixed: places for the pieces' last tokens beside the chunk bucket
 
     @property
     def is_prefill(self) -> bool:
-        return self.prefill is not None
+        return bool(self.chunks)
+
+    @property
+    def chunk_size(self) -> int:
+        """The chunk bucket the step runs at (0: no chunk)."""
+        return self.chunks[0].chunk_size if self.chunks else 0
 
     @property
     def requests(self) -> tuple[Request, ...]:
         """The requests that receive a sampled token from this step, in row order: the decode rows, then
-        the prefilled request when its chunk ends its prompt."""
-        done = (self.prefill.request,) if self.prefill is not None and self.prefill.is_last else ()
+        the prefilled requests whose chunk ends their prompt, in chunk order."""
+        done = tuple(chunk.request for chunk in self.chunks if chunk.is_last)
         return tuple(row.request for row in self.decode) + done
 
     @property
     def scheduled(self) -> tuple[Request, ...]:
         """Requests whose prompt this step computes (their scheduled time is the first such step)."""
-        return (self.prefill.request,) if self.prefill is not None else ()
+        return tuple(chunk.request for chunk in self.chunks)
 
     @property
     def occupancy(self) -> float:
         """Live tokens / tokens the step's graph computes."""
-        chunk = (len(self.prefill.token_ids), self.prefill.chunk_size) if self.prefill is not None else (0, 0)
-        decode = (
-            (len(self.decode), self.batch_size) if self.decode or self.mixed or not self.prefill else (0, 0)
-        )
-        return (chunk[0] + decode[0]) / max(1, chunk[1] + decode[1])
+        live = sum(len(chunk.token_ids) for chunk in self.chunks) + len(self.decode)
+        computed = self.chunk_size + self.pieces
+        if self.decode or self.mixed or not self.chunks:
+            computed += self.batch_size
+        return live / max(1, computed)
 
     @property
     def num_tokens(self) -> int:
-        return (len(self.prefill.token_ids) if self.prefill is not None else 0) + len(self.decode)
+        return sum(len(chunk.token_ids) for chunk in self.chunks) + len(self.decode)
 
 
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -100,14 +112,15 @@ class ContinuousScheduler:
     def __init__(self, config: RuntimeConfig) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
-        self.chunk_tokens = config.max_num_batched_tokens
         self.chunk_buckets = config.chunk_buckets
+        self.chunk_tokens = min(config.max_num_batched_tokens, max(self.chunk_buckets))
         self.batch_buckets = config.batch_buckets
         self.kv_buckets = config.kv_buckets
         self.interleave = config.cp_interleave_steps
+        self.pieces = config.prefill_pieces
         self.blocks = BlockManager(config.cb_num_blocks, enable_prefix_caching=config.enable_prefix_caching)
         self.waiting: deque[Request] = deque()
-        self.prefilling: Request | None = None
+        self.prefilling: list[Request] = []  # admitted, prompt not yet computed, in admission order
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, in all
@@ -136,8 +149,7 @@ class ContinuousScheduler:
         req = abort_waiting(self.waiting, request_id)
         if req is not None:
             return req
-        holders = [self.prefilling] if self.prefilling is not None else []
-        for req in holders + self.running:
+        for req in self.prefilling + self.running:
             if req.request_id == request_id:
                 self._release(req)
                 req.finish("abort")
@@ -150,7 +162,7 @@ class ContinuousScheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + (self.prefilling is not None)
+        return len(self.running) + len(self.prefilling)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
@@ -164,52 +176,69 @@ class ContinuousScheduler:
         # (the last: every decoder was preempted)
 
     def _mixed_step(self) -> ContinuousStep | None:
-        """The decode of every running request and the next chunk of the prompt being prefilled, as one
-        step. The decode rows take their blocks first (a preemption may end the prefill: its request is
-        then the first to be admitted again)."""
+        """The decode of every running request and the next pieces of the prompts being prefilled, as one
+        step. The decode rows take their blocks first (a preemption may end a prefill: its request is then
+        the first to be admitted again)."""
         decode = self._decode_step()
-        if self.prefilling is None:
-            self._admit()
-        if self.prefilling is None:
+        self._admit(self.max_num_seqs)
+        if not self.prefilling:
             return decode
-        chunk = self._next_chunk(self.prefilling)
-        if decode is None:
-            return ContinuousStep(prefill=chunk, batch_size=max(self.batch_buckets), mixed=True)
-        return dataclasses.replace(decode, prefill=chunk, batch_size=max(self.batch_buckets), mixed=True)
+        chunks = self._next_pieces()
+        mixed = {
+            "chunks": chunks,
+            "batch_size": max(self.batch_buckets),
+            "mixed": True,
+            "pieces": self.pieces,
+        }
+        return dataclasses.replace(decode or ContinuousStep(), **mixed)
 
     def _prefill_step(self) -> ContinuousStep | None:
-        if self.prefilling is None:
-            self._admit()
-        if self.prefilling is None:
+        self._admit(1)
+        if not self.prefilling:
             return None
-        return ContinuousStep(prefill=self._next_chunk(self.prefilling))
+        req = self.prefilling[0]
+        n = min(self.chunk_tokens, req.num_tokens - req.num_computed_tokens)
+        return ContinuousStep((self._chunk(req, n, smallest_bucket(self.chunk_buckets, n)),))
 
-    def _admit(self) -> None:
-        if not self.waiting or len(self.running) >= self.max_num_seqs:
-            return
-        req = self.waiting[0]
-        tokens = req.all_token_ids()
-        # room for the sequence and its first decode token, so admitting never forces a preemption
-        if not self.blocks.can_allocate([*tokens, 0]):
-            return
-        self.waiting.popleft()
-        allocation = self.blocks.allocate(req.request_id, tokens)
-        req.num_computed_tokens = allocation.num_cached_tokens
-        self.num_cached_tokens += allocation.num_cached_tokens
-        req.status = Status.RUNNING
-        self.prefilling = req
+    def _admit(self, limit: int) -> None:
+        """Admits waiting requests in order while sequence slots and blocks are free and fewer than `limit`
+        are prefilling."""
+        while self.waiting and len(self.prefilling) < limit and self.num_running < self.max_num_seqs:
+            req = self.waiting[0]
+            tokens = req.all_token_ids()
+            # room for the sequence and its first decode token, so admitting never forces a preemption
+            if not self.blocks.can_allocate([*tokens, 0]):
+                return
+            self.waiting.popleft()
+            allocation = self.blocks.allocate(req.request_id, tokens)
+            req.num_computed_tokens = allocation.num_cached_tokens
+            self.num_cached_tokens += allocation.num_cached_tokens
+            req.status = Status.RUNNING
+            self.prefilling.append(req)
 
-    def _next_chunk(self, req: Request) -> PrefillChunk:
+    def _next_pieces(self) -> tuple[PrefillChunk, ...]:
+        """Up to `pieces` prompts' next tokens, in admission order, within the step's token budget."""
+        budget, sizes = self.chunk_tokens, []
+        for req in self.prefilling[: self.pieces]:
+            n = min(budget, req.num_tokens - req.num_computed_tokens)
+            if n == 0:
+                break
+            sizes.append((req, n))
+            budget -= n
+        # every piece's last token has a place of its own beside the bucket
+        bucket = smallest_bucket(self.chunk_buckets, sum(n - 1 for _, n in sizes))
+        return tuple(self._chunk(req, n, bucket) for req, n in sizes)
+
+    def _chunk(self, req: Request, n: int, bucket: int) -> PrefillChunk:
         tokens = req.all_token_ids()
         start = req.num_computed_tokens
-        chunk = tokens[start : start + self.chunk_tokens]
         return PrefillChunk(
             request=req,
-            token_ids=tuple(chunk),
+            token_ids=tuple(tokens[start : start + n]),
             start=start,
-            chunk_size=smallest_bucket(self.chunk_buckets, len(chunk)),
+            chunk_size=bucket,
             block_table=self.blocks.block_table(req.request_id),
-            is_last=start + len(chunk) == len(tokens),
+            is_last=start + n == len(tokens),
         )
 
     def _decode_step(self) -> ContinuousStep | None:
@@ -217,7 +246,7 @@ class ContinuousScheduler:
             if req not in self.running:  # preempted while making room for an older request
                 continue
             while not self.blocks.can_append(req.request_id, req.num_tokens):
-                victim = self.prefilling if self.prefilling is not None else self.running[-1]
+                victim = self.prefilling[-1] if self.prefilling else self.running[-1]
                 self._preempt(victim)
                 if victim is req:
                     break
@@ -245,20 +274,20 @@ class ContinuousScheduler:
 
     def _release(self, req: Request) -> None:
         self.blocks.free(req.request_id)
-        if req is self.prefilling:
-            self.prefilling = None
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         else:
             self.running.remove(req)
 
     def update(self, step: ContinuousStep) -> list[Request]:
         """Called after the engine appended this step's tokens. Returns the requests that finished."""
         done = []
-        if step.prefill is not None:
-            req = step.prefill.request
-            req.num_computed_tokens = step.prefill.start + len(step.prefill.token_ids)
+        for chunk in step.chunks:
+            req = chunk.request
+            req.num_computed_tokens = chunk.start + len(chunk.token_ids)
             self.blocks.commit(req.request_id, req.num_computed_tokens)
-            if step.prefill.is_last:
-                self.prefilling = None
+            if chunk.is_last:
+                self.prefilling.remove(req)
                 self.running.append(req)
         for row in step.decode:
             row.request.num_computed_tokens = row.position + 1

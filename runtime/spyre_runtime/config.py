@@ -47,6 +47,8 @@ log = logging.getLogger(__name__)
 # The rules live in the shared contract package (the operator checks pods' environments with them too).
 ConfigError = ContractError
 
+MAX_PREFILL_PIECES = 4  # prompts one mixed step prefills pieces of
+
 __all__ = [
     "ALIAS_PREFIX",
     "BACKENDS",
@@ -109,6 +111,13 @@ class RuntimeConfig:
     @property
     def chunk_buckets(self) -> tuple[int, ...]:
         return chunk_buckets(self.max_num_batched_tokens, self.prefill_buckets)
+
+    @property
+    def prefill_pieces(self) -> int:
+        """Prompts a mixed step can prefill pieces of at once (each one's last token takes one more place
+        beside the chunk bucket, and the paged prefill op loops over them): 4, or max_num_seqs when fewer;
+        one without mixed steps."""
+        return min(self.max_num_seqs, MAX_PREFILL_PIECES) if self.cp_interleave_steps else 1
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:

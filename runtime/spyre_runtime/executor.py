@@ -222,11 +222,15 @@ class ModelExecutor:
         slab_start=None,
         seq_lens=None,
         mixed=0,
-        ctx_slots=None,
+        piece_tables=None,
+        piece_lens=None,
+        token_piece=None,
+        token_pos=None,
     ):
         # input_ids, position_ids, slot_mapping: [B, L]; mask: [B, L, K]; block_table: [B, nb] -> [B, V]
-        # seq_lens [B]: a paged decode (block_table: the rows'); mixed = C: one row of C chunk tokens and B
-        # decode tokens -> [B + 1, V] (the chunk's last token, then the decode rows); see kv_cache.py
+        # seq_lens [B]: a paged decode (block_table: the rows'); mixed = T: one row of a T-token chunk region
+        # (pieces of up to P prompts, each piece's last token in the region's last P places) and B decode
+        # tokens -> [P + B, V] (the pieces' last tokens, then the decode rows); see kv_cache.py
         kwargs = {"slot_mapping": slot_mapping}
         if mask is not None:
             kwargs["mask"] = mask
@@ -239,8 +243,14 @@ class ModelExecutor:
             if self.config.backend == "sendnn":  # the card's compiler cannot call the opaque paged op
                 kwargs["static_decode"] = True
         if mixed:
-            kwargs.update(mixed=mixed, ctx_slots=ctx_slots)
-        last = input_ids.shape[1] - mixed + 1 if mixed else 1
+            kwargs.update(
+                mixed=mixed,
+                piece_tables=piece_tables,
+                piece_lens=piece_lens,
+                token_piece=token_piece,
+                token_pos=token_pos,
+            )
+        last = input_ids.shape[1] - mixed + piece_lens.shape[0] if mixed else 1
         logits, _ = self.model(
             input_ids,
             position_ids=position_ids,
@@ -388,36 +398,61 @@ class ModelExecutor:
             seq_lens[:n] = position + 1
         return ids, pos, None, slots, table, None, seq_lens
 
-    def mixed_inputs(self, step: ContinuousStep, kv_len: int):
-        """One row: the chunk (left-padded to its bucket) then `batch_size` decode tokens. The chunk attends
-        to its request's first `kv_len` flat slots (`ctx_slots`, gathered); the decode tokens as in a decode
-        step (kv_cache.py)."""
-        c_ids, c_pos, c_mask, c_slots, c_table = self.chunk_inputs(step.prefill, kv_len)
+    def mixed_inputs(self, step: ContinuousStep):
+        """One row: the chunk region, then `batch_size` decode tokens. The region holds the step's pieces
+        (`step.chunks`, up to P = `config.prefill_pieces` prompts): every token of a piece but its last one
+        in order from the start, padded to the step's chunk bucket C, then the last token of piece p at
+        C + p (P places), so the pieces' next-token logits are the forward's last P + B rows with the decode
+        rows'. Each piece attends to its own request's slots (kv_cache.paged_prefill); the decode tokens as
+        in a decode step."""
+        P, C = self.config.prefill_pieces, step.chunk_size
+        T = C + P
+        ids = torch.zeros(T, dtype=torch.long)
+        pos = torch.zeros(T, dtype=torch.long)
+        slots = torch.full((T,), SCRATCH_BLOCK * BLOCK_SIZE, dtype=torch.long)
+        token_piece = torch.full((T,), -1, dtype=torch.long)
+        piece_tables = torch.full((P, self.decode_table_width), SCRATCH_BLOCK, dtype=torch.long)
+        piece_lens = torch.zeros(P, dtype=torch.long)
+        body = 0
+        for p, chunk in enumerate(step.chunks):
+            n = len(chunk.token_ids)
+            piece_tables[p, : len(chunk.block_table)] = torch.tensor(chunk.block_table, dtype=torch.long)
+            piece_lens[p] = chunk.start + n
+            where = torch.cat([torch.arange(body, body + n - 1), torch.tensor([C + p])])
+            logical = torch.arange(chunk.start, chunk.start + n)
+            ids[where] = torch.tensor(chunk.token_ids, dtype=torch.long)
+            pos[where] = logical
+            slots[where] = piece_tables[p, logical // BLOCK_SIZE] * BLOCK_SIZE + logical % BLOCK_SIZE
+            token_piece[where] = p
+            body += n - 1
         d_ids, d_pos, _, d_slots, d_table, _, seq_lens = self.batch_decode_inputs(step)
-        logical = torch.arange(kv_len)
-        ctx_slots = c_table[0, logical // BLOCK_SIZE] * BLOCK_SIZE + logical % BLOCK_SIZE
         return (
-            torch.cat([c_ids, d_ids.view(1, -1)], dim=1),
-            torch.cat([c_pos, d_pos.view(1, -1)], dim=1),
-            c_mask,
-            torch.cat([c_slots, d_slots.view(1, -1)], dim=1),
+            torch.cat([ids, d_ids.view(-1)])[None],
+            torch.cat([pos, d_pos.view(-1)])[None],
+            None,
+            torch.cat([slots, d_slots.view(-1)])[None],
             d_table,
             None,
             seq_lens,
-            step.prefill.chunk_size,
-            ctx_slots,
+            T,
+            piece_tables,
+            piece_lens,
+            token_piece,
+            pos,
         )
 
     def execute_continuous(self, step: ContinuousStep) -> SamplerOutput:
         if step.mixed:
-            logits = self._run(*self.mixed_inputs(step, self.prefill_kv_len))  # [chunk's last, decode rows]
-            rows = list(range(1, 1 + len(step.decode))) + ([0] if step.prefill.is_last else [])
-            logits = logits[rows]
-        elif step.prefill is not None:
-            logits = self._run(*self.chunk_inputs(step.prefill, self.prefill_kv_len))
+            logits = self._run(*self.mixed_inputs(step))  # [the pieces' last tokens (P), decode rows]
+            P = self.config.prefill_pieces
+            ends = [p for p, chunk in enumerate(step.chunks) if chunk.is_last]
+            logits = logits[[P + r for r in range(len(step.decode))] + ends]
+        elif step.chunks:
+            (chunk,) = step.chunks
+            logits = self._run(*self.chunk_inputs(chunk, self.prefill_kv_len))
         else:
             logits = self._run(*self.batch_decode_inputs(step))
-        # a chunk that does not end its prompt has no requests: nothing is sampled
+        # a chunk that does not end its prompt has no request: nothing is sampled for it
         return _sample(logits, step.requests)
 
     def execute(self, step: StaticStep | ContinuousStep) -> SamplerOutput:
@@ -480,8 +515,9 @@ class ModelExecutor:
             t0 = time.monotonic()
             chunk = PrefillChunk(None, (1,) * size, 0, size, (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE), True)
             if cfg.cp_interleave_steps:  # chunks run as mixed steps, beside the decode of `rows` requests
-                self._run(*self.mixed_inputs(ContinuousStep(chunk, batch_size=rows, mixed=True), kv_max))
-                what = f"chunk:{size} decode_rows:{rows} kv_len:{kv_max}"
+                step = ContinuousStep((chunk,), batch_size=rows, mixed=True)
+                self._run(*self.mixed_inputs(step))
+                what = f"chunk:{size} pieces:{cfg.prefill_pieces} decode_rows:{rows} kv_len:{kv_max}"
             else:
                 self._run(*self.chunk_inputs(chunk, kv_max))
                 what = f"chunk:{size} kv_len:{kv_max}"

@@ -70,8 +70,9 @@ def _version(dist: str) -> str:
 
 
 # The layout of the compiled graphs (attention op, mixed steps, packed linear layers): a change of it makes
-# earlier entries misses, whatever the package's version says. 2: mixed steps, paged decode, packed weights.
-GRAPH_FORMAT = 2
+# earlier entries misses, whatever the package's version says. 2: mixed steps, paged decode, packed weights;
+# 3: mixed steps prefill pieces of several prompts (paged prefill op).
+GRAPH_FORMAT = 3
 
 
 def cache_configuration(config: RuntimeConfig) -> dict:
@@ -91,6 +92,7 @@ def cache_configuration(config: RuntimeConfig) -> dict:
             "kv_buckets": list(config.kv_buckets),
             "num_kv_blocks": config.cb_num_blocks,
             "mixed_steps": config.cp_interleave_steps,  # chunk graphs with or without the decode rows
+            "prefill_pieces": config.prefill_pieces,
         }
     else:
         shapes = {

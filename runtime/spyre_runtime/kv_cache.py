@@ -13,14 +13,18 @@ attention kwargs are fixed-shape tensors:
                           row): paged attention over each row's own first seq_lens[r] slots, in an op that is
                           opaque to the compiler (`paged_decode`), so the keys read follow the rows' real
                           lengths, not a bucket: one graph per batch bucket, and a step reads only live KV
-    mixed        int C    a mixed step (continuous batching, vLLM's chunked prefill): one row of C + B
-                          tokens, a prefill chunk of C tokens then B decode tokens, through every linear
-                          layer once. The chunk attends to `ctx_slots` [K] (its request's flat slots, gathered
-                          from the cache) under `mask` [1, C, K]; the decode tokens as `seq_lens` above
+    mixed        int T    a mixed step (continuous batching, vLLM's chunked prefill): one row of T + B
+                          tokens, a chunk region of T tokens holding pieces of up to P prompts, then B decode
+                          tokens, through every linear layer once. Token t of the region belongs to piece
+                          `token_piece[t]` (-1: padding) at position `token_pos[t]`; piece p attends to the
+                          first `piece_lens[p]` slots of its request's blocks `piece_tables[p]` (earlier
+                          chunks, prefix-cache hits and its own tokens, causally) in `paged_prefill`, an op
+                          opaque to the compiler; the decode tokens as `seq_lens` above
     (none of them: a prefill with no earlier context attends to the fresh keys)
 
     static_decode True    with `seq_lens`: the same attention in plain static-shape tensor ops
-                          (`static_paged_decode`), for sendnn, which cannot call the opaque op
+                          (`static_paged_decode`, `static_paged_prefill`), for sendnn, which cannot call the
+                          opaque ops
 
 Block 0 is scratch: dummy rows and padding tokens write there, and only they read it.
 """
@@ -63,23 +67,23 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
 def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
     # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd] (or the caches, see _store) -> [B, L, h, hd]
     scale = query.shape[-1] ** -0.5 if scale_factor is None else scale_factor
-    chunk = attn_kwargs.get("mixed")
-    if chunk:
-        ctx = attn_kwargs["ctx_slots"]
-        flat_keys, flat_values = keys.flatten(0, 1), values.flatten(0, 1)
-        prefill = _sdpa(
-            query[:, :chunk],
-            flat_keys.index_select(0, ctx)[None],
-            flat_values.index_select(0, ctx)[None],
-            attn_kwargs["mask"],
-            nheads,
-            kvheads,
+    region = attn_kwargs.get("mixed")
+    if region:
+        static = attn_kwargs.get("static_decode")
+        prefill = (static_paged_prefill if static else paged_prefill)(
+            query[0, :region],
+            keys,
+            values,
+            attn_kwargs["piece_tables"],
+            attn_kwargs["piece_lens"],
+            attn_kwargs["token_piece"],
+            attn_kwargs["token_pos"],
             scale,
         )
         decode = _decode_op(attn_kwargs)(
-            query[0, chunk:], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
+            query[0, region:], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
         )
-        return torch.cat([prefill, decode[None]], dim=1)
+        return torch.cat([prefill, decode])[None]
     if attn_kwargs.get("seq_lens") is not None:
         out = _decode_op(attn_kwargs)(
             query[:, 0], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
@@ -150,6 +154,76 @@ def _attend_blocks(query, key_cache, value_cache, table, seq_lens, scale, length
         scale=scale,
     )
     return out.reshape(rows, nheads, head_dim)
+
+
+@torch.library.custom_op("spyre_serve::paged_prefill", mutates_args=())
+def paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    piece_tables: torch.Tensor,
+    piece_lens: torch.Tensor,
+    token_piece: torch.Tensor,
+    token_pos: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The chunk region of a mixed step: pieces of several prompts, each token against its own request's
+    cached tokens up to its position (their K/V, this step's included, are already in the cache).
+    query: [T, h, hd]; piece_tables: [P, nb]; piece_lens: [P] (0: no such piece); token_piece, token_pos:
+    [T] -> [T, h, hd], zeros for padding tokens. Opaque to the compiler: each piece reads only the blocks it
+    uses, and the pieces' lengths and layout change from step to step under one graph."""
+    out = torch.zeros_like(query)
+    lens = piece_lens.tolist()
+    for p, length in enumerate(lens):
+        if length == 0:
+            continue
+        rows = (token_piece == p).nonzero().squeeze(1)
+        table = piece_tables[p, : -(-length // BLOCK_SIZE)]
+        visible = torch.arange(length) <= token_pos.index_select(0, rows)[:, None]  # causal, [n, length]
+        out.index_copy_(
+            0, rows, _attend_piece(query.index_select(0, rows), key_cache, value_cache, table, visible, scale)
+        )
+    return out
+
+
+@paged_prefill.register_fake
+def _(query, key_cache, value_cache, piece_tables, piece_lens, token_piece, token_pos, scale):
+    return torch.empty_like(query)
+
+
+def static_paged_prefill(
+    query, key_cache, value_cache, piece_tables, piece_lens, token_piece, token_pos, scale
+):
+    """What `paged_prefill` computes, in plain tensor ops of static shape: every token against every piece's
+    whole block table, the piece's own result kept (device compilers, see `static_paged_decode`)."""
+    length = piece_tables.shape[1] * BLOCK_SIZE
+    causal = torch.arange(length) <= token_pos[:, None]  # [T, length]
+    out = torch.zeros_like(query)
+    for p in range(piece_tables.shape[0]):
+        mine = token_piece == p
+        visible = (causal & mine[:, None]) | (torch.arange(length) == 0)  # a finite row for the others
+        o = _attend_piece(query, key_cache, value_cache, piece_tables[p], visible, scale)
+        out = torch.where(mine[:, None, None], o, out)
+    return out
+
+
+def _attend_piece(query, key_cache, value_cache, table, visible, scale):
+    """Query tokens [n, h, hd] against the first visible.shape[1] slots of the blocks `table` [nb] under
+    `visible` [n, keys] (GQA: query head i uses KV head i // group) -> [n, h, hd]."""
+    _, nheads, head_dim = query.shape
+    kvheads = key_cache.shape[2]
+    length = visible.shape[1]
+    keys = key_cache.index_select(0, table).view(-1, kvheads, head_dim)[:length].transpose(0, 1)
+    values = value_cache.index_select(0, table).view(-1, kvheads, head_dim)[:length].transpose(0, 1)
+    out = F.scaled_dot_product_attention(
+        query.transpose(0, 1)[None],
+        keys[None],
+        values[None],
+        attn_mask=visible[None, None],
+        scale=scale,
+        enable_gqa=nheads != kvheads,
+    )
+    return out[0].transpose(0, 1)
 
 
 def _decode_op(attn_kwargs):

@@ -39,7 +39,7 @@ def drive(sched: ContinuousScheduler, arrivals: dict[int, list[Request]], num_st
             if r.num_output_tokens >= r.sampling.max_tokens:
                 r.finish("length")
         done = sched.update(step)
-        ids = tuple(row.request for row in step.decode) + ((step.prefill.request,) if step.prefill else ())
+        ids = tuple(row.request for row in step.decode) + step.scheduled
         kind = "prefill" if step.is_prefill else "decode"
         rows.append(
             (
@@ -62,8 +62,8 @@ def test_requests_join_and_leave_the_running_batch():
     rows = drive(s, {0: [a], 1: [b]}, 7)
     assert rows == [
         (0, "prefill", ("a",), 64, 0, 1, 2, ()),  # a's first chunk; a holds 2 blocks (100 tokens)
-        (1, "prefill", ("a",), 36, 1, 1, 2, ()),  # nobody decodes yet, so a's last chunk follows
-        (2, "mixed", ("a", "b"), 31, 0, 2, 3, ()),  # b's whole prompt beside a's decode: b joins at once
+        (1, "prefill", ("a", "b"), 64, 0, 2, 3, ()),  # a's last 36 tokens and b's first 28 in one chunk
+        (2, "mixed", ("a", "b"), 3, 0, 2, 3, ()),  # b's last 2 tokens beside a's first decode
         (3, "decode", ("a", "b"), 2, 0, 1, 1, ("a",)),  # a leaves at once, its blocks freed...
         (4, "decode", ("b",), 1, 0, 1, 1, ()),  # ...b goes on alone
         (5, "decode", ("b",), 1, 0, 0, 0, ("b",)),
@@ -91,11 +91,11 @@ def test_max_num_seqs_holds_back_admission_until_a_request_leaves():
     assert [
         (kind[0], ids, waiting, running, done) for _, kind, ids, _, waiting, running, _, done in rows
     ] == [
-        ("p", ("a",), 2, 1, ()),
-        ("m", ("a", "b"), 1, 2, ()),  # two running: c waits
+        ("p", ("a", "b"), 1, 2, ()),  # both prompts in one chunk; two running: c waits
+        ("d", ("a", "b"), 1, 2, ()),
         ("d", ("a", "b"), 1, 1, ("a",)),
-        ("m", ("b", "c"), 0, 1, ("c",)),  # a left, c is admitted (and done: max_tokens 1)
-        ("d", ("b",), 0, 0, ("b",)),
+        ("m", ("b", "c"), 0, 0, ("b", "c")),  # a left, c is admitted (and done: max_tokens 1)
+        ("i", (), 0, 0, ()),
         ("i", (), 0, 0, ()),
         ("i", (), 0, 0, ()),
     ]
@@ -128,8 +128,8 @@ def test_block_pressure_preempts_the_newest_request_and_resumes_it_without_loss(
     a, b = req("a", list(range(3, 123)), 12), req("b", list(range(200, 320)), 12)
     rows = drive(s, {0: [a, b]}, 18)
     assert [row[1:] for row in rows] == [
-        ("prefill", ("a",), 120, 1, 1, 2, ()),
-        ("mixed", ("a", "b"), 121, 0, 2, 4, ()),
+        ("prefill", ("a", "b"), 128, 0, 2, 4, ()),  # a's prompt and b's first 8 tokens
+        ("mixed", ("a", "b"), 113, 0, 2, 4, ()),  # a's decode, b's last 112 tokens
         *[("decode", ("a", "b"), 2, 0, 2, 4, ())] * 7,
         ("decode", ("a",), 1, 1, 1, 3, ()),  # b preempted: back to waiting, its blocks freed
         ("decode", ("a",), 1, 1, 1, 3, ()),
@@ -146,16 +146,16 @@ def test_block_pressure_preempts_the_newest_request_and_resumes_it_without_loss(
 
 
 def test_abort_frees_blocks_wherever_the_request_is():
-    s = ContinuousScheduler(config())
+    s = ContinuousScheduler(config(max_num_seqs=2))
     a, b, c = req("a", 100, 5), req("b", 10, 5), req("c", 10, 5)
     for r in (a, b, c):
         s.add(r)
-    s.update(s.schedule())  # a's first chunk: a holds 2 blocks mid-prefill
-    assert s.blocks.num_used_blocks == 2
-    assert s.abort("a") is a and a.finish_reason == "abort" and s.blocks.num_used_blocks == 0
-    assert s.abort("c") is c and s.num_waiting == 1
+    s.update(s.schedule())  # a's first chunk (the whole budget): a holds 2 blocks mid-prefill, b 1, c waits
+    assert (s.blocks.num_used_blocks, s.num_running, s.num_waiting) == (3, 2, 1)
+    assert s.abort("a") is a and a.finish_reason == "abort" and s.blocks.num_used_blocks == 1
+    assert s.abort("c") is c and s.num_waiting == 0 and s.blocks.num_used_blocks == 1
     step = s.schedule()
-    assert step.prefill.request is b and step.prefill.start == 0
+    assert step.scheduled == (b,) and step.chunks[0].start == 0
     assert s.abort("missing") is None
 
 
@@ -185,9 +185,34 @@ def test_buckets_pick_the_smallest_compiled_shape():
             if r.num_output_tokens >= r.sampling.max_tokens:
                 r.finish("length")
         s.update(step)
-    chunk_sizes = [st.prefill.chunk_size for st in steps if st.is_prefill]
+    chunk_sizes = [st.chunk_size for st in steps if st.is_prefill]
     decodes = [(len(st.decode), st.batch_size, st.kv_len) for st in steps if not st.is_prefill]
-    assert chunk_sizes == [64, 64, 64, 64]  # 64 + 6 for the 70-token prompt, then 10 and 10
+    # 64 tokens of the 70-token prompt, then its last 6 and both 10-token prompts in one chunk (23 tokens
+    # beside the pieces' last ones)
+    assert chunk_sizes == [64, 64]
+    assert [len(c.token_ids) for c in steps[1].chunks] == [6, 10, 10]
     assert decodes[0] == (3, 4, 128)  # all three prefilled first; 71 tokens -> KV bucket 128
     assert (3, 4, 128) in decodes and all(b in (1, 2, 4, 8) for _, b, _ in decodes)
     assert all(r.status is Status.FINISHED for r in reqs)
+
+
+def test_a_mixed_step_prefills_pieces_of_at_most_four_prompts_within_the_token_budget():
+    s = ContinuousScheduler(config(max_num_seqs=8))
+    assert s.pieces == 4
+    rows = drive(s, {0: [req(f"r{i}", 30 if i == 0 else 10, 3) for i in range(6)]}, 3)
+    assert [
+        (kind[0], "".join(ids), n, waiting, running) for _, kind, ids, n, waiting, running, *_ in rows
+    ] == [
+        ("p", "r0r1r2r3", 60, 0, 6),  # four pieces (30 + 3 x 10 tokens), all six admitted
+        ("m", "r0r1r2r3r4r5", 24, 0, 6),  # the four decode beside the last two prompts
+        ("d", "r0r1r2r3r4r5", 6, 0, 2),
+    ]
+    budget = ContinuousScheduler(config(max_num_seqs=8))
+    for i in range(3):
+        budget.add(req(f"b{i}", 50, 2))
+    step = budget.schedule()  # 50 + the first 14 of the next prompt fill the 64-token budget
+    assert [(c.request.request_id, c.start, len(c.token_ids), c.is_last) for c in step.chunks] == [
+        ("b0", 0, 50, True),
+        ("b1", 0, 14, False),
+    ]
+    assert step.chunk_size == 64 and step.requests == (step.chunks[0].request,)

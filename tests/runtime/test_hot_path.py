@@ -103,28 +103,72 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     torch.testing.assert_close(packed, 2 * halved)  # (the op really serves the packed, unhalved weight)
 
 
-def test_a_mixed_step_equals_its_decode_and_its_chunk_run_apart(tiny_model):
-    """Chunked prefill beside the decode (one forward of chunk + decode tokens) computes what a decode step
-    and a prefill step compute on their own: the chunk's last-token logits and every decode row's."""
-    cfg = small_cb(tiny_model, decode_batch_buckets=(2,), kv_len_buckets=(128,))
+def test_a_mixed_step_equals_its_decode_and_its_chunks_run_apart(tiny_model):
+    """Chunked prefill beside the decode (one forward of the pieces of two prompts and the decode tokens)
+    computes what a decode step and each piece's own prefill step compute: every piece's last-token logits
+    (one piece continues a prompt with earlier context, one starts a prompt and does not end it) and every
+    decode row's."""
+    cfg = small_cb(tiny_model, max_num_seqs=4, decode_batch_buckets=(4,), kv_len_buckets=(128,))
     ex = ModelExecutor(cfg)
     kv = ex.prefill_kv_len
-    # a: 10 prompt tokens in block 1, prefilled first; then a decodes while b's 20-token prompt (block 3) runs
+    assert cfg.prefill_pieces == 4
+    # a: 10 prompt tokens in block 1, prefilled first; c: the first 25 of 40 tokens (block 4) likewise. Then
+    # one mixed step: a decodes, c's last 15 tokens and b's first 12 of 20 (block 3) are prefilled
     a = PrefillChunk(None, tuple(range(5, 15)), 0, 64, (1,), True)
+    c_prompt = tuple(range(60, 100))
     ex.run_local(*ex.chunk_inputs(a, kv))
+    ex.run_local(*ex.chunk_inputs(PrefillChunk(None, c_prompt[:25], 0, 64, (4,), False), kv))
     saved = [(k.clone(), v.clone()) for k, v in ex.kv.layers]
-    decode = ContinuousStep(decode=(DecodeRow(None, 7, 10, (1,)),), batch_size=2, kv_len=128)
-    b = PrefillChunk(None, tuple(range(30, 50)), 0, 64, (3,), True)
-    apart_decode = ex.run_local(*ex.batch_decode_inputs(decode))[0]
-    apart_chunk = ex.run_local(*ex.chunk_inputs(b, kv))[0]
+    decode = ContinuousStep(decode=(DecodeRow(None, 7, 10, (1,)),), batch_size=4, kv_len=128)
+    c = PrefillChunk(None, c_prompt[25:], 25, 64, (4,), True)
+    b = PrefillChunk(None, tuple(range(30, 42)), 0, 64, (3,), False)
+    apart = [ex.run_local(*ex.chunk_inputs(chunk, kv))[0] for chunk in (c, b)]
+    apart.append(ex.run_local(*ex.batch_decode_inputs(decode))[0])
     for (k, v), (k0, v0) in zip(ex.kv.layers, saved, strict=True):
         k.copy_(k0)
         v.copy_(v0)
-    mixed = ex.run_local(*ex.mixed_inputs(dataclasses.replace(decode, prefill=b, mixed=True), kv))
-    assert mixed.shape[0] == 3  # the chunk's last token, then both decode rows (one of them a dummy)
-    torch.testing.assert_close(mixed[0], apart_chunk, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(mixed[1], apart_decode, atol=1e-5, rtol=1e-5)
+    mixed = ex.run_local(*ex.mixed_inputs(dataclasses.replace(decode, chunks=(c, b), mixed=True, pieces=4)))
+    assert mixed.shape[0] == 8  # the 4 pieces' places (2 used), then the 4 decode rows (3 of them dummies)
+    for row, expected in zip((0, 1, 4), apart, strict=True):
+        torch.testing.assert_close(mixed[row], expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(mixed[0], mixed[1])
+
+
+def test_paged_prefill_attends_each_piece_to_its_own_slots_causally():
+    """The paged prefill op against attention computed token by token: three pieces in scattered blocks
+    (one with 70 earlier tokens in the cache), tokens interleaved in the region, padding, GQA, garbage in
+    every other slot; and its static-shape form (for sendnn) computes the same."""
+    from spyre_runtime.kv_cache import BLOCK_SIZE, paged_prefill, static_paged_prefill
+
+    torch.manual_seed(0)
+    kvh, group, hd = 2, 3, 16
+    key_cache = torch.randn(9, BLOCK_SIZE, kvh, hd) * 50
+    value_cache = torch.randn(9, BLOCK_SIZE, kvh, hd) * 50
+    tables = torch.tensor([[4, 2, 0], [5, 0, 0], [0, 0, 0], [8, 3, 6]])
+    lens = torch.tensor([80, 6, 0, 130])  # piece 3: 70 earlier tokens, then 60 of this step
+    token_piece = torch.tensor([0] * 10 + [1] * 6 + [3] * 60 + [-1] * 4)
+    token_pos = torch.cat(
+        [torch.arange(70, 80), torch.arange(6), torch.arange(70, 130), torch.zeros(4)]
+    ).long()
+    order = torch.randperm(80)
+    token_piece, token_pos = token_piece[order], token_pos[order]
+    query = torch.randn(80, kvh * group, hd)
+    out = paged_prefill(query, key_cache, value_cache, tables, lens, token_piece, token_pos, hd**-0.5)
+    for t in range(80):
+        p = int(token_piece[t])
+        if p < 0:
+            assert not out[t].any()  # padding: zeros
+            continue
+        keys = key_cache[tables[p]].flatten(0, 1)[: token_pos[t] + 1]
+        values = value_cache[tables[p]].flatten(0, 1)[: token_pos[t] + 1]
+        for h in range(kvh * group):
+            scores = keys[:, h // group] @ query[t, h] * hd**-0.5
+            expected = torch.softmax(scores, dim=0) @ values[:, h // group]
+            torch.testing.assert_close(out[t, h], expected, atol=1e-3, rtol=1e-3)  # (a wrong key: ~50)
+    static = static_paged_prefill(
+        query, key_cache, value_cache, tables, lens, token_piece, token_pos, hd**-0.5
+    )
+    torch.testing.assert_close(static, out, atol=1e-4, rtol=1e-4)
 
 
 def test_paged_decode_reads_each_rows_own_slots_only():
