@@ -262,13 +262,14 @@ class ModelExecutor:
         )
         return logits[0] if mixed else logits[:, -1, :]
 
-    def _run(self, *args) -> torch.Tensor:
+    def _run(self, *args, live_rows: int | None = None) -> torch.Tensor:
+        """`live_rows`: a decode step whose first n rows only are live (linear.live_rows)."""
         if self.workers is not None:
-            self.workers.send("run", args)
-        return self.run_local(*args)
+            self.workers.send("run", (args, live_rows))
+        return self.run_local(*args, live_rows=live_rows)
 
-    def run_local(self, *args) -> torch.Tensor:
-        with torch.inference_mode():
+    def run_local(self, *args, live_rows: int | None = None) -> torch.Tensor:
+        with torch.inference_mode(), linear.live_rows(live_rows):
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._step_fn(*args)
@@ -451,7 +452,7 @@ class ModelExecutor:
             (chunk,) = step.chunks
             logits = self._run(*self.chunk_inputs(chunk, self.prefill_kv_len))
         else:
-            logits = self._run(*self.batch_decode_inputs(step))
+            logits = self._run(*self.batch_decode_inputs(step), live_rows=len(step.decode))
         # a chunk that does not end its prompt has no request: nothing is sampled for it
         return _sample(logits, step.requests)
 

@@ -7,8 +7,8 @@
                   logits (gathered on every rank; rank 0 samples)
 
 Rank 0 owns the scheduler and sends every step's input tensors to the others; every rank runs the same
-compiled shapes in the same order, so collectives always pair up. Messages are ("run", args), ("env", dict)
-(e.g. the inductor cache directory before the first compile), ("warm", None) and ("stop", None).
+compiled shapes in the same order, so collectives always pair up. Messages are ("run", (args, live rows)),
+("env", dict) (e.g. the inductor cache directory before the first compile), ("warm", None) and ("stop", None).
 A monitor thread on rank 0 watches the workers: if one dies, it logs which, kills the others and ends
 the process with exit code 3 within a second, so nothing waits on a collective forever. Workers end within
 a second of rank 0. Collectives time out after SENDNN_INFERENCE_GLOO_TIMEOUT_MINUTES.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import logging
 import multiprocessing
@@ -177,7 +178,8 @@ def worker_main(config: RuntimeConfig, rank: int, port: int) -> None:
         dist.broadcast_object_list(box, src=0)
         op, payload = box[0]
         if op == "run":
-            _run_or_die(executor.run_local, payload)
+            args, live_rows = payload
+            _run_or_die(functools.partial(executor.run_local, live_rows=live_rows), args)
         elif op == "score":
             _run_or_die(executor.score_local, (payload,))
         elif op == "env":

@@ -103,6 +103,26 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     torch.testing.assert_close(packed, 2 * halved)  # (the op really serves the packed, unhalved weight)
 
 
+def test_a_decode_step_with_few_live_rows_multiplies_only_those(tiny_model):
+    """One live row in a 4-row decode graph (compiled, serving stance): the packed-linear op multiplies that
+    row alone (the dummy rows' logits come out exactly zero) and its logits equal the full step's; with more
+    live rows than linear.FEW_ROWS every row is multiplied."""
+    from spyre_runtime import linear
+
+    cfg = small_cb(tiny_model, "inductor", max_num_seqs=4, decode_batch_buckets=(4,), kv_len_buckets=(128,))
+    ex = ModelExecutor(cfg)
+    ex.warmup()
+    step = ContinuousStep(decode=(DecodeRow(None, 9, 3, (2,)),), batch_size=4, kv_len=128)
+    args = ex.batch_decode_inputs(step)
+    args[0][1:, 0] = 5  # dummy rows of a token that does not embed to zeros (they write scratch only)
+    full = ex.run_local(*args)
+    few = ex.run_local(*args, live_rows=1)
+    assert full[1:].abs().sum() > 0 and not few[1:].any()
+    torch.testing.assert_close(few[0], full[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(ex.run_local(*args, live_rows=linear.FEW_ROWS + 1), full)
+    assert linear._live is None  # the hint ends with its step
+
+
 def test_a_mixed_step_equals_its_decode_and_its_chunks_run_apart(tiny_model):
     """Chunked prefill beside the decode (one forward of the pieces of two prompts and the decode tokens)
     computes what a decode step and each piece's own prefill step compute: every piece's last-token logits
