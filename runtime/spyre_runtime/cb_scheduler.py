@@ -17,9 +17,10 @@ A step is a decode of every running request, prefill chunks, or both at once:
   prefill does: the running requests keep streaming while prompts arrive, the decode rows ride through the
   chunk's GEMMs instead of reading the weights again, and a step's token budget
   (`max_num_batched_tokens`) is spent on as many prompts as it holds instead of padding one prompt's last
-  piece. The chunk runs at the smallest chunk bucket holding every piece's tokens but their last ones (those
-  go to `prefill_pieces` places of their own, see the executor), and a mixed step at the largest batch
-  bucket: one graph per chunk bucket.
+  piece. Every piece's tokens but its last one make the chunk (the last ones go to `prefill_pieces` places
+  of their own, see the executor), which runs at its own length rounded up to 8 tokens on CPU backends (one
+  graph with a dynamic token dimension, `config.dynamic_chunks`) or at the smallest chunk bucket that holds
+  it (sendnn: one graph per bucket); a mixed step runs at the largest batch bucket.
 - Without it, a prompt's chunks (at most `max_num_batched_tokens` tokens, the smallest bucket that fits) run
   alone, back to back, one prompt at a time.
 - A decode step runs at the smallest (batch, KV length) bucket holding every running request.
@@ -34,7 +35,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from spyre_runtime.block_manager import BlockManager
-from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
 from spyre_runtime.request import Request, Status
 from spyre_runtime.scheduler import abort_waiting, check_admissible
 
@@ -113,7 +114,10 @@ class ContinuousScheduler:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
         self.chunk_buckets = config.chunk_buckets
-        self.chunk_tokens = min(config.max_num_batched_tokens, max(self.chunk_buckets))
+        self.dynamic_chunks = config.dynamic_chunks
+        self.chunk_tokens = config.max_num_batched_tokens
+        if not self.dynamic_chunks:
+            self.chunk_tokens = min(self.chunk_tokens, max(self.chunk_buckets))
         self.batch_buckets = config.batch_buckets
         self.kv_buckets = config.kv_buckets
         self.interleave = config.cp_interleave_steps
@@ -225,8 +229,12 @@ class ContinuousScheduler:
                 break
             sizes.append((req, n))
             budget -= n
-        # every piece's last token has a place of its own beside the bucket
-        bucket = smallest_bucket(self.chunk_buckets, sum(n - 1 for _, n in sizes))
+        # every piece's last token has a place of its own beside the chunk
+        body = sum(n - 1 for _, n in sizes)
+        if self.dynamic_chunks:
+            bucket = max(CHUNK_ALIGN, -(-body // CHUNK_ALIGN) * CHUNK_ALIGN)
+        else:
+            bucket = smallest_bucket(self.chunk_buckets, body)
         return tuple(self._chunk(req, n, bucket) for req, n in sizes)
 
     def _chunk(self, req: Request, n: int, bucket: int) -> PrefillChunk:

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 ConfigError = ContractError
 
 MAX_PREFILL_PIECES = 4  # prompts one mixed step prefills pieces of
+CHUNK_ALIGN = 8  # dynamic chunks: a mixed step's chunk length is a multiple of this (at least this)
 
 __all__ = [
     "ALIAS_PREFIX",
@@ -111,6 +112,22 @@ class RuntimeConfig:
     @property
     def chunk_buckets(self) -> tuple[int, ...]:
         return chunk_buckets(self.max_num_batched_tokens, self.prefill_buckets)
+
+    @property
+    def dynamic_chunks(self) -> bool:
+        """Mixed steps on a CPU backend run at the chunk's own length (rounded up to CHUNK_ALIGN tokens) in
+        one graph whose token dimension is dynamic (inductor) or in no graph (eager): no padding to a bucket,
+        one graph instead of one per bucket. sendnn (static shapes only) and chunks run alone keep the
+        chunk buckets."""
+        return self.cp_interleave_steps and self.backend in ("inductor", "eager")
+
+    @property
+    def chunk_lengths(self) -> tuple[int, ...]:
+        """The chunk lengths warm-up runs: every chunk bucket, or with dynamic chunks the shortest and the
+        longest (one graph; the second run proves it serves both without compiling again)."""
+        if self.dynamic_chunks:
+            return (CHUNK_ALIGN, self.max_num_batched_tokens)
+        return self.chunk_buckets
 
     @property
     def prefill_pieces(self) -> int:
@@ -245,7 +262,9 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     if config.use_cb:  # the expanded menu, once
         logging.getLogger(__name__).info(
             "continuous batching menu: prefill chunks %s, decode batch sizes %s, KV lengths %s",
-            list(config.chunk_buckets),
+            f"of any length up to {config.max_num_batched_tokens} (one graph)"
+            if config.dynamic_chunks
+            else list(config.chunk_buckets),
             list(config.batch_buckets),
             list(config.kv_buckets),
         )

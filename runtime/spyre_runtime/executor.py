@@ -20,7 +20,7 @@ import torch
 
 from spyre_runtime import kv_cache, linear
 from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
-from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
+from spyre_runtime.config import CHUNK_ALIGN, ConfigError, RuntimeConfig, Shape
 from spyre_runtime.graph_cache import loading
 from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
 from spyre_runtime.sampling import SamplerOutput, sample
@@ -221,16 +221,17 @@ class ModelExecutor:
         block_table=None,
         slab_start=None,
         seq_lens=None,
-        mixed=0,
+        mixed=False,
         piece_tables=None,
         piece_lens=None,
         token_piece=None,
         token_pos=None,
     ):
         # input_ids, position_ids, slot_mapping: [B, L]; mask: [B, L, K]; block_table: [B, nb] -> [B, V]
-        # seq_lens [B]: a paged decode (block_table: the rows'); mixed = T: one row of a T-token chunk region
-        # (pieces of up to P prompts, each piece's last token in the region's last P places) and B decode
-        # tokens -> [P + B, V] (the pieces' last tokens, then the decode rows); see kv_cache.py
+        # seq_lens [B]: a paged decode (block_table: the rows'); mixed: one row of a chunk region of T =
+        # len(token_piece) tokens (pieces of up to P prompts, each piece's last token in the region's last P
+        # places) and B decode tokens -> [P + B, V] (the pieces' last tokens, then the decode rows); T is
+        # read off a tensor's shape, so with dynamic chunks it stays symbolic; see kv_cache.py
         kwargs = {"slot_mapping": slot_mapping}
         if mask is not None:
             kwargs["mask"] = mask
@@ -250,7 +251,7 @@ class ModelExecutor:
                 token_piece=token_piece,
                 token_pos=token_pos,
             )
-        last = input_ids.shape[1] - mixed + piece_lens.shape[0] if mixed else 1
+        last = input_ids.shape[1] - token_piece.shape[0] + piece_lens.shape[0] if mixed else 1
         logits, _ = self.model(
             input_ids,
             position_ids=position_ids,
@@ -269,12 +270,28 @@ class ModelExecutor:
         return self.run_local(*args, live_rows=live_rows)
 
     def run_local(self, *args, live_rows: int | None = None) -> torch.Tensor:
+        if len(args) > 7 and args[7] and self.config.dynamic_chunks:
+            self._mark_dynamic_chunk(args)
         with torch.inference_mode(), linear.live_rows(live_rows):
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._step_fn(*args)
             with compile_settings(self.config.backend, self.config.cache_enabled, freeze=not self.packed):
                 return self._step_fn(*args)
+
+    def _mark_dynamic_chunk(self, args) -> None:
+        """A mixed step's token dimension is dynamic (config.dynamic_chunks): the one graph compiled for it
+        serves every chunk length from CHUNK_ALIGN to max_num_batched_tokens (a length outside that range
+        would compile again, which serving refuses)."""
+        cfg = self.config
+        rows = max(cfg.batch_buckets)  # the decode tokens after the chunk region
+        low, high = CHUNK_ALIGN + cfg.prefill_pieces, cfg.max_num_batched_tokens + cfg.prefill_pieces
+        input_ids, position_ids, _, slot_mapping, *_ = args
+        token_piece, token_pos = args[10], args[11]
+        for t in (input_ids, position_ids, slot_mapping):
+            torch._dynamo.mark_dynamic(t, 1, min=low + rows, max=high + rows)
+        for t in (token_piece, token_pos):
+            torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """[L] token ids -> [L, V] logits of every position: an eager pass with no KV cache and no compiled
@@ -435,7 +452,7 @@ class ModelExecutor:
             d_table,
             None,
             seq_lens,
-            T,
+            True,
             piece_tables,
             piece_lens,
             token_piece,
@@ -473,7 +490,9 @@ class ModelExecutor:
             log.warning("warm-up skipped (--skip-warmup): every shape compiles on first use, while serving")
             self.warmup_seconds = 0.0
             return 0.0
-        graphs = len(cfg.chunk_buckets) + len(cfg.batch_buckets) if cfg.use_cb else 2 * len(cfg.shapes)
+        graphs = 2 * len(cfg.shapes)
+        if cfg.use_cb:
+            graphs = (1 if cfg.dynamic_chunks else len(cfg.chunk_buckets)) + len(cfg.batch_buckets)
         self.progress.start(graphs)
         # The limits count every compiled entry of `_forward`'s code object in the process, earlier executors'
         # included (with frozen graphs they stay: a second executor's warmup hit a limit of 8), so a process
@@ -512,17 +531,27 @@ class ModelExecutor:
         cfg = self.config
         kv_max = self.prefill_kv_len
         rows = max(cfg.batch_buckets)
-        for size in cfg.chunk_buckets:
-            t0 = time.monotonic()
+        t0 = time.monotonic()
+        for i, size in enumerate(cfg.chunk_lengths):
             chunk = PrefillChunk(None, (1,) * size, 0, size, (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE), True)
             if cfg.cp_interleave_steps:  # chunks run as mixed steps, beside the decode of `rows` requests
                 step = ContinuousStep((chunk,), batch_size=rows, mixed=True)
-                self._run(*self.mixed_inputs(step))
+                # dynamic chunks: one graph, compiled by the first length; the second must not compile
+                again = cfg.dynamic_chunks and i > 0 and cfg.backend != "eager"
+                with torch.compiler.set_stance("fail_on_recompile") if again else contextlib.nullcontext():
+                    self._run(*self.mixed_inputs(step))
                 what = f"chunk:{size} pieces:{cfg.prefill_pieces} decode_rows:{rows} kv_len:{kv_max}"
             else:
                 self._run(*self.chunk_inputs(chunk, kv_max))
                 what = f"chunk:{size} kv_len:{kv_max}"
+            if cfg.dynamic_chunks:
+                if i == 0:
+                    continue
+                what = f"chunk:{cfg.chunk_lengths[0]}-{size} (dynamic) pieces:{cfg.prefill_pieces} " + (
+                    f"decode_rows:{rows} kv_len:{kv_max}"
+                )
             self.progress.step("Prefill", what, time.monotonic() - t0)
+            t0 = time.monotonic()
         for batch in cfg.batch_buckets:  # paged decode reads live slots: one graph per batch bucket
             t0 = time.monotonic()
             self._run(*self.batch_decode_inputs(ContinuousStep(batch_size=batch, kv_len=kv_max)))

@@ -93,6 +93,7 @@ def cache_configuration(config: RuntimeConfig) -> dict:
             "num_kv_blocks": config.cb_num_blocks,
             "mixed_steps": config.cp_interleave_steps,  # chunk graphs with or without the decode rows
             "prefill_pieces": config.prefill_pieces,
+            "dynamic_chunks": config.dynamic_chunks,  # one mixed graph, dynamic in its token count
         }
     else:
         shapes = {

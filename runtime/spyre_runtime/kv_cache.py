@@ -13,7 +13,7 @@ attention kwargs are fixed-shape tensors:
                           row): paged attention over each row's own first seq_lens[r] slots, in an op that is
                           opaque to the compiler (`paged_decode`), so the keys read follow the rows' real
                           lengths, not a bucket: one graph per batch bucket, and a step reads only live KV
-    mixed        int T    a mixed step (continuous batching, vLLM's chunked prefill): one row of T + B
+    mixed        True     a mixed step (continuous batching, vLLM's chunked prefill): one row of T + B
                           tokens, a chunk region of T tokens holding pieces of up to P prompts, then B decode
                           tokens, through every linear layer once. Token t of the region belongs to piece
                           `token_piece[t]` (-1: padding) at position `token_pos[t]`; piece p attends to the
@@ -67,8 +67,8 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
 def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
     # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd] (or the caches, see _store) -> [B, L, h, hd]
     scale = query.shape[-1] ** -0.5 if scale_factor is None else scale_factor
-    region = attn_kwargs.get("mixed")
-    if region:
+    if attn_kwargs.get("mixed"):
+        region = attn_kwargs["token_piece"].shape[0]  # symbolic with dynamic chunks
         static = attn_kwargs.get("static_decode")
         prefill = (static_paged_prefill if static else paged_prefill)(
             query[0, :region],
