@@ -53,9 +53,11 @@ OURS_CONFIGS = {
         {"SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "4,8", "SENDNN_INFERENCE_CB_KV_LENS": "128,256,384"},
         ("--max-num-batched-tokens", "256"),
     ),
+    # one decode graph (batch 8) and one mixed graph (dynamic chunk length, a budget of 256 tokens per step:
+    # a typical prompt of the workload in one step, beside the decodes)
     "few-graphs": (
         {"SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "8", "SENDNN_INFERENCE_CB_KV_LENS": "384"},
-        ("--max-num-batched-tokens", "128"),
+        ("--max-num-batched-tokens", "256"),
     ),
     # the same three graphs with chunks of 128 and 256 tokens: every prompt of the workload (<= 256 tokens)
     # is prefilled in one mixed step
