@@ -34,6 +34,8 @@ import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
+from spyre_contract.environment import round_up
+
 from spyre_runtime.block_manager import BlockManager
 from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
 from spyre_runtime.request import Request, Status
@@ -232,7 +234,7 @@ class ContinuousScheduler:
         # every piece's last token has a place of its own beside the chunk
         body = sum(n - 1 for _, n in sizes)
         if self.dynamic_chunks:
-            bucket = max(CHUNK_ALIGN, -(-body // CHUNK_ALIGN) * CHUNK_ALIGN)
+            bucket = max(CHUNK_ALIGN, round_up(body, CHUNK_ALIGN))
         else:
             bucket = smallest_bucket(self.chunk_buckets, body)
         return tuple(self._chunk(req, n, bucket) for req, n in sizes)

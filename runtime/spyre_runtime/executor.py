@@ -270,8 +270,8 @@ class ModelExecutor:
         return self.run_local(*args, live_rows=live_rows)
 
     def run_local(self, *args, live_rows: int | None = None) -> torch.Tensor:
-        if len(args) > 7 and args[7] and self.config.dynamic_chunks:
-            self._mark_dynamic_chunk(args)
+        if not self.is_warm and self.config.dynamic_chunks and len(args) == 12:  # a mixed step, compiling
+            self._mark_dynamic_chunk(*args)
         with torch.inference_mode(), linear.live_rows(live_rows):
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
@@ -279,15 +279,14 @@ class ModelExecutor:
             with compile_settings(self.config.backend, self.config.cache_enabled, freeze=not self.packed):
                 return self._step_fn(*args)
 
-    def _mark_dynamic_chunk(self, args) -> None:
+    def _mark_dynamic_chunk(self, input_ids, position_ids, _mask, slot_mapping, *rest) -> None:
         """A mixed step's token dimension is dynamic (config.dynamic_chunks): the one graph compiled for it
         serves every chunk length from CHUNK_ALIGN to max_num_batched_tokens (a length outside that range
-        would compile again, which serving refuses)."""
+        would compile again, which serving refuses). Only the compiling call needs the marks."""
+        *_, token_piece, token_pos = rest
         cfg = self.config
         rows = max(cfg.batch_buckets)  # the decode tokens after the chunk region
         low, high = CHUNK_ALIGN + cfg.prefill_pieces, cfg.max_num_batched_tokens + cfg.prefill_pieces
-        input_ids, position_ids, _, slot_mapping, *_ = args
-        token_piece, token_pos = args[10], args[11]
         for t in (input_ids, position_ids, slot_mapping):
             torch._dynamo.mark_dynamic(t, 1, min=low + rows, max=high + rows)
         for t in (token_piece, token_pos):
@@ -537,19 +536,15 @@ class ModelExecutor:
             if cfg.cp_interleave_steps:  # chunks run as mixed steps, beside the decode of `rows` requests
                 step = ContinuousStep((chunk,), batch_size=rows, mixed=True)
                 # dynamic chunks: one graph, compiled by the first length; the second must not compile
-                again = cfg.dynamic_chunks and i > 0 and cfg.backend != "eager"
+                again = cfg.dynamic_chunks and i > 0
                 with torch.compiler.set_stance("fail_on_recompile") if again else contextlib.nullcontext():
                     self._run(*self.mixed_inputs(step))
                 what = f"chunk:{size} pieces:{cfg.prefill_pieces} decode_rows:{rows} kv_len:{kv_max}"
             else:
                 self._run(*self.chunk_inputs(chunk, kv_max))
                 what = f"chunk:{size} kv_len:{kv_max}"
-            if cfg.dynamic_chunks:
-                if i == 0:
-                    continue
-                what = f"chunk:{cfg.chunk_lengths[0]}-{size} (dynamic) pieces:{cfg.prefill_pieces} " + (
-                    f"decode_rows:{rows} kv_len:{kv_max}"
-                )
+            if cfg.dynamic_chunks and i == 0:
+                continue  # the same graph as the next length: one progress step for both
             self.progress.step("Prefill", what, time.monotonic() - t0)
             t0 = time.monotonic()
         for batch in cfg.batch_buckets:  # paged decode reads live slots: one graph per batch bucket

@@ -197,11 +197,13 @@ def static_paged_prefill(
     """What `paged_prefill` computes, in plain tensor ops of static shape: every token against every piece's
     whole block table, the piece's own result kept (device compilers, see `static_paged_decode`)."""
     length = piece_tables.shape[1] * BLOCK_SIZE
-    causal = torch.arange(length) <= token_pos[:, None]  # [T, length]
+    keys = torch.arange(length)
+    causal = keys <= token_pos[:, None]  # [T, length]
+    first = keys == 0  # every other token sees one key: a finite row, discarded
     out = torch.zeros_like(query)
     for p in range(piece_tables.shape[0]):
         mine = token_piece == p
-        visible = (causal & mine[:, None]) | (torch.arange(length) == 0)  # a finite row for the others
+        visible = (causal & mine[:, None]) | first
         o = _attend_piece(query, key_cache, value_cache, piece_tables[p], visible, scale)
         out = torch.where(mine[:, None, None], o, out)
     return out
