@@ -175,7 +175,7 @@ class ModelExecutor:
             torch.distributed.barrier()
         self.model = model
         self.dims = model_dims(self.model)
-        self._pack_decode_weights()
+        self._pack_weights()
         self._prime_rotary(max(config.max_model_len, max(s.max_len for s in config.shapes)))
         self.prefill_kv_len = max(config.kv_buckets)  # chunks see up to the longest KV bucket
         self.decode_table_width = blocks_for(config.max_model_len)  # blocks of the longest sequence
@@ -192,15 +192,15 @@ class ModelExecutor:
         self.shape_seconds: dict[Shape, float] = {}
         self.progress = WarmupProgress()  # graphs warmed so far, for the log, /health and a gauge
 
-    def _pack_decode_weights(self) -> None:
-        """Decode steps of the largest batch bucket (the common case under load) run their GEMMs on weights
-        prepacked for that row count (linear.py); one more copy of the linear weights in memory."""
+    def _pack_weights(self) -> None:
+        """Every step runs its GEMMs on weights prepacked for oneDNN, tuned for the largest decode batch
+        (linear.py); one more copy of the linear weights in memory."""
         cfg = self.config
         rows = max(cfg.batch_buckets) if cfg.use_cb else max(s.batch_size for s in cfg.shapes)
-        self.packed = rows > 1 and linear.can_pack(self.dtype, cfg.backend)
+        self.packed = linear.can_pack(self.dtype, cfg.backend)
         if self.packed:
             n = linear.pack_linears(self.model, rows)
-            log.info("linear layers: %d run on weights prepacked for %d-row decode steps", n, rows)
+            log.info("linear layers: %d run on weights prepacked for oneDNN (tuned for %d rows)", n, rows)
 
     def _prime_rotary(self, max_len: int) -> None:
         """Fills FMS's rotary-frequency cache before compiling, so tracing never mutates it."""

@@ -1,19 +1,23 @@
-"""Linear layers with weights prepacked for MKL's small-batch GEMM at the decode batch size.
+"""Linear layers whose weights are prepacked once for oneDNN's GEMM.
 
-A decode step is a GEMM of a few rows against every weight, and MKL runs it about 1.5x faster when the weight
-is prepacked for that row count (`torch.ops.mkl._mkl_reorder_linear_weight`; measured here: 60 SmolLM2-sized
-layers at 8 rows, 26 ms unpacked, 18 ms packed). Inductor prepacks by itself only under `freezing` with
-`cpp.weight_prepack`, and its packed weights are opaque tensors that the graph cache cannot store, so a cached
-graph ran unpacked GEMMs. Here the packing is done at run time instead, inside an op that is opaque to
-the compiler: the compiled graph (cached or not) holds plain weights, and the first call with `rows` rows
-packs the weight once (one extra copy of the weights per packed row count). Any other row count runs the
-plain GEMM. The packed and plain GEMMs agree to float rounding, not bit for bit, so a row's logits can differ
-in the last bits between a full decode step and a mixed one.
+Decode steps are GEMMs of a few rows against every weight, and prefill chunks GEMMs of a few hundred rows.
+oneDNN runs both far faster on a weight reordered once into its blocked layout
+(`torch.ops.mkldnn._reorder_linear_weight`) than the plain GEMM, which re-reads the weight in its plain
+layout on every call. Measured here on SmolLM2's 211 linear layers, 2 threads, fp32: 1 row 16.7 ms packed vs
+34.0 plain, 8 rows 19.0 vs 47.7, 136 rows 92 vs 243, 268 rows 189 vs 429; bf16: 8 rows 11.6 vs 15.7 (an
+earlier version packed for MKL's sgemm at the decode row count only: 8 rows 50.7 ms on the same machine).
+One packed weight serves every row count.
 
-A decode step with few live rows (one stream decoding in the 8-row graph) says so with `live_rows(n)`: the op
-then multiplies only the first n rows (a plain GEMM of n rows reads the weight once, as the packed one does,
-without the dummy rows' work) and returns zeros for the others, which are dummy rows whose outputs are
-dropped (zeros stay finite through every layer: norms, attention on the scratch slot, residuals).
+Inductor prepacks by itself only under `freezing`, and its packed weights are opaque tensors that the graph
+cache cannot store. Here the packing is done at run time instead, inside an op that is opaque to the compiler:
+the compiled graph (cached or not) holds plain weights, and the op's first call packs the layer's weight once
+(one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding, not bit for
+bit.
+
+A decode step with live rows fewer than its graph's rows (one stream decoding in the 8-row graph) says so
+with `live_rows(n)`: the op then multiplies only the first n rows and returns zeros for the others, which
+are dummy rows whose outputs are dropped (zeros stay finite through every layer: norms, attention on the
+scratch slot, residuals).
 """
 
 from __future__ import annotations
@@ -27,12 +31,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-_PACKED: dict[int, torch.Tensor] = {}  # layer slot -> its weight, MKL-packed for the slot's row count
+_PACKED: dict[int, torch.Tensor] = {}  # layer slot -> its weight, packed for oneDNN
 _slots = itertools.count()
-# Live rows at most this many run the plain GEMM of those rows alone (faster than the packed GEMM of all the
-# rows; SmolLM2's 211 linear layers: 1, 2, 3, 4 rows plain 20.7, 22.6, 25.9, 38.7 ms; 8 rows packed 32.2 ms),
-# more run the packed GEMM of every row.
-FEW_ROWS = 3
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 
 
@@ -51,20 +51,19 @@ def live_rows(n: int | None) -> Iterator[None]:
 def packed_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, slot: int
 ) -> torch.Tensor:
-    """F.linear(x, weight, bias), through the weight packed for `rows` rows when x has that many. `slot`
-    names the layer (unique in the process, never reused: a freed layer's memory address may be)."""
-    m = x.numel() // x.shape[-1]
-    if m != rows:
-        return F.linear(x, weight, bias)
-    if _live is not None and _live <= FEW_ROWS:
-        flat = x.reshape(m, x.shape[-1])
-        out = flat.new_zeros(m, weight.shape[0])
-        out[:_live] = F.linear(flat[:_live], weight, bias)
-        return out.view(*x.shape[:-1], weight.shape[0])
+    """F.linear(x, weight, bias) on the weight packed for oneDNN (`rows`: the row count the packing is tuned
+    for, any count runs). `slot` names the layer (unique in the process, never reused: a freed layer's memory
+    address may be)."""
     packed = _PACKED.get(slot)
     if packed is None:
-        packed = _PACKED[slot] = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+        packed = _PACKED[slot] = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    m = x.numel() // x.shape[-1]
+    if _live is None or _live >= m:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    flat = x.reshape(m, x.shape[-1])
+    out = flat.new_zeros(m, weight.shape[0])
+    out[:_live] = torch.ops.mkldnn._linear_pointwise(flat[:_live], packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 @packed_linear.register_fake
@@ -73,8 +72,11 @@ def _(x, weight, bias, rows, slot):
 
 
 def can_pack(dtype: torch.dtype, backend: str) -> bool:
-    """MKL packs float32 weights for CPU backends; Spyre (sendnn) compiles its own."""
-    return dtype == torch.float32 and backend != "sendnn" and torch.backends.mkl.is_available()
+    """oneDNN packs float32 (and, where the CPU has it, bfloat16) weights for CPU backends; Spyre (sendnn)
+    compiles its own."""
+    if backend == "sendnn" or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _forward(module: torch.nn.Linear, rows: int, slot: int, x: torch.Tensor) -> torch.Tensor:
@@ -83,8 +85,8 @@ def _forward(module: torch.nn.Linear, rows: int, slot: int, x: torch.Tensor) -> 
 
 def pack_linears(model: torch.nn.Module, rows: int) -> int:
     """Routes every plain linear layer of `model` (nn.Linear and FMS's LM head, whose forward is
-    nn.Linear's; not the tensor-parallel head, which gathers) through `packed_linear` for `rows`-row inputs;
-    returns how many. A layer's packed weight is dropped with the layer."""
+    nn.Linear's; not the tensor-parallel head, which gathers) through `packed_linear`, packed with `rows` (the
+    decode batch) as the row count to tune for; returns how many. A layer's packed weight is dropped with the layer."""
     from fms.modules.head import LinearClassificationHead
 
     n = 0

@@ -105,8 +105,8 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
 
 def test_a_decode_step_with_few_live_rows_multiplies_only_those(tiny_model):
     """One live row in a 4-row decode graph (compiled, serving stance): the packed-linear op multiplies that
-    row alone (the dummy rows' logits come out exactly zero) and its logits equal the full step's; with more
-    live rows than linear.FEW_ROWS every row is multiplied."""
+    row alone (the dummy rows' logits come out exactly zero) and its logits equal the full step's; with every
+    row live, every row is multiplied."""
     from spyre_runtime import linear
 
     cfg = small_cb(tiny_model, "inductor", max_num_seqs=4, decode_batch_buckets=(4,), kv_len_buckets=(128,))
@@ -119,7 +119,7 @@ def test_a_decode_step_with_few_live_rows_multiplies_only_those(tiny_model):
     few = ex.run_local(*args, live_rows=1)
     assert full[1:].abs().sum() > 0 and not few[1:].any()
     torch.testing.assert_close(few[0], full[0], atol=1e-5, rtol=1e-5)
-    assert torch.equal(ex.run_local(*args, live_rows=linear.FEW_ROWS + 1), full)
+    assert torch.equal(ex.run_local(*args, live_rows=4), full)
     assert linear._live is None  # the hint ends with its step
 
 
@@ -216,20 +216,27 @@ def test_paged_decode_reads_each_rows_own_slots_only():
     torch.testing.assert_close(static, out, atol=1e-4, rtol=1e-4)
 
 
-def test_packed_linear_packs_once_for_its_row_count_and_equals_f_linear():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
     from spyre_runtime import linear
 
-    weight, bias = torch.randn(96, 64), torch.randn(96)
+    if not linear.can_pack(dtype, "inductor"):
+        pytest.fail(f"oneDNN cannot pack {dtype} on this CPU: the hot path would run plain GEMMs")
+    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
     slot = next(linear._slots)
-    for rows in (8, 3, 1):
-        x = torch.randn(rows, 64)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for shape in ((8, 64), (3, 64), (1, 64), (2, 70, 64), (64, 5)):  # the last: a transposed (strided) input
+        x = torch.randn(shape, dtype=dtype)
+        x = x.t() if shape == (64, 5) else x
         torch.testing.assert_close(
             linear.packed_linear(x, weight, bias, 8, slot),
             torch.nn.functional.linear(x, weight, bias),
-            atol=1e-4,
-            rtol=1e-4,
+            atol=tol,
+            rtol=tol,
         )
-    assert slot in linear._PACKED
+        packed = packed if shape != (8, 64) else linear._PACKED[slot]
+    assert linear._PACKED[slot] is packed  # packed once, on the first call
+    assert not linear.can_pack(dtype, "sendnn")
     # two models one after the other (the second's weights may reuse the first's freed memory): each is
     # served by its own packed weights
     x = torch.randn(8, 64)
