@@ -29,7 +29,6 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
 _PACKED: dict[int, torch.Tensor] = {}  # layer slot -> its weight, packed for oneDNN
 _slots = itertools.count()
@@ -76,7 +75,9 @@ def can_pack(dtype: torch.dtype, backend: str) -> bool:
     compiles its own."""
     if backend == "sendnn" or not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
 
 
 def _forward(module: torch.nn.Linear, rows: int, slot: int, x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +87,8 @@ def _forward(module: torch.nn.Linear, rows: int, slot: int, x: torch.Tensor) -> 
 def pack_linears(model: torch.nn.Module, rows: int) -> int:
     """Routes every plain linear layer of `model` (nn.Linear and FMS's LM head, whose forward is
     nn.Linear's; not the tensor-parallel head, which gathers) through `packed_linear`, packed with `rows` (the
-    decode batch) as the row count to tune for; returns how many. A layer's packed weight is dropped with the layer."""
+    decode batch) as the row count to tune for; returns how many. A layer's packed weight is dropped with the
+    layer."""
     from fms.modules.head import LinearClassificationHead
 
     n = 0

@@ -225,6 +225,7 @@ def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
     weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
     slot = next(linear._slots)
     tol = 1e-4 if dtype == torch.float32 else 2e-2
+    packed = None
     for shape in ((8, 64), (3, 64), (1, 64), (2, 70, 64), (64, 5)):  # the last: a transposed (strided) input
         x = torch.randn(shape, dtype=dtype)
         x = x.t() if shape == (64, 5) else x
@@ -234,7 +235,7 @@ def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
             atol=tol,
             rtol=tol,
         )
-        packed = packed if shape != (8, 64) else linear._PACKED[slot]
+        packed = packed if packed is not None else linear._PACKED[slot]
     assert linear._PACKED[slot] is packed  # packed once, on the first call
     assert not linear.can_pack(dtype, "sendnn")
     # two models one after the other (the second's weights may reuse the first's freed memory): each is
