@@ -199,14 +199,16 @@ def test_memory_utilization_sizes_the_kv_cache_from_the_memory_left(tmp_path, ca
     [
         ("inductor", 4, 8, True),
         ("eager", 4, 8, True),
-        ("inductor", 2, 8, False),
-        ("inductor", 4, 1, False),
+        ("inductor", 2, 8, True),
+        ("inductor", 4, 1, True),
         ("sendnn", 4, 8, False),
+        ("sendnn", 2, 1, False),
     ],
 )
 def test_memory_plan_counts_the_cpu_decode_weights_packed_again(backend, dtype_bytes, seqs, packed):
-    """fp32 decoders on CPU backends run their linear layers on a second, packed copy of the weights when a
-    decode step has several rows: the plan counts it (a row of its own, in the total)."""
+    """Decoders on CPU backends run their linear layers on a second copy of the weights, packed for oneDNN
+    (whatever the batch): the plan counts it (a row of its own, in the total); Spyre's compiler packs its
+    own."""
     from spyre_contract.memory import GIB, ModelDims, plan_memory
 
     env = CB | {"SENDNN_INFERENCE_DYNAMO_BACKEND": backend}
@@ -214,4 +216,4 @@ def test_memory_plan_counts_the_cpu_decode_weights_packed_again(backend, dtype_b
     plan = plan_memory(ModelDims.from_config(SMOLLM2), settings, 128 * GIB, "host", dtype_bytes)
     assert plan.packed_weights == (plan.weights if packed else 0)
     assert plan.total == plan.weights + plan.packed_weights + plan.kv_cache + plan.activations
-    assert ("weights packed for decode (CPU)" in plan.table()) is packed
+    assert ("weights packed for oneDNN (CPU)" in plan.table()) is packed

@@ -71,7 +71,7 @@ class MemoryPlan:
     largest_shape: str
     capacity: int  # bytes available per rank
     where: str  # "card" or "host"
-    packed_weights: int = 0  # CPU fp32 decoders: the linear weights packed again for MKL's decode GEMM
+    packed_weights: int = 0  # CPU decoders: the linear weights packed again for oneDNN's GEMM
 
     @property
     def total(self) -> int:
@@ -88,7 +88,7 @@ class MemoryPlan:
     def table(self) -> str:
         rows = [
             ("weights (per rank)", self.weights),
-            *([("weights packed for decode (CPU)", self.packed_weights)] if self.packed_weights else []),
+            *([("weights packed for oneDNN (CPU)", self.packed_weights)] if self.packed_weights else []),
             ("KV cache", self.kv_cache),
             (f"largest activation ({self.largest_shape})", self.activations),
             ("total", self.total),
@@ -150,11 +150,10 @@ def plan_memory(
         act = rows * 4 * dims.hidden * dtype_bytes + mlp + scores + logits
         if act > largest:
             largest, label = act, name
-    # CPU backends run fp32 linear layers on a second copy of their weights, packed for the decode batch size
-    # (the runtime's linear.py), when decode steps have more than one row
-    decode_rows = settings.max_num_seqs if settings.use_cb else max(s.batch_size for s in settings.shapes)
+    # CPU backends run fp32 and bf16 linear layers on a second copy of their weights, packed for oneDNN (the
+    # runtime's linear.py); fp16, which is not packed, is counted too: an overestimate
     packed = 0
-    if settings.backend != "sendnn" and dtype_bytes == 4 and decode_rows > 1:
+    if settings.backend != "sendnn" and dtype_bytes in (2, 4):
         # the linear layers and the LM head; not an untied input embedding, nor a tensor-parallel head
         embedding = dims.vocab * dims.hidden * dtype_bytes
         unpacked = (0 if dims.tied else embedding) + (embedding if tp > 1 else 0)

@@ -58,7 +58,23 @@ def compile_step(fn, backend_name: str, compile_only: bool = False):
     return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
 
 
-def compile_settings(backend: str, cache_enabled: bool = False, freeze: bool = True):
+class _CacheTag:
+    """A post-grad pass that changes nothing and puts `tag` in inductor's FX-graph cache key (inductor
+    hashes a custom pass by its uuid()). A graph with a dynamic dimension is cached with the range it was
+    compiled for; without the tag, a later compile of the same graph for a wider range (another token
+    budget) hits that entry, inherits its narrower bound and fails at warm-up (ConstraintViolationError)."""
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+    def __call__(self, graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.tag
+
+
+def compile_settings(backend: str, cache_enabled: bool = False, freeze: bool = True, cache_tag: str = ""):
     """Inductor settings while a graph is traced and compiled (warmup). With `freeze` off (the decoder's
     linear layers already run on weights prepacked at run time, linear.py) nothing is changed: the weights
     stay graph inputs, so compiling is shorter and a cached graph holds no copy of them (measured on SmolLM2,
@@ -69,12 +85,15 @@ def compile_settings(backend: str, cache_enabled: bool = False, freeze: bool = T
     (constants) only then; otherwise they are graph inputs and nothing is frozen. The KV cache tensors are
     never parameters: they stay graph inputs, mutated in place. With the graph cache on, the weights are not
     prepacked as mkldnn tensors: those cannot be pickled, so the compiled graph would bypass the cache and
-    every start would compile again (frozen, unpacked weights cache fine)."""
-    if backend != "inductor" or not freeze:
+    every start would compile again (frozen, unpacked weights cache fine). `cache_tag`: see _CacheTag."""
+    if backend != "inductor":
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
 
-    return inductor_config.patch({"freezing": True, "cpp.weight_prepack": not cache_enabled})
+    settings = {"post_grad_custom_post_pass": _CacheTag(cache_tag)} if cache_tag else {}
+    if freeze:
+        settings |= {"freezing": True, "cpp.weight_prepack": not cache_enabled}
+    return inductor_config.patch(settings)
 
 
 def cgroup_cpu_limit() -> int | None:
@@ -276,17 +295,29 @@ class ModelExecutor:
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._step_fn(*args)
-            with compile_settings(self.config.backend, self.config.cache_enabled, freeze=not self.packed):
+            with compile_settings(
+                self.config.backend, self.config.cache_enabled, not self.packed, self._cache_tag()
+            ):
                 return self._step_fn(*args)
+
+    def _cache_tag(self) -> str:
+        """The dynamic chunk range, for inductor's cache key (see _CacheTag)."""
+        if not self.config.dynamic_chunks:
+            return ""
+        low, high = self._chunk_range()
+        return f"spyre-serve-chunks:{low}-{high}+{max(self.config.batch_buckets)}"
+
+    def _chunk_range(self) -> tuple[int, int]:
+        cfg = self.config
+        return CHUNK_ALIGN + cfg.prefill_pieces, cfg.max_num_batched_tokens + cfg.prefill_pieces
 
     def _mark_dynamic_chunk(self, input_ids, position_ids, _mask, slot_mapping, *rest) -> None:
         """A mixed step's token dimension is dynamic (config.dynamic_chunks): the one graph compiled for it
         serves every chunk length from CHUNK_ALIGN to max_num_batched_tokens (a length outside that range
         would compile again, which serving refuses). Only the compiling call needs the marks."""
         *_, token_piece, token_pos = rest
-        cfg = self.config
-        rows = max(cfg.batch_buckets)  # the decode tokens after the chunk region
-        low, high = CHUNK_ALIGN + cfg.prefill_pieces, cfg.max_num_batched_tokens + cfg.prefill_pieces
+        rows = max(self.config.batch_buckets)  # the decode tokens after the chunk region
+        low, high = self._chunk_range()
         for t in (input_ids, position_ids, slot_mapping):
             torch._dynamo.mark_dynamic(t, 1, min=low + rows, max=high + rows)
         for t in (token_piece, token_pos):

@@ -5,6 +5,7 @@ bucket (no graph break)."""
 import dataclasses
 import gc
 import json
+import os
 import subprocess
 import sys
 
@@ -252,3 +253,39 @@ def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
         del model
         gc.collect()  # (a layer and its forward hold each other)
         assert not any(s in linear._PACKED for s in slots)  # dropped with the layers
+
+
+WARM_WITH_BUDGET = """
+import sys
+from pathlib import Path
+from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
+from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.executor import ModelExecutor
+budget = int(sys.argv[2])
+cfg = RuntimeConfig(model_dir=Path(sys.argv[1]), served_model_name="t", backend="inductor", use_cb=True,
+                    max_model_len=128, max_num_seqs=2, max_num_batched_tokens=budget,
+                    decode_batch_buckets=(2,))
+ex = ModelExecutor(cfg)
+ex.warmup()
+chunk = PrefillChunk(None, tuple(range(1, budget - 7)), 0, budget - 8, (1, 2), True)
+step = ContinuousStep((chunk,), batch_size=2, mixed=True, pieces=cfg.prefill_pieces)
+print("served", ex.run_local(*ex.mixed_inputs(step)).isfinite().all().item())
+"""
+
+
+def test_a_wider_token_budget_after_a_narrower_one_compiles_its_own_dynamic_chunk_graph(tiny_model, tmp_path):
+    """Inductor's FX-graph cache (on disk) stores a dynamic graph with the range it was compiled for: a second
+    process with a larger token budget (same model, same inductor cache) must not reuse the first's entry and
+    its narrower bound, which failed the warm-up with a ConstraintViolationError. It warms and serves a chunk
+    longer than the first budget allowed, without compiling."""
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for budget in (64, 128):
+        run = subprocess.run(
+            [sys.executable, "-c", WARM_WITH_BUDGET, str(tiny_model), str(budget)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert run.stdout.split()[-2:] == ["served", "True"]
