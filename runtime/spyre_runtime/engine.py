@@ -343,17 +343,20 @@ class LLM:
 
 class EngineThread:
     """Runs the engine loop on its own thread. Commands come in through a queue; every RequestOutput is
-    handed to `emit(output)` (the server forwards it to the event loop). An exception in a step kills
-    the loop: `error` is set and `on_dead(error)` is called once, so the server can fail fast."""
+    handed to `emit(output)` (the server forwards it to the event loop), a step's outputs together to
+    `emit_step(outputs)` when given. An exception in a step kills the loop: `error` is set and
+    `on_dead(error)` is called once, so the server can fail fast."""
 
     def __init__(
         self,
         engine: LLMEngine,
         emit: Callable[[RequestOutput], None],
         on_dead: Callable[[BaseException], None] | None = None,
+        emit_step: Callable[[list[RequestOutput]], None] | None = None,
     ) -> None:
         self.engine = engine
         self.emit = emit
+        self.emit_step = emit_step or (lambda outputs: [emit(out) for out in outputs])
         self.on_dead = on_dead
         self._commands: queue.Queue = queue.Queue()
         self._stop = threading.Event()
@@ -409,8 +412,7 @@ class EngineThread:
             while not self._stop.is_set():
                 self._drain(block=not self.engine.has_work())
                 if self.engine.has_work():
-                    for out in self.engine.step():
-                        self.emit(out)
+                    self.emit_step(self.engine.step())
         except BaseException as e:  # surfaced through /health, every in-flight request and the exit code
             log.exception("engine loop failed; the engine is dead")
             self.error = e

@@ -68,26 +68,10 @@ def install_guards(app, api_key) -> None:
     """What both servers (decoders, pooling models) do before and around every route: the API key (Bearer)
     on everything but /health and /metrics, bodies of bounded size, APIError as an OpenAI error body.
     `api_key()` gives the key (None: open)."""
-    import secrets
-
     from fastapi import Request
     from fastapi.responses import JSONResponse
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        key = api_key()
-        if key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                body = error_body(
-                    "invalid or missing API key", "authentication_error", code="invalid_api_key"
-                )
-                return JSONResponse(body, status_code=401)
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
-            return JSONResponse(error_body(message, "invalid_request_error"), status_code=413)
-        return await call_next(request)
+    app.add_middleware(_Guard, api_key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError):
@@ -95,6 +79,45 @@ def install_guards(app, api_key) -> None:
         if e.status == 503:
             kind = "service_unavailable"
         return JSONResponse(error_body(e.message, kind, e.param, e.code), status_code=e.status)
+
+
+class _Guard:
+    """The API key and the body-size bound, as a plain ASGI middleware: Starlette's BaseHTTPMiddleware
+    (`@app.middleware("http")`) relays every chunk of a streamed response through a task and a memory stream
+    of its own, CPU the server shares with the engine's threads on every token."""
+
+    def __init__(self, app, api_key) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self._refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _refusal(self, scope):
+        import secrets
+
+        from fastapi.responses import JSONResponse
+        from starlette.datastructures import Headers
+
+        headers = Headers(scope=scope)
+        key = self.api_key()
+        if key and scope["path"] not in OPEN_PATHS:
+            given = headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                body = error_body(
+                    "invalid or missing API key", "authentication_error", code="invalid_api_key"
+                )
+                return JSONResponse(body, status_code=401)
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+            message = f"the request body is larger than {MAX_BODY_BYTES} bytes"
+            return JSONResponse(error_body(message, "invalid_request_error"), status_code=413)
+        return None
 
 
 # ---- request schemas -------------------------------------------------------------------------------
