@@ -58,20 +58,21 @@ def compile_step(fn, backend_name: str, compile_only: bool = False):
     return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
 
 
-class _CacheTag:
+def _cache_tag_pass(tag: str):
     """A post-grad pass that changes nothing and puts `tag` in inductor's FX-graph cache key (inductor
     hashes a custom pass by its uuid()). A graph with a dynamic dimension is cached with the range it was
     compiled for; without the tag, a later compile of the same graph for a wider range (another token
     budget) hits that entry, inherits its narrower bound and fails at warm-up (ConstraintViolationError)."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass
 
-    def __init__(self, tag: str) -> None:
-        self.tag = tag
+    class CacheTag(CustomGraphPass):  # inductor bypasses its cache for a pass of any other class
+        def __call__(self, graph) -> None:
+            return None
 
-    def __call__(self, graph) -> None:
-        return None
+        def uuid(self) -> str:
+            return tag
 
-    def uuid(self) -> str:
-        return self.tag
+    return CacheTag()
 
 
 def compile_settings(backend: str, cache_enabled: bool = False, freeze: bool = True, cache_tag: str = ""):
@@ -85,12 +86,13 @@ def compile_settings(backend: str, cache_enabled: bool = False, freeze: bool = T
     (constants) only then; otherwise they are graph inputs and nothing is frozen. The KV cache tensors are
     never parameters: they stay graph inputs, mutated in place. With the graph cache on, the weights are not
     prepacked as mkldnn tensors: those cannot be pickled, so the compiled graph would bypass the cache and
-    every start would compile again (frozen, unpacked weights cache fine). `cache_tag`: see _CacheTag."""
+    every start would compile again (frozen, unpacked weights cache fine). `cache_tag`: see
+    _cache_tag_pass."""
     if backend != "inductor":
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
 
-    settings = {"post_grad_custom_post_pass": _CacheTag(cache_tag)} if cache_tag else {}
+    settings = {"post_grad_custom_post_pass": _cache_tag_pass(cache_tag)} if cache_tag else {}
     if freeze:
         settings |= {"freezing": True, "cpp.weight_prepack": not cache_enabled}
     return inductor_config.patch(settings)
@@ -301,7 +303,7 @@ class ModelExecutor:
                 return self._step_fn(*args)
 
     def _cache_tag(self) -> str:
-        """The dynamic chunk range, for inductor's cache key (see _CacheTag)."""
+        """The dynamic chunk range, for inductor's cache key (see _cache_tag_pass)."""
         if not self.config.dynamic_chunks:
             return ""
         low, high = self._chunk_range()

@@ -269,7 +269,9 @@ ex = ModelExecutor(cfg)
 ex.warmup()
 chunk = PrefillChunk(None, tuple(range(1, budget - 7)), 0, budget - 8, (1, 2), True)
 step = ContinuousStep((chunk,), batch_size=2, mixed=True, pieces=cfg.prefill_pieces)
-print("served", ex.run_local(*ex.mixed_inputs(step)).isfinite().all().item())
+served = ex.run_local(*ex.mixed_inputs(step)).isfinite().all().item()
+from torch._dynamo.utils import counters
+print("cache-hits", counters["inductor"]["fxgraph_cache_hit"], "served", served)
 """
 
 
@@ -277,9 +279,11 @@ def test_a_wider_token_budget_after_a_narrower_one_compiles_its_own_dynamic_chun
     """Inductor's FX-graph cache (on disk) stores a dynamic graph with the range it was compiled for: a second
     process with a larger token budget (same model, same inductor cache) must not reuse the first's entry and
     its narrower bound, which failed the warm-up with a ConstraintViolationError. It warms and serves a chunk
-    longer than the first budget allowed, without compiling."""
+    longer than the first budget allowed, without compiling; a third process with the same budget as the
+    second takes both graphs from the cache (the key's tag does not make inductor bypass its cache)."""
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    for budget in (64, 128):
+    hits = []
+    for budget in (64, 128, 128):
         run = subprocess.run(
             [sys.executable, "-c", WARM_WITH_BUDGET, str(tiny_model), str(budget)],
             env=env,
@@ -289,3 +293,5 @@ def test_a_wider_token_budget_after_a_narrower_one_compiles_its_own_dynamic_chun
         )
         assert run.returncode == 0, run.stderr[-2000:]
         assert run.stdout.split()[-2:] == ["served", "True"]
+        hits.append(int(run.stdout.split()[-3]))
+    assert hits == [0, 0, 2]  # the decode graph and the dynamic mixed graph
