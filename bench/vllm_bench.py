@@ -211,6 +211,12 @@ def start(name: str, phase: str, argv_for, env: dict, log_dir: Path, out: dict) 
     return server, base
 
 
+# vLLM's engine keeps polling its input queue for 1 s after its last request (measured: half a core busy in
+# the first 2 s, then 0.01): each phase waits this long after the previous one, so no system's tail falls on
+# the other's first requests (ours starts every phase right after one of vLLM's).
+PHASE_PAUSE_S = 3.0
+
+
 def measure(systems: dict, jobs, single_jobs, log_dir: Path, cold: bool) -> dict:
     """systems: name -> (argv_for(port), env). Starts every system (cold), then runs the workloads in ABBA
     order (c8 on each, c1 on each in reverse order), so a change of the machine's load during the run
@@ -226,6 +232,7 @@ def measure(systems: dict, jobs, single_jobs, log_dir: Path, cold: bool) -> dict
         names = list(servers)
         for label, work, conc, order in (("c8", jobs, 8, names), ("c1", single_jobs, 1, names[::-1])):
             for name in order:
+                time.sleep(PHASE_PAUSE_S)
                 res = asyncio.run(run_load(servers[name][1], work, concurrency=conc))
                 out[name][label] = {**res["summary"], **latency_summary(res["records"])}
                 print(f"{name} {label}: {json.dumps(out[name][label])}", flush=True)
