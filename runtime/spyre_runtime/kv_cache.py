@@ -36,6 +36,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from spyre_runtime.linear import live_row_count
+
 ATTN_NAME = "spyre_serve_paged"
 BLOCK_SIZE = 64
 SCRATCH_BLOCK = 0
@@ -117,8 +119,22 @@ def paged_decode(
     """One token per row against the row's own first seq_lens[r] cached tokens.
     query: [B, h, hd]; caches: [num_blocks, BLOCK_SIZE, kvh, hd]; block_table: [B, nb]; seq_lens: [B] ->
     [B, h, hd]. Opaque to the compiler: the keys gathered follow this step's longest row (a Python int here),
-    so the compiled graph keeps one static shape while a step reads only live blocks. The query heads that
-    share a KV head are that head's queries (FMS's and torch's GQA order: head i uses KV head i // group)."""
+    so the compiled graph keeps one static shape while a step reads only live blocks; in a step whose first
+    n rows only are live (linear.live_rows), the other rows read nothing and come out zero. The query heads
+    that share a KV head are that head's queries (FMS's and torch's GQA order: head i uses KV head i //
+    group)."""
+    live = live_row_count()
+    if live is None or live >= query.shape[0]:
+        return _attend_live_blocks(query, key_cache, value_cache, block_table, seq_lens, scale)
+    out = torch.zeros_like(query)  # dummy rows (linear.live_rows): zeros, nothing read
+    if live:
+        out[:live] = _attend_live_blocks(
+            query[:live], key_cache, value_cache, block_table[:live], seq_lens[:live], scale
+        )
+    return out
+
+
+def _attend_live_blocks(query, key_cache, value_cache, block_table, seq_lens, scale):
     length = int(seq_lens.max())
     table = block_table[:, : -(-length // BLOCK_SIZE)]
     return _attend_blocks(query, key_cache, value_cache, table, seq_lens, scale, length)

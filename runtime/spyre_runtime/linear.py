@@ -16,8 +16,8 @@ bit.
 
 A decode step with live rows fewer than its graph's rows (one stream decoding in the 8-row graph) says so
 with `live_rows(n)`: the op then multiplies only the first n rows and returns zeros for the others, which
-are dummy rows whose outputs are dropped (zeros stay finite through every layer: norms, attention on the
-scratch slot, residuals).
+are dummy rows whose outputs are dropped (zeros stay finite through every layer: norms, residuals);
+the paged decode attention (kv_cache.paged_decode) reads the same hint and attends for the live rows only.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ def live_rows(n: int | None) -> Iterator[None]:
         yield
     finally:
         _live = before
+
+
+def live_row_count() -> int | None:
+    """The current step's live rows (`live_rows`), or None when every row is live."""
+    return _live
 
 
 @torch.library.custom_op("spyre_serve::packed_linear", mutates_args=())

@@ -215,6 +215,14 @@ def test_paged_decode_reads_each_rows_own_slots_only():
     # the static-shape form (for sendnn) computes the same
     static = static_paged_decode(query, key_cache, value_cache, tables, lens, hd**-0.5)
     torch.testing.assert_close(static, out, atol=1e-4, rtol=1e-4)
+    # a step whose first rows only are live (linear.live_rows): those rows as before, the others zero
+    from spyre_runtime import linear
+
+    for live in (2, 0):
+        with linear.live_rows(live):
+            few = paged_decode(query, key_cache, value_cache, tables, lens, hd**-0.5)
+        torch.testing.assert_close(few[:live], out[:live], atol=1e-5, rtol=1e-5)
+        assert not few[live:].any()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
