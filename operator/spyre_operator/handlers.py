@@ -455,7 +455,7 @@ class Reconciler:
         views = [v for v, _ in observed]
         by_name = {p["metadata"]["name"]: p for p in pods}
         hold = cache is not None and not cache.is_ready  # the new template waits for its cache
-        if not hold and self._waits_for_a_slot(key, model, thash, pods):
+        if not hold and self._waits_for_a_slot(key, model, spec, thash, pods):
             hold = True
             work.waiting_reason = "StagedRollout"
             work.waiting = (
@@ -496,7 +496,7 @@ class Reconciler:
                 work.later(self.settings.stuck_grace_seconds / 2)
         return plan, build
 
-    def _waits_for_a_slot(self, key: Key, model: dict, thash: str, pods: list[dict]) -> bool:
+    def _waits_for_a_slot(self, key: Key, model: dict, spec: ModelSpec, thash: str, pods: list[dict]) -> bool:
         """A change of the operator's own settings (runtime image, card resource, ...) rolls out across
         models at most `max_concurrent_rollouts` at a time; a change of the model's spec always rolls."""
         live = [
@@ -507,8 +507,13 @@ class Reconciler:
         ]
         labels = [p["metadata"].get("labels") or {} for p in live]
         with self._lock:
-            if not live or all(lb.get(HASH_LABEL) == thash for lb in labels):
-                self._rolling.discard(key)  # nothing serving yet, or rolled out
+            if not live and key in self._rolling and not spec.suspend and spec.replicas > 0:
+                return False  # between deleting its old pods and creating new ones: keeps its slot
+            all_new = all(lb.get(HASH_LABEL) == thash for lb in labels)
+            if not live or (all_new and (key not in self._rolling or all(map(_pod_ready, live)))):
+                # nothing serving yet, or rolled out: a model rolling in a slot keeps it until every pod is
+                # new and Ready (when the old pods went first, for want of cards, the new one still starts)
+                self._rolling.discard(key)
                 return False
             if key in self._rolling or any(lb.get(HASH_LABEL) == thash for lb in labels):
                 self._rolling.add(key)  # under way: finish it
@@ -774,6 +779,11 @@ class Reconciler:
         with self._lock:
             self._quota_blocked.discard(key)
             self._rolling.discard(key)
+
+
+def _pod_ready(pod: dict) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
 
 
 def _serving_hash(views) -> str | None:

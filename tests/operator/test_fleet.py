@@ -136,11 +136,13 @@ def test_rbac_is_exactly_what_the_code_calls(cluster, operator_rbac):
     assert allowed("bob", "list") and not allowed("bob", "create")
 
 
-@pytest.fixture()
-def fleet_nodes(kube):
-    """Three more pseudo nodes (24 cards) for 20 models, tainted so that no other test's pods land there."""
+@pytest.fixture(params=[(3, 8), (4, 5)], ids=["spare-cards", "no-spare-card"])
+def fleet_nodes(kube, request):
+    """More pseudo nodes for 20 models, tainted so that no other test's pods land there: 3 x 8 cards (room
+    for 4 surge pods) or 4 x 5 (none: every rollout deletes a model's old pod before its new one starts)."""
     core = client.CoreV1Api(kube)
-    nodes = spyre_nodes(count=3, cards=8, prefix="fleet-node")
+    count, cards = request.param
+    nodes = spyre_nodes(count=count, cards=cards, prefix="fleet-node")
     for node in nodes:
         node.extra_labels["spyre-serve.io/pool"] = "fleet"
     names = register_nodes(kube, nodes)
