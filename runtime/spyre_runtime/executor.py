@@ -293,7 +293,7 @@ class ModelExecutor:
     def run_local(self, *args, live_rows: int | None = None) -> torch.Tensor:
         if not self.is_warm and self.config.dynamic_chunks and len(args) == 12:  # a mixed step, compiling
             self._mark_dynamic_chunk(*args)
-        with torch.inference_mode(), linear.live_rows(live_rows):
+        with torch.inference_mode(), linear.live_rows(live_rows), kv_cache.step_layouts():
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._step_fn(*args)

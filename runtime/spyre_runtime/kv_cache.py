@@ -32,6 +32,7 @@ Block 0 is scratch: dummy rows and padding tokens write there, and only they rea
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +42,20 @@ from spyre_runtime.linear import live_row_count
 ATTN_NAME = "spyre_serve_paged"
 BLOCK_SIZE = 64
 SCRATCH_BLOCK = 0
+
+_layouts: dict | None = None  # within `step_layouts`: what the step's first layer worked out, for the others
+
+
+@contextlib.contextmanager
+def step_layouts() -> Iterator[None]:
+    """Within: one forward pass. Every layer's paged op reads the same blocks of the same rows (only the
+    cache tensors differ), so the first layer works the layout out and the others reuse it."""
+    global _layouts
+    before, _layouts = _layouts, {}
+    try:
+        yield
+    finally:
+        _layouts = before
 
 
 def _store(keys, values, key_cache, value_cache, **attn_kwargs):
@@ -125,19 +140,47 @@ def paged_decode(
     group)."""
     live = live_row_count()
     if live is None or live >= query.shape[0]:
-        return _attend_live_blocks(query, key_cache, value_cache, block_table, seq_lens, scale)
+        return _attend_live_blocks(
+            query, key_cache, value_cache, _decode_layout(block_table, seq_lens), scale
+        )
     out = torch.zeros_like(query)  # dummy rows (linear.live_rows): zeros, nothing read
     if live:
-        out[:live] = _attend_live_blocks(
-            query[:live], key_cache, value_cache, block_table[:live], seq_lens[:live], scale
-        )
+        layout = _decode_layout(block_table, seq_lens, live)
+        out[:live] = _attend_live_blocks(query[:live], key_cache, value_cache, layout, scale)
     return out
 
 
-def _attend_live_blocks(query, key_cache, value_cache, block_table, seq_lens, scale):
+def _decode_layout(block_table, seq_lens, live=None):
+    """What every layer of a decode step reads the same way: the blocks (flat) of the live rows up to the
+    longest one's length, that length, and the mask past each row's length. Computed by the step's first
+    layer (see `step_layouts`)."""
+    cached = _layouts.get(("decode", live)) if _layouts is not None else None
+    if cached is not None:
+        return cached
+    if live is not None:
+        block_table, seq_lens = block_table[:live], seq_lens[:live]
     length = int(seq_lens.max())
-    table = block_table[:, : -(-length // BLOCK_SIZE)]
-    return _attend_blocks(query, key_cache, value_cache, table, seq_lens, scale, length)
+    blocks = block_table[:, : -(-length // BLOCK_SIZE)].flatten()
+    mask = (torch.arange(length) < seq_lens[:, None])[:, None, None]  # [B, 1, 1, L]
+    layout = (blocks, length, mask)
+    if _layouts is not None:
+        _layouts[("decode", live)] = layout
+    return layout
+
+
+def _attend_live_blocks(query, key_cache, value_cache, layout, scale):
+    """Row r's query heads against its first seq_lens[r] slots (`layout`: see _decode_layout). The query
+    heads that share a KV head are that head's query length (no GQA expansion)."""
+    blocks, length, mask = layout
+    rows, nheads, head_dim = query.shape
+    kvheads = key_cache.shape[2]
+    # index_select: about 2x faster than key_cache[table]
+    keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
+    values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        query.view(rows, kvheads, nheads // kvheads, head_dim), keys, values, attn_mask=mask, scale=scale
+    )
+    return out.reshape(rows, nheads, head_dim)
 
 
 @paged_decode.register_fake
@@ -150,26 +193,8 @@ def static_paged_decode(query, key_cache, value_cache, block_table, seq_lens, sc
     of its block table, masked past its length): for device compilers (sendnn) that lower the graph
     themselves and cannot call back into Python."""
     length = block_table.shape[1] * BLOCK_SIZE
-    return _attend_blocks(query, key_cache, value_cache, block_table, seq_lens, scale, length)
-
-
-def _attend_blocks(query, key_cache, value_cache, table, seq_lens, scale, length):
-    """Row r's query heads against the first `length` slots of its blocks `table[r]`, masked past
-    seq_lens[r]. The query heads that share a KV head are that head's query length (no GQA expansion)."""
-    rows, nheads, head_dim = query.shape
-    kvheads = key_cache.shape[2]
-    blocks = table.flatten()  # index_select: about 2x faster than key_cache[table]
-    keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
-    values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
-    mask = torch.arange(length) < seq_lens[:, None]  # [B, L]
-    out = F.scaled_dot_product_attention(
-        query.view(rows, kvheads, nheads // kvheads, head_dim),
-        keys,
-        values,
-        attn_mask=mask[:, None, None],
-        scale=scale,
-    )
-    return out.reshape(rows, nheads, head_dim)
+    mask = (torch.arange(length) < seq_lens[:, None])[:, None, None]
+    return _attend_live_blocks(query, key_cache, value_cache, (block_table.flatten(), length, mask), scale)
 
 
 @torch.library.custom_op("spyre_serve::paged_prefill", mutates_args=())
@@ -189,17 +214,45 @@ def paged_prefill(
     [T] -> [T, h, hd], zeros for padding tokens. Opaque to the compiler: each piece reads only the blocks it
     uses, and the pieces' lengths and layout change from step to step under one graph."""
     out = torch.zeros_like(query)
-    lens = piece_lens.tolist()
-    for p, length in enumerate(lens):
+    for rows, first, table, visible in _prefill_layout(piece_tables, piece_lens, token_piece, token_pos):
+        if first is not None:  # the piece's blocks are consecutive: a view of the cache, nothing gathered
+            keys, values = key_cache[first : first + table], value_cache[first : first + table]
+        else:
+            keys, values = key_cache.index_select(0, table), value_cache.index_select(0, table)
+        length = visible.shape[1] if visible is not None else rows.shape[0]
+        piece = _attend_piece(query.index_select(0, rows), keys, values, length, visible, scale)
+        out.index_copy_(0, rows, piece)
+    return out
+
+
+def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos):
+    """Per piece, what every layer of a mixed step reads the same way: its tokens in the region (in
+    position order), its blocks (the first one and their count when consecutive, else the table), and what
+    each token sees; `visible` is None when the piece is its prompt's start (causal from slot 0: attention
+    skips the masked half instead of reading a mask). Computed by the step's first layer (`step_layouts`)."""
+    cached = _layouts.get("prefill") if _layouts is not None else None
+    if cached is not None:
+        return cached
+    layout = []
+    for p, length in enumerate(piece_lens.tolist()):
         if length == 0:
             continue
         rows = (token_piece == p).nonzero().squeeze(1)
-        table = piece_tables[p, : -(-length // BLOCK_SIZE)]
-        visible = torch.arange(length) <= token_pos.index_select(0, rows)[:, None]  # causal, [n, length]
-        out.index_copy_(
-            0, rows, _attend_piece(query.index_select(0, rows), key_cache, value_cache, table, visible, scale)
-        )
-    return out
+        positions = token_pos.index_select(0, rows)
+        order = positions.argsort()
+        rows, positions = rows[order], positions[order]
+        nb = -(-length // BLOCK_SIZE)
+        blocks = piece_tables[p, :nb]
+        first = int(blocks[0])
+        consecutive = bool((blocks == torch.arange(first, first + nb)).all())
+        if rows.shape[0] == length and bool((positions == torch.arange(length)).all()):
+            visible = None
+        else:
+            visible = torch.arange(length) <= positions[:, None]  # causal, [n, length]
+        layout.append((rows, first if consecutive else None, nb if consecutive else blocks, visible))
+    if _layouts is not None:
+        _layouts["prefill"] = layout
+    return layout
 
 
 @paged_prefill.register_fake
@@ -220,24 +273,26 @@ def static_paged_prefill(
     for p in range(piece_tables.shape[0]):
         mine = token_piece == p
         visible = (causal & mine[:, None]) | first
-        o = _attend_piece(query, key_cache, value_cache, piece_tables[p], visible, scale)
+        table = piece_tables[p]
+        o = _attend_piece(query, key_cache[table], value_cache[table], length, visible, scale)
         out = torch.where(mine[:, None, None], o, out)
     return out
 
 
-def _attend_piece(query, key_cache, value_cache, table, visible, scale):
-    """Query tokens [n, h, hd] against the first visible.shape[1] slots of the blocks `table` [nb] under
-    `visible` [n, keys] (GQA: query head i uses KV head i // group) -> [n, h, hd]."""
+def _attend_piece(query, keys, values, length, visible, scale):
+    """Query tokens [n, h, hd] against the first `length` slots of the piece's blocks `keys`, `values`
+    [nb, BLOCK_SIZE, kvh, hd] under `visible` [n, length], or causally from slot 0 when it is None (token i
+    sees slots 0..i; n == length). GQA: query head i uses KV head i // group. -> [n, h, hd]."""
     _, nheads, head_dim = query.shape
-    kvheads = key_cache.shape[2]
-    length = visible.shape[1]
-    keys = key_cache.index_select(0, table).view(-1, kvheads, head_dim)[:length].transpose(0, 1)
-    values = value_cache.index_select(0, table).view(-1, kvheads, head_dim)[:length].transpose(0, 1)
+    kvheads = keys.shape[2]
+    keys = keys.reshape(-1, kvheads, head_dim)[:length].transpose(0, 1)
+    values = values.reshape(-1, kvheads, head_dim)[:length].transpose(0, 1)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None],
         keys[None],
         values[None],
-        attn_mask=visible[None, None],
+        attn_mask=None if visible is None else visible[None, None],
+        is_causal=visible is None,
         scale=scale,
         enable_gqa=nheads != kvheads,
     )

@@ -156,16 +156,18 @@ def test_a_mixed_step_equals_its_decode_and_its_chunks_run_apart(tiny_model):
 
 
 def test_paged_prefill_attends_each_piece_to_its_own_slots_causally():
-    """The paged prefill op against attention computed token by token: three pieces in scattered blocks
-    (one with 70 earlier tokens in the cache), tokens interleaved in the region, padding, GQA, garbage in
-    every other slot; and its static-shape form (for sendnn) computes the same."""
-    from spyre_runtime.kv_cache import BLOCK_SIZE, paged_prefill, static_paged_prefill
+    """The paged prefill op against attention computed token by token: three pieces (one in consecutive
+    blocks, one in scattered blocks with 70 earlier tokens in the cache, one a prompt's start, attended
+    causally without a mask), tokens interleaved in the region, padding, GQA, garbage in every other slot;
+    its static-shape form (for sendnn) computes the same; and within one forward pass (step_layouts) the
+    layout worked out by the first layer serves the next layer's cache."""
+    from spyre_runtime.kv_cache import BLOCK_SIZE, paged_prefill, static_paged_prefill, step_layouts
 
     torch.manual_seed(0)
     kvh, group, hd = 2, 3, 16
     key_cache = torch.randn(9, BLOCK_SIZE, kvh, hd) * 50
     value_cache = torch.randn(9, BLOCK_SIZE, kvh, hd) * 50
-    tables = torch.tensor([[4, 2, 0], [5, 0, 0], [0, 0, 0], [8, 3, 6]])
+    tables = torch.tensor([[6, 7, 0], [5, 0, 0], [0, 0, 0], [8, 3, 2]])
     lens = torch.tensor([80, 6, 0, 130])  # piece 3: 70 earlier tokens, then 60 of this step
     token_piece = torch.tensor([0] * 10 + [1] * 6 + [3] * 60 + [-1] * 4)
     token_pos = torch.cat(
@@ -190,6 +192,16 @@ def test_paged_prefill_attends_each_piece_to_its_own_slots_causally():
         query, key_cache, value_cache, tables, lens, token_piece, token_pos, hd**-0.5
     )
     torch.testing.assert_close(static, out, atol=1e-4, rtol=1e-4)
+    other_keys, other_values = torch.randn_like(key_cache), torch.randn_like(value_cache)
+    other = paged_prefill(query, other_keys, other_values, tables, lens, token_piece, token_pos, hd**-0.5)
+    with step_layouts():
+        layers = [
+            paged_prefill(query, k, v, tables, lens, token_piece, token_pos, hd**-0.5)
+            for k, v in ((key_cache, value_cache), (other_keys, other_values))
+        ]
+    torch.testing.assert_close(layers[0], out, atol=0, rtol=0)
+    torch.testing.assert_close(layers[1], other, atol=0, rtol=0)
+    assert not torch.allclose(other, out, atol=1e-2)
 
 
 def test_paged_decode_reads_each_rows_own_slots_only():
@@ -223,6 +235,18 @@ def test_paged_decode_reads_each_rows_own_slots_only():
             few = paged_decode(query, key_cache, value_cache, tables, lens, hd**-0.5)
         torch.testing.assert_close(few[:live], out[:live], atol=1e-5, rtol=1e-5)
         assert not few[live:].any()
+    # within one forward pass (step_layouts), every layer reads the rows' blocks of its own cache
+    from spyre_runtime.kv_cache import step_layouts
+
+    other_keys, other_values = torch.randn_like(key_cache), torch.randn_like(value_cache)
+    other = paged_decode(query, other_keys, other_values, tables, lens, hd**-0.5)
+    with step_layouts(), linear.live_rows(None):
+        layers = [
+            paged_decode(query, k, v, tables, lens, hd**-0.5)
+            for k, v in ((key_cache, value_cache), (other_keys, other_values))
+        ]
+    torch.testing.assert_close(layers[0], out, atol=0, rtol=0)
+    torch.testing.assert_close(layers[1], other, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
