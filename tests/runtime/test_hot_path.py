@@ -253,6 +253,13 @@ def test_paged_decode_reads_each_rows_own_slots_only():
 def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
     from spyre_runtime import linear
 
+    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        # a CPU with neither AVX-512 nor AVX-NE-CONVERT (an AVX2 EPYC): oneDNN refuses to pack bf16, so
+        # bf16 layers keep their plain GEMMs, and the gate says so before any layer is routed to the op
+        assert not linear.can_pack(dtype, "inductor")
+        with pytest.raises(RuntimeError, match="bf16"):
+            torch.ops.mkldnn._reorder_linear_weight(torch.randn(96, 64, dtype=dtype), 8)
+        return
     if not linear.can_pack(dtype, "inductor"):
         pytest.fail(f"oneDNN cannot pack {dtype} on this CPU: the hot path would run plain GEMMs")
     weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
