@@ -23,6 +23,13 @@ from spyre_runtime.sampling import GuideError
 
 _BITS = torch.arange(32, dtype=torch.int32)
 
+# JSON comes out as json.dumps writes it: `{"a": 1, "b": [2, 3]}`, no other whitespace. With llguidance's
+# default (any run of whitespace between tokens) a small or unsure model can spend all of max_tokens on
+# newlines and never close the object (CI saw it: 60 tokens of tabs and newlines, then "length"). A schema
+# that wants free whitespace says so itself: `"x-guidance": {"whitespace_flexible": true}` (applied after
+# these defaults, as in llguidance and vLLM's guidance backend).
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
 
 class GuideSpec:
     """A grammar checked against the tokenizer; each request (and each of its n choices) gets a Guide."""
@@ -106,10 +113,12 @@ class GuideCompiler:
 
         try:
             if kind == "json_object":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema({"type": "object"})
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                    {"type": "object"}, defaults=JSON_DEFAULTS
+                )
             elif kind == "json_schema":
                 schema = json.loads(value) if isinstance(value, str) else value
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
             elif kind == "regex":
                 grammar = llguidance.LLMatcher.grammar_from_regex(value)
             elif kind == "choice":

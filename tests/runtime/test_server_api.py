@@ -422,8 +422,27 @@ def test_json_schema_output_parses_and_validates(client):
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
     )
     jsonschema.validate(json.loads(res.choices[0].message.content), schema)
-    via_vllm = complete(client, max_tokens=60, extra_body={"guided_json": schema})
+    via_vllm = complete(client, max_tokens=60, seed=2, extra_body={"guided_json": schema})
     jsonschema.validate(json.loads(via_vllm.choices[0].text), schema)
+
+
+def test_json_output_is_compact_unless_the_schema_asks_for_whitespace(server, client):
+    """A model that wants nothing but whitespace (biased +100) still closes the object: JSON comes out as
+    json.dumps writes it. A schema with `x-guidance: whitespace_flexible` gets the whitespace it allows."""
+    http = httpx.Client(headers=HEADERS, base_url=server.base)
+    spaces = {
+        t
+        for s in ["\n", " ", "\t", "\n\n", "  ", "\r\n"]
+        for t in http.post("/tokenize", json={"prompt": s, "add_special_tokens": False}).json()["tokens"]
+    }
+    kw = {"max_tokens": 40, "temperature": 0, "logit_bias": {str(t): 100 for t in spaces}}
+    closed = {**SCHEMA, "additionalProperties": False}  # else the spaces go into extra keys' names
+    compact = complete(client, **kw, extra_body={"guided_json": closed}).choices[0]
+    assert compact.finish_reason == "stop" and compact.text == json.dumps(json.loads(compact.text))
+    loose = complete(
+        client, **kw, extra_body={"guided_json": {**closed, "x-guidance": {"whitespace_flexible": True}}}
+    )
+    assert loose.choices[0].finish_reason == "length" and loose.choices[0].text.strip() in ("", "{")
 
 
 def test_json_object_regex_and_choice(client):
