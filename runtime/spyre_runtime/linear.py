@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import weakref
 from collections.abc import Iterator
 
 import torch
 
-_PACKED: dict[int, torch.Tensor] = {}  # layer slot -> its weight, packed for oneDNN
-_slots = itertools.count()
+_PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the weight packed for oneDNN
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 
 
@@ -52,15 +50,12 @@ def live_row_count() -> int | None:
 
 
 @torch.library.custom_op("spyre_serve::packed_linear", mutates_args=())
-def packed_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, slot: int
-) -> torch.Tensor:
-    """F.linear(x, weight, bias) on the weight packed for oneDNN (`rows`: the row count the packing is tuned
-    for, any count runs). `slot` names the layer (unique in the process, never reused: a freed layer's memory
-    address may be)."""
-    packed = _PACKED.get(slot)
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear(x, weight, bias) on the weight packed for oneDNN by `pack_linears`, found by the weight's
+    address: the op names no layer, so one compiled decoder block serves every block of the stack."""
+    packed = _PACKED.get(weight.data_ptr())
     if packed is None:
-        packed = _PACKED[slot] = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        raise RuntimeError(f"packed_linear: a weight {tuple(weight.shape)} that pack_linears did not pack")
     m = x.numel() // x.shape[-1]
     if _live is None or _live >= m:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -71,7 +66,7 @@ def packed_linear(
 
 
 @packed_linear.register_fake
-def _(x, weight, bias, rows, slot):
+def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
@@ -85,22 +80,32 @@ def can_pack(dtype: torch.dtype, backend: str) -> bool:
     return dtype == torch.float32
 
 
-def _forward(module: torch.nn.Linear, rows: int, slot: int, x: torch.Tensor) -> torch.Tensor:
-    return packed_linear(x, module.weight, module.bias, rows, slot)
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return packed_linear(x, self.weight, self.bias)
+
+
+@functools.cache
+def _packed_class(cls: type) -> type:
+    """`cls` with its forward through `packed_linear`. A class, not a per-layer bound forward: the compiler
+    guards on a layer's class, so every block of the stack shares one compiled graph."""
+    return type(f"Packed{cls.__name__}", (cls,), {"forward": _forward})
 
 
 def pack_linears(model: torch.nn.Module, rows: int) -> int:
-    """Routes every plain linear layer of `model` (nn.Linear and FMS's LM head, whose forward is
-    nn.Linear's; not the tensor-parallel head, which gathers) through `packed_linear`, packed with `rows` (the
-    decode batch) as the row count to tune for; returns how many. A layer's packed weight is dropped with the
-    layer."""
+    """Packs the weight of every plain linear layer of `model` (nn.Linear and FMS's LM head, whose forward is
+    nn.Linear's; not the tensor-parallel head, which gathers) for oneDNN, tuned for `rows` (the decode batch;
+    any row count runs), and routes the layer through `packed_linear`; returns how many. A packed weight is
+    dropped with its layer (before its address can be reused), and a weight shared by two layers (tied
+    embeddings) is packed once."""
     from fms.modules.head import LinearClassificationHead
 
     n = 0
     for module in model.modules():
         if type(module) in (torch.nn.Linear, LinearClassificationHead):
-            slot = next(_slots)
-            module.forward = functools.partial(_forward, module, rows, slot)
-            weakref.finalize(module, _PACKED.pop, slot, None)
+            key = module.weight.data_ptr()
+            if key not in _PACKED:
+                _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
+                weakref.finalize(module.weight, _PACKED.pop, key, None)
+            module.__class__ = _packed_class(type(module))
             n += 1
     return n

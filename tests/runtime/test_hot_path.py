@@ -77,19 +77,21 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     for the decode batch size once, at warm-up. The weights stay graph inputs (no freezing), so changing them
     in place afterwards would change a graph that read them: the decode step does not change, because it runs
     on the packed copies (weights never change after warm-up)."""
-    from spyre_runtime import linear
+    from spyre_runtime import executor, linear
     from torch._dynamo.utils import counters
 
     counters.clear()
     cfg = small_cb(tiny_model, "inductor", decode_batch_buckets=(2,), kv_len_buckets=(128,))
     ex = ModelExecutor(cfg)
+    # two blocks, each in its own call (at most MAX_BLOCK_CALLS): they share one graph per shape
+    assert ex.blocks.group == 1 and len(executor.repeated_blocks(ex.model)) == 2
     ex.warmup()
-    assert counters["stats"]["unique_graphs"] == len(cfg.chunk_buckets) + 1  # chunk 64 and decode batch 2
+    # chunk 64 and decode batch 2, each one graph for both blocks (a graph per block would make 4)
+    assert counters["stats"]["unique_graphs"] == len(cfg.chunk_buckets) + 1
     assert not counters["graph_break"]
     layers = [m for m in ex.model.modules() if isinstance(m, torch.nn.Linear)]
-    slots = [m.forward.args[2] for m in layers]
-    assert ex.packed and len(slots) == len(layers) > 0
-    assert all(s in linear._PACKED for s in slots)  # every layer packed by the warm-up's decode step
+    assert ex.packed and len(layers) > 0
+    assert all(m.weight.data_ptr() in linear._PACKED for m in layers)  # every layer packed at load
     rows = tuple(DecodeRow(None, 5 + r, 3, (1 + 2 * r, 2 + 2 * r)) for r in range(2))
     args = ex.batch_decode_inputs(ContinuousStep(decode=rows, batch_size=2, kv_len=128))
     before = ex.run_local(*args).clone()
@@ -102,6 +104,20 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
         halved = torch.nn.functional.linear(torch.ones(2, layers[0].in_features), layers[0].weight)
         packed = layers[0](torch.ones(2, layers[0].in_features))
     torch.testing.assert_close(packed, 2 * halved)  # (the op really serves the packed, unhalved weight)
+
+
+def test_block_groups_divide_the_stack_into_at_most_max_calls():
+    from spyre_runtime.executor import block_group_size, repeated_blocks
+
+    cases = {(30, 5): 6, (30, 1): 30, (30, 30): 1, (2, 5): 1, (2, 1): 2, (7, 5): 7, (32, 5): 8, (40, 5): 8}
+    for (blocks, calls), group in cases.items():
+        assert block_group_size(blocks, calls) == group, (blocks, calls)
+    model = torch.nn.Sequential(
+        torch.nn.ModuleList([torch.nn.Linear(2, 2), torch.nn.ReLU()]),  # mixed classes: not the stack
+        torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(3)]),
+        torch.nn.ModuleList([torch.nn.ReLU() for _ in range(2)]),
+    )
+    assert repeated_blocks(model) == list(model[1])
 
 
 def test_a_decode_step_with_few_live_rows_multiplies_only_those(tiny_model):
@@ -262,21 +278,18 @@ def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
         return
     if not linear.can_pack(dtype, "inductor"):
         pytest.fail(f"oneDNN cannot pack {dtype} on this CPU: the hot path would run plain GEMMs")
-    weight, bias = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
-    slot = next(linear._slots)
+    layer = torch.nn.Linear(64, 96, dtype=dtype)
+    weight, bias = layer.weight.detach(), layer.bias.detach()
+    with pytest.raises(RuntimeError, match="did not pack"):  # an unpacked weight is an error, not a guess
+        linear.packed_linear(torch.randn(8, 64, dtype=dtype), weight, bias)
+    assert linear.pack_linears(layer, 8) == 1
+    packed = linear._PACKED[weight.data_ptr()]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    packed = None
     for shape in ((8, 64), (3, 64), (1, 64), (2, 70, 64), (64, 5)):  # the last: a transposed (strided) input
         x = torch.randn(shape, dtype=dtype)
         x = x.t() if shape == (64, 5) else x
-        torch.testing.assert_close(
-            linear.packed_linear(x, weight, bias, 8, slot),
-            torch.nn.functional.linear(x, weight, bias),
-            atol=tol,
-            rtol=tol,
-        )
-        packed = packed if packed is not None else linear._PACKED[slot]
-    assert linear._PACKED[slot] is packed  # packed once, on the first call
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight, bias), atol=tol, rtol=tol)
+    assert linear._PACKED[weight.data_ptr()] is packed  # packed once, at pack_linears
     assert not linear.can_pack(dtype, "sendnn")
     # two models one after the other (the second's weights may reuse the first's freed memory): each is
     # served by its own packed weights
@@ -284,14 +297,14 @@ def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
     for seed in (1, 2):
         torch.manual_seed(seed)
         model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-        before = model(x)
+        before = model(x).detach()  # (an autograd graph would keep the weights alive)
         assert linear.pack_linears(model, 8) == 2
         torch.testing.assert_close(model(x), before, atol=1e-4, rtol=1e-4)
-        slots = [m.forward.args[2] for m in (model[0], model[2])]
-        assert all(s in linear._PACKED for s in slots)  # the model's layers went through the op
+        keys = [m.weight.data_ptr() for m in (model[0], model[2])]
+        assert all(k in linear._PACKED for k in keys)  # the model's layers went through the op
         del model
-        gc.collect()  # (a layer and its forward hold each other)
-        assert not any(s in linear._PACKED for s in slots)  # dropped with the layers
+        gc.collect()
+        assert not any(k in linear._PACKED for k in keys)  # dropped with the layers
 
 
 WARM_WITH_BUDGET = """
