@@ -99,11 +99,11 @@ class BlockCompiler:
     `dynamic_tokens` (min, max): while set, the hidden states are marked dynamic in their token dimension
     (dim 1), for the mixed step's one graph of any chunk length (see `_mark_dynamic_chunk`)."""
 
-    def __init__(self, model: torch.nn.Module, backend, kv_layers: list, group: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, backend, kv_layers: list) -> None:
         blocks = repeated_blocks(model)
         if len(blocks) < 2 or len(blocks) != len(kv_layers):
             raise ConfigError(f"{type(model).__name__}: no stack of decoder blocks to compile")
-        self.group = group or block_group_size(len(blocks))
+        self.group = block_group_size(len(blocks))
         forward = type(blocks[0]).forward
 
         def group_step(members, x, kv_states, **kwargs):

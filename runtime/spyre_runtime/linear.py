@@ -9,10 +9,10 @@ earlier version packed for MKL's sgemm at the decode row count only: 8 rows 50.7
 One packed weight serves every row count.
 
 Inductor prepacks by itself only under `freezing`, and its packed weights are opaque tensors that the graph
-cache cannot store. Here the packing is done at run time instead, inside an op that is opaque to the compiler:
-the compiled graph (cached or not) holds plain weights, and the op's first call packs the layer's weight once
-(one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding, not bit for
-bit.
+cache cannot store. Here the packing is done at load instead (`pack_linears`), and the GEMM runs inside an op
+that is opaque to the compiler: the compiled graph (cached or not) holds plain weights, and the op finds the
+packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
+not bit for bit.
 
 A decode step with live rows fewer than its graph's rows (one stream decoding in the 8-row graph) says so
 with `live_rows(n)`: the op then multiplies only the first n rows and returns zeros for the others, which
@@ -95,7 +95,7 @@ def pack_linears(model: torch.nn.Module, rows: int) -> int:
     """Packs the weight of every plain linear layer of `model` (nn.Linear and FMS's LM head, whose forward is
     nn.Linear's; not the tensor-parallel head, which gathers) for oneDNN, tuned for `rows` (the decode batch;
     any row count runs), and routes the layer through `packed_linear`; returns how many. A packed weight is
-    dropped with its layer (before its address can be reused), and a weight shared by two layers (tied
+    dropped with its weight tensor (before its address can be reused), and a weight shared by two layers (tied
     embeddings) is packed once."""
     from fms.modules.head import LinearClassificationHead
 

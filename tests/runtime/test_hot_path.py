@@ -118,6 +118,14 @@ def test_block_groups_divide_the_stack_into_at_most_max_calls():
         torch.nn.ModuleList([torch.nn.ReLU() for _ in range(2)]),
     )
     assert repeated_blocks(model) == list(model[1])
+    from spyre_runtime.config import ConfigError
+    from spyre_runtime.executor import BlockCompiler
+
+    # a model with no stack of blocks (or one that does not match its KV layers) stops start-up, named
+    with pytest.raises(ConfigError, match="Linear: no stack of decoder blocks"):
+        BlockCompiler(torch.nn.Linear(2, 2), "inductor", [])
+    with pytest.raises(ConfigError, match="no stack of decoder blocks"):
+        BlockCompiler(model, "inductor", [None] * 2)  # 3 blocks, 2 KV layers
 
 
 def test_a_decode_step_with_few_live_rows_multiplies_only_those(tiny_model):
