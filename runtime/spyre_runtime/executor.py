@@ -86,6 +86,20 @@ def _pass_through(x, *, past_key_value_state=None, use_cache=False, **_):
     return (x, past_key_value_state) if use_cache else x
 
 
+def step_input_guards(entries) -> list[bool]:
+    """Which of dynamo's guards a block group's graph keeps: those on the step's tensors (hidden states,
+    attention inputs, KV cache: their shapes, dtypes and strides tell the decode graph of each bucket and
+    the mixed graph apart) and the dynamic chunk range; not those on the blocks themselves (module
+    identities, their parameters, globals), which every group passes differently to the one graph it shares
+    and which never change after load. Each group call checked about 40 such guards (a decode step makes
+    5 calls)."""
+    return [
+        e.guard_type == "SHAPE_ENV"
+        or (e.guard_type == "TENSOR_MATCH" and not isinstance(e.value, torch.nn.Parameter))
+        for e in entries
+    ]
+
+
 class BlockCompiler:
     """Regional compilation (inductor): a group of `group` consecutive decoder blocks is compiled once, and
     every group of the stack runs that one graph (blocks differ only in their weights and KV cache tensors,
@@ -112,7 +126,13 @@ class BlockCompiler:
                 x = out[0] if isinstance(out, tuple) else out
             return x
 
-        self.compiled = torch.compile(group_step, backend=backend, dynamic=False, fullgraph=True)
+        self.compiled = torch.compile(
+            group_step,
+            backend=backend,
+            dynamic=False,
+            fullgraph=True,
+            options={"guard_filter_fn": step_input_guards},
+        )
         self.dynamic_tokens: tuple[int, int] | None = None
         for first in range(0, len(blocks), self.group):
             members = blocks[first : first + self.group]

@@ -69,17 +69,44 @@ def _version(dist: str) -> str:
         return "none"
 
 
+def model_file_digest(path: Path, memo_dir: Path | None) -> str:
+    """sha256 of a model file, remembered across processes in `memo_dir` (the cache's digests/) under the
+    file's identity (device, inode, size, modification time, path): hashing SmolLM2's 538 MB of weights took
+    1.9 s of every start. A file written again gets a new modification time, so a new identity, and is
+    hashed again. Entry files are always hashed (their checksums are what catches a corrupt entry)."""
+    if memo_dir is None:
+        return _sha256_file(path)
+    st = path.stat()
+    identity = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{path.resolve()}"
+    memo = memo_dir / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        known = memo.read_text().strip()
+        if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
+            return known
+    digest = _sha256_file(path)
+    with contextlib.suppress(OSError):  # a read-only cache volume: hash again next time
+        memo_dir.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
+        tmp.write_text(digest + "\n")
+        tmp.replace(memo)
+    return digest
+
+
 # The layout of the compiled graphs (attention op, mixed steps, packed linear layers): a change of it makes
 # earlier entries misses, whatever the package's version says. 2: mixed steps, paged decode, packed weights;
-# 3: mixed steps prefill pieces of several prompts (paged prefill op).
-GRAPH_FORMAT = 3
+# 3: mixed steps prefill pieces of several prompts (paged prefill op); 4: regional compilation (a graph per
+# group of decoder blocks, `executor.MAX_BLOCK_CALLS`), ops registered at the dispatcher's CPU key (ops.py).
+GRAPH_FORMAT = 4
 
 
 def cache_configuration(config: RuntimeConfig) -> dict:
     """Everything that changes the compiled graphs, as plain JSON."""
     import torch
 
+    from spyre_runtime.executor import MAX_BLOCK_CALLS  # executor imports this module
+
     model_dir = config.model_dir
+    memo = config.cache_dir / "digests" if config.cache_enabled and config.cache_dir else None
     weights = sorted(p for p in model_dir.iterdir() if p.suffix in (".safetensors", ".bin", ".pt"))
     shapes: dict
     if config.use_cb:
@@ -104,12 +131,13 @@ def cache_configuration(config: RuntimeConfig) -> dict:
         "model": {
             "config_sha256": _sha256_file(model_dir / "config.json"),
             "weights_sha256": hashlib.sha256(
-                "".join(f"{p.name}:{_sha256_file(p)};" for p in weights).encode()
+                "".join(f"{p.name}:{model_file_digest(p, memo)};" for p in weights).encode()
             ).hexdigest(),
         },
         "backend": config.backend,
         "dtype": config.dtype,
         "graph_format": GRAPH_FORMAT,
+        "max_block_calls": MAX_BLOCK_CALLS,  # the blocks one compiled graph holds (inductor)
         "shapes": shapes,
         "tensor_parallel_size": config.tensor_parallel_size,
         "versions": {

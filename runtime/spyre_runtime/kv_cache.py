@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from spyre_runtime.linear import live_row_count
+from spyre_runtime.ops import opaque_op
 
 ATTN_NAME = "spyre_serve_paged"
 BLOCK_SIZE = 64
@@ -122,7 +123,15 @@ def _sdpa(query, keys, values, mask, nheads, kvheads, scale):
     return out.transpose(1, 2).contiguous()
 
 
-@torch.library.custom_op("spyre_serve::paged_decode", mutates_args=())
+def _fake_attention(query, *_):
+    return torch.empty_like(query)
+
+
+@opaque_op(
+    "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
+    "float scale) -> Tensor",
+    _fake_attention,
+)
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -183,11 +192,6 @@ def _attend_live_blocks(query, key_cache, value_cache, layout, scale):
     return out.reshape(rows, nheads, head_dim)
 
 
-@paged_decode.register_fake
-def _(query, key_cache, value_cache, block_table, seq_lens, scale):
-    return torch.empty_like(query)
-
-
 def static_paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale):
     """What `paged_decode` computes, in plain tensor ops of static shape (every row gathers the whole width
     of its block table, masked past its length): for device compilers (sendnn) that lower the graph
@@ -197,7 +201,11 @@ def static_paged_decode(query, key_cache, value_cache, block_table, seq_lens, sc
     return _attend_live_blocks(query, key_cache, value_cache, (block_table.flatten(), length, mask), scale)
 
 
-@torch.library.custom_op("spyre_serve::paged_prefill", mutates_args=())
+@opaque_op(
+    "paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor piece_tables, "
+    "Tensor piece_lens, Tensor token_piece, Tensor token_pos, float scale) -> Tensor",
+    _fake_attention,
+)
 def paged_prefill(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -253,11 +261,6 @@ def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos):
     if _layouts is not None:
         _layouts["prefill"] = layout
     return layout
-
-
-@paged_prefill.register_fake
-def _(query, key_cache, value_cache, piece_tables, piece_lens, token_piece, token_pos, scale):
-    return torch.empty_like(query)
 
 
 def static_paged_prefill(

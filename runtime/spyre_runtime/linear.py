@@ -29,6 +29,8 @@ from collections.abc import Iterator
 
 import torch
 
+from spyre_runtime.ops import opaque_op
+
 _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the weight packed for oneDNN
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 
@@ -49,7 +51,11 @@ def live_row_count() -> int | None:
     return _live
 
 
-@torch.library.custom_op("spyre_serve::packed_linear", mutates_args=())
+def _fake_linear(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+@opaque_op("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _fake_linear)
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) on the weight packed for oneDNN by `pack_linears`, found by the weight's
     address: the op names no layer, so one compiled decoder block serves every block of the stack."""
@@ -63,11 +69,6 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = flat.new_zeros(m, weight.shape[0])
     out[:_live] = torch.ops.mkldnn._linear_pointwise(flat[:_live], packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-@packed_linear.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
 def can_pack(dtype: torch.dtype, backend: str) -> bool:

@@ -27,6 +27,46 @@ def make_work(tmp_path: Path) -> Path:
     return work
 
 
+def test_model_file_digest_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    """The weights' sha256 (part of the key) is hashed once per file identity and remembered in the cache's
+    digests/: a warm start reads it instead of hashing hundreds of MB again; a rewritten file, a damaged
+    memo or a read-only cache never give a wrong digest."""
+    import hashlib
+
+    from spyre_runtime import graph_cache
+
+    weights = tmp_path / "model" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(os.urandom(100_000))
+    memo = tmp_path / "cache" / "digests"
+    hashed = []
+    real = graph_cache._sha256_file
+    monkeypatch.setattr(graph_cache, "_sha256_file", lambda p: hashed.append(p) or real(p))
+
+    def digest():
+        return graph_cache.model_file_digest(weights, memo)
+
+    first = digest()
+    assert first == hashlib.sha256(weights.read_bytes()).hexdigest() and len(hashed) == 1
+    assert digest() == first and len(hashed) == 1  # remembered: not hashed again
+    (memo_file,) = memo.iterdir()
+    memo_file.write_text("not a digest")
+    assert digest() == first and len(hashed) == 2  # a damaged memo is hashed again and rewritten
+    assert digest() == first and len(hashed) == 2
+    weights.write_bytes(os.urandom(100_000))  # rewritten: a new modification time, a new identity
+    os.utime(weights, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    changed = digest()
+    assert changed == hashlib.sha256(weights.read_bytes()).hexdigest() != first and len(hashed) == 3
+    memo.chmod(0o500)  # a read-only cache volume (root ignores modes: then the memo is simply written)
+    try:
+        other = weights.with_name("more.safetensors")
+        other.write_bytes(b"x" * 10)
+        assert graph_cache.model_file_digest(other, memo) == hashlib.sha256(b"x" * 10).hexdigest()
+    finally:
+        memo.chmod(0o700)
+    assert graph_cache.model_file_digest(weights, None) == changed  # no cache: hashed, nothing kept
+
+
 def test_publish_then_hit_and_catalog(tmp_path):
     cache = GraphCache(tmp_path / "cache", "inductor-k1", CONFIGURATION)
     assert not cache.is_valid()

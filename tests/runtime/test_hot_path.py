@@ -100,10 +100,36 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
             m.weight.mul_(0.5)
     assert before.abs().sum() > 0
     assert torch.equal(ex.run_local(*args), before)  # the packed copies, no recompile
+    # the groups' graph keeps its guards on the step's tensors (executor.step_input_guards): a batch that
+    # no graph was warmed for is still caught, and serving refuses to compile it
+    odd = ex.batch_decode_inputs(ContinuousStep(batch_size=3, kv_len=128))
+    with pytest.raises(RuntimeError, match="Detected recompile"):
+        ex.run_local(*odd)
     with torch.inference_mode():
         halved = torch.nn.functional.linear(torch.ones(2, layers[0].in_features), layers[0].weight)
         packed = layers[0](torch.ones(2, layers[0].in_features))
     torch.testing.assert_close(packed, 2 * halved)  # (the op really serves the packed, unhalved weight)
+
+
+def test_block_graphs_keep_guards_on_step_tensors_only():
+    """The guards a group's graph keeps: tensor guards on what the step passes (hidden states, attention
+    inputs, KV cache) and the dynamic range; none on the blocks' parameters, modules or globals."""
+    from types import SimpleNamespace
+
+    from spyre_runtime.executor import step_input_guards
+
+    def entry(guard_type, value=None):
+        return SimpleNamespace(guard_type=guard_type, value=value)
+
+    entries = [
+        entry("TENSOR_MATCH", torch.zeros(2)),  # L['x']
+        entry("TENSOR_MATCH", torch.nn.Parameter(torch.zeros(2))),  # a block's weight
+        entry("SHAPE_ENV"),
+        entry("ID_MATCH", torch.nn.Linear(2, 2)),  # a block module
+        entry("TYPE_MATCH"),
+        entry("CLOSURE_MATCH"),
+    ]
+    assert step_input_guards(entries) == [True, False, True, False, False, False]
 
 
 def test_block_groups_divide_the_stack_into_at_most_max_calls():
