@@ -47,14 +47,14 @@ MANIFEST = "manifest.json"
 
 
 def _sha256_file(path: Path) -> str:
-    """Memoized per (path, inode, size, mtime) within this process: strict mode's early check and the
-    warmup after it hash the weights (hundreds of MB) and the entry once, not twice."""
+    """Memoized per (path, inode, size, modification and change times) within this process: strict mode's
+    early check and the warmup after it hash the weights (hundreds of MB) and the entry once, not twice."""
     st = path.stat()
-    return _sha256_of(str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    return _sha256_of(str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @functools.lru_cache(maxsize=256)
-def _sha256_of(path: str, inode: int, size: int, mtime_ns: int) -> str:
+def _sha256_of(path: str, inode: int, size: int, mtime_ns: int, ctime_ns: int) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -71,24 +71,31 @@ def _version(dist: str) -> str:
 
 def model_file_digest(path: Path, memo_dir: Path | None) -> str:
     """sha256 of a model file, remembered across processes in `memo_dir` (the cache's digests/) under the
-    file's identity (device, inode, size, modification time, path): hashing SmolLM2's 538 MB of weights took
-    1.9 s of every start. A file written again gets a new modification time, so a new identity, and is
-    hashed again. Entry files are always hashed (their checksums are what catches a corrupt entry)."""
+    file's identity (inode, size, modification and change times, path): hashing SmolLM2's 538 MB of weights
+    took 1.9 s of every start. Any write, rename or copy over the file sets its change time (ctime), which,
+    unlike the modification time, no tool can set back (`cp -p`, `rsync -a` and `touch` cannot), so a changed
+    file has a new identity and is hashed again: pooling models compile their weights into the graph, and a
+    stale digest would load another model's graphs. No device number: it differs between mounts of one
+    volume, and pods would then miss the memo. Entry files are always hashed (their checksums are what
+    catches a corrupt entry)."""
     if memo_dir is None:
         return _sha256_file(path)
     st = path.stat()
-    identity = f"{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{path.resolve()}"
+    identity = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}:{path.resolve()}"
     memo = memo_dir / hashlib.sha256(identity.encode()).hexdigest()[:32]
     with contextlib.suppress(OSError, UnicodeDecodeError):
         known = memo.read_text().strip()
         if len(known) == 64 and all(c in "0123456789abcdef" for c in known):
             return known
     digest = _sha256_file(path)
-    with contextlib.suppress(OSError):  # a read-only cache volume: hash again next time
+    tmp = memo.with_name(f"{memo.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
+    try:  # one rename: a reader sees the whole digest or none
         memo_dir.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.{uuid.uuid4().hex[:6]}.tmp")
         tmp.write_text(digest + "\n")
         tmp.replace(memo)
+    except OSError:  # a read-only or full cache volume: hashed again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return digest
 
 

@@ -6,8 +6,9 @@ They are registered straight at the dispatcher's CPU key (torch.library.Library)
 `torch.library.custom_op`, whose kernel wrapper (a dynamo-disabled call and an aliasing check on every call)
 cost about 25 us a call here: a decode step calls these ops 151 times (121 linear layers, 30 attention
 layers). The schema says they neither mutate nor alias their inputs; `fake` gives the output's shape while
-a graph is traced. They are inference-only: no autograd formula is registered (the runtime runs under
-`torch.inference_mode`).
+a graph is traced. They are inference-only and CPU-only: no autograd formula is registered (the runtime
+runs under `torch.inference_mode`; with inputs that require grad, torch's autograd fallback runs the forward
+and a backward warns and gives no gradient), and no other device has a kernel.
 """
 
 from __future__ import annotations

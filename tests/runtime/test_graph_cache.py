@@ -53,17 +53,30 @@ def test_model_file_digest_is_remembered_until_the_file_changes(tmp_path, monkey
     memo_file.write_text("not a digest")
     assert digest() == first and len(hashed) == 2  # a damaged memo is hashed again and rewritten
     assert digest() == first and len(hashed) == 2
-    weights.write_bytes(os.urandom(100_000))  # rewritten: a new modification time, a new identity
-    os.utime(weights, ns=(time.time_ns() + 10**9, time.time_ns() + 10**9))
+    # rewritten in place with the same size and its modification time set back (as `cp -p` or `rsync -a`
+    # would): only the change time tells, and it is part of the identity
+    st = weights.stat()
+    time.sleep(0.01)
+    weights.write_bytes(os.urandom(100_000))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (weights.stat().st_ino, weights.stat().st_size, weights.stat().st_mtime_ns) == (
+        st.st_ino,
+        st.st_size,
+        st.st_mtime_ns,
+    )
     changed = digest()
     assert changed == hashlib.sha256(weights.read_bytes()).hexdigest() != first and len(hashed) == 3
-    memo.chmod(0o500)  # a read-only cache volume (root ignores modes: then the memo is simply written)
-    try:
-        other = weights.with_name("more.safetensors")
-        other.write_bytes(b"x" * 10)
+    other = weights.with_name("more.safetensors")
+    other.write_bytes(b"x" * 10)
+    before = set(memo.iterdir())
+
+    def full_disk(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:  # a full or read-only cache volume: the digest, and nothing left behind
+        m.setattr(Path, "write_text", full_disk)
         assert graph_cache.model_file_digest(other, memo) == hashlib.sha256(b"x" * 10).hexdigest()
-    finally:
-        memo.chmod(0o700)
+    assert set(memo.iterdir()) == before
     assert graph_cache.model_file_digest(weights, None) == changed  # no cache: hashed, nothing kept
 
 

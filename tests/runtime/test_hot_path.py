@@ -111,9 +111,9 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     torch.testing.assert_close(packed, 2 * halved)  # (the op really serves the packed, unhalved weight)
 
 
-def test_block_graphs_keep_guards_on_step_tensors_only():
-    """The guards a group's graph keeps: tensor guards on what the step passes (hidden states, attention
-    inputs, KV cache) and the dynamic range; none on the blocks' parameters, modules or globals."""
+def test_block_graphs_drop_only_the_guards_on_parameters():
+    """The guards a group's graph keeps: everything (the step's tensors and arguments, the dynamic range,
+    global state, module attributes) but the tensor guards on the blocks' parameters."""
     from types import SimpleNamespace
 
     from spyre_runtime.executor import step_input_guards
@@ -122,14 +122,14 @@ def test_block_graphs_keep_guards_on_step_tensors_only():
         return SimpleNamespace(guard_type=guard_type, value=value)
 
     entries = [
-        entry("TENSOR_MATCH", torch.zeros(2)),  # L['x']
+        entry("TENSOR_MATCH", torch.zeros(2)),  # L['x'], a KV cache tensor
         entry("TENSOR_MATCH", torch.nn.Parameter(torch.zeros(2))),  # a block's weight
         entry("SHAPE_ENV"),
-        entry("ID_MATCH", torch.nn.Linear(2, 2)),  # a block module
-        entry("TYPE_MATCH"),
-        entry("CLOSURE_MATCH"),
+        entry("GLOBAL_STATE"),
+        entry("EQUALS_MATCH", 128),  # a block's constant attribute, a non-tensor argument
+        entry("TYPE_MATCH", torch.nn.Linear(2, 2)),
     ]
-    assert step_input_guards(entries) == [True, False, True, False, False, False]
+    assert step_input_guards(entries) == [True, False, True, True, True, True]
 
 
 def test_block_groups_divide_the_stack_into_at_most_max_calls():
