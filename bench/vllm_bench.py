@@ -10,10 +10,10 @@ torchvision/torchaudio/torchcodec removed (their CUDA builds break transformers)
 
 Both systems start cold (fresh inductor cache, fresh vLLM compile cache / empty graph cache) and stay up;
 then the seeded streaming workload at concurrency 8 (64 requests, prompts 32-256 tokens, max_tokens 16-128,
-greedy, ignore_eos) runs on each, then a few requests one at a time on each in reverse order (ABBA, so a
-change of the shared machine's load falls on both); then each starts once more, warm (vLLM's compile cache /
-our graph cache from the cold start). Servers listen on 127.0.0.1, ports 18000-18999, and are
-stopped by process group (they are started in their own session) whatever happens.
+greedy, ignore_eos) runs on each, then a few requests one at a time, each on both systems in turn (A B, then
+B A, ...: a change of the shared machine's load falls on both); then each starts once more, warm (vLLM's
+compile cache / our graph cache from the cold start). Servers listen on 127.0.0.1, ports 18000-18999, and
+are stopped by process group (they are started in their own session) whatever happens.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from serve_bench import MODEL_DIR, pct, run_load, workload  # noqa: E402
+from serve_bench import MODEL_DIR, pct, run_load, summarize, workload  # noqa: E402
 
 VLLM_VERSION = "0.27.1"
 TORCH_VERSION = "2.13.0"
@@ -221,9 +221,9 @@ PHASE_PAUSE_S = 3.0
 
 
 def measure(systems: dict, jobs, single_jobs, log_dir: Path, cold: bool) -> dict:
-    """systems: name -> (argv_for(port), env). Starts every system (cold), then runs the workloads in ABBA
-    order (c8 on each, c1 on each in reverse order), so a change of the machine's load during the run
-    falls on both; then stops them and starts each once more (warm: caches from the first start)."""
+    """systems: name -> (argv_for(port), env). Starts every system (cold), then runs c8 on each and the single
+    requests interleaved (`single_requests`), so a change of the machine's load during the run falls on
+    both; then stops them and starts each once more (warm: caches from the first start)."""
     out: dict = {}
     servers: dict[str, tuple[Server, str]] = {}
     try:
@@ -233,12 +233,14 @@ def measure(systems: dict, jobs, single_jobs, log_dir: Path, cold: bool) -> dict
             # one short request first so each system's lazy first-request costs are out of the figures
             asyncio.run(run_load(base, single_jobs[:1], concurrency=1))
         names = list(servers)
-        for label, work, conc, order in (("c8", jobs, 8, names), ("c1", single_jobs, 1, names[::-1])):
-            for name in order:
-                time.sleep(PHASE_PAUSE_S)
-                res = asyncio.run(run_load(servers[name][1], work, concurrency=conc))
-                out[name][label] = {**res["summary"], **latency_summary(res["records"])}
-                print(f"{name} {label}: {json.dumps(out[name][label])}", flush=True)
+        for name in names:
+            time.sleep(PHASE_PAUSE_S)
+            res = asyncio.run(run_load(servers[name][1], jobs, concurrency=8))
+            out[name]["c8"] = {**res["summary"], **latency_summary(res["records"])}
+            print(f"{name} c8: {json.dumps(out[name]['c8'])}", flush=True)
+        for name, c1 in single_requests(servers, single_jobs).items():
+            out[name]["c1"] = c1
+            print(f"{name} c1: {json.dumps(c1)}", flush=True)
     finally:
         for server, _ in servers.values():
             server.stop()
@@ -247,6 +249,26 @@ def measure(systems: dict, jobs, single_jobs, log_dir: Path, cold: bool) -> dict
             server, _ = start(name, "warm", argv_for, env, log_dir, out)
             server.stop()
     return out
+
+
+def single_requests(servers: dict, single_jobs) -> dict:
+    """Requests one at a time, each job on every system in turn (A B, then B A for the next job), so a
+    change of the shared machine's speed falls on both within seconds instead of on one system's whole
+    phase (in runs 13-15 the phases ran one system after the other, and our single-stream figures, always
+    measured last, moved by 26 % between runs while an interleaved A/B of two of our servers did not).
+    Returns each system's summary over its requests (wall time: its own requests only)."""
+    names = list(servers)
+    records: dict[str, list] = {name: [] for name in names}
+    walls = dict.fromkeys(names, 0.0)
+    for i, job in enumerate(single_jobs):
+        for name in names if i % 2 == 0 else names[::-1]:
+            time.sleep(PHASE_PAUSE_S)  # vLLM's engine polls for a while after a request
+            res = asyncio.run(run_load(servers[name][1], [job], concurrency=1))
+            records[name] += res["records"]
+            walls[name] += res["summary"]["wall_s"]
+    return {
+        name: {**summarize(records[name], walls[name]), **latency_summary(records[name])} for name in names
+    }
 
 
 def ratios(ours: dict, vllm: dict) -> dict:
