@@ -86,11 +86,11 @@ def _pass_through(x, *, past_key_value_state=None, use_cache=False, **_):
     return (x, past_key_value_state) if use_cache else x
 
 
-def step_input_guards(entries) -> list[bool]:
+def without_parameter_guards(entries) -> list[bool]:
     """Which of dynamo's guards a block group's graph keeps: all but the tensor guards on the blocks'
     parameters. Every group passes its own parameters to the one graph the groups share, and they never
-    change after load; checking them (about 36 tensors of 6 blocks) was most of dynamo's cost per call, and
-    a decode step makes 5 calls. Everything else stays: guards on the step's tensors and arguments (which
+    change after load; they were most of the tensors checked per call (about 36 of 6 blocks), and a decode
+    step makes 5 calls. Everything else stays: guards on the step's tensors and arguments (which
     tell the decode graph of each bucket and the mixed graph apart), the dynamic range, global state, and
     the blocks' constant attributes (blocks that differ in one still compile graphs of their own). Parameters
     of another shape cannot slip through: the compiled graph checks the size and stride of every input."""
@@ -128,7 +128,7 @@ class BlockCompiler:
             backend=backend,
             dynamic=False,
             fullgraph=True,
-            options={"guard_filter_fn": step_input_guards},
+            options={"guard_filter_fn": without_parameter_guards},
         )
         self.dynamic_tokens: tuple[int, int] | None = None
         for first in range(0, len(blocks), self.group):

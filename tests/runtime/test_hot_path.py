@@ -100,8 +100,8 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
             m.weight.mul_(0.5)
     assert before.abs().sum() > 0
     assert torch.equal(ex.run_local(*args), before)  # the packed copies, no recompile
-    # the groups' graph keeps its guards on the step's tensors (executor.step_input_guards): a batch that
-    # no graph was warmed for is still caught, and serving refuses to compile it
+    # the groups' graph keeps its guards on the step's tensors (executor.without_parameter_guards): a batch
+    # that no graph was warmed for is still caught, and serving refuses to compile it
     odd = ex.batch_decode_inputs(ContinuousStep(batch_size=3, kv_len=128))
     with pytest.raises(RuntimeError, match="Detected recompile"):
         ex.run_local(*odd)
@@ -116,7 +116,7 @@ def test_block_graphs_drop_only_the_guards_on_parameters():
     global state, module attributes) but the tensor guards on the blocks' parameters."""
     from types import SimpleNamespace
 
-    from spyre_runtime.executor import step_input_guards
+    from spyre_runtime.executor import without_parameter_guards
 
     def entry(guard_type, value=None):
         return SimpleNamespace(guard_type=guard_type, value=value)
@@ -129,7 +129,7 @@ def test_block_graphs_drop_only_the_guards_on_parameters():
         entry("EQUALS_MATCH", 128),  # a block's constant attribute, a non-tensor argument
         entry("TYPE_MATCH", torch.nn.Linear(2, 2)),
     ]
-    assert step_input_guards(entries) == [True, False, True, True, True, True]
+    assert without_parameter_guards(entries) == [True, False, True, True, True, True]
 
 
 def test_block_groups_divide_the_stack_into_at_most_max_calls():
