@@ -69,8 +69,8 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
     from spyre_contract import Shape
     from spyre_runtime.config import RuntimeConfig
+    from spyre_runtime.executor.pooling_model import PoolingModel, detect_pooling
     from spyre_runtime.models import prepare_minilm
-    from spyre_runtime.pooling import PoolingModel, detect_pooling
     from transformers import AutoTokenizer
 
     prepare_minilm(MODEL_DIR)

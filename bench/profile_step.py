@@ -61,9 +61,9 @@ def main() -> int:
     args = ap.parse_args()
     import dataclasses
 
-    from spyre_runtime.cb_scheduler import ContinuousStep, DecodeRow, PrefillChunk
     from spyre_runtime.config import load_config
-    from spyre_runtime.executor import ModelExecutor
+    from spyre_runtime.executor.model_executor import ModelExecutor
+    from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
 
     env = {
         "SENDNN_INFERENCE_DYNAMO_BACKEND": args.backend,

@@ -170,8 +170,8 @@ def hf_baselines(jobs, batch: int) -> dict:
 def step_overhead(jobs) -> dict:
     """Pure compiled forward of a decode step vs the engine's full step, in process, same shape."""
     from spyre_runtime.config import load_config
-    from spyre_runtime.engine import LLMEngine
-    from spyre_runtime.sampling import SamplingParams
+    from spyre_runtime.engine.llm_engine import LLMEngine
+    from spyre_runtime.sampling.params import SamplingParams
 
     cfg = load_config(MODEL_DIR, environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES})
     engine = LLMEngine(cfg)

@@ -26,9 +26,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def measure(model_dir: Path, tp: int) -> dict:
     from spyre_runtime.config import RuntimeConfig, Shape
-    from spyre_runtime.engine import LLMEngine
-    from spyre_runtime.executor import configure_threads
-    from spyre_runtime.sampling import SamplingParams
+    from spyre_runtime.engine.llm_engine import LLMEngine
+    from spyre_runtime.executor.model_executor import configure_threads
+    from spyre_runtime.sampling.params import SamplingParams
 
     config = RuntimeConfig(
         model_dir=model_dir, served_model_name="m", backend="inductor", shapes=(Shape(64, 64, 4),)

@@ -137,7 +137,7 @@ def _config(args):
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model directory {model_dir} has no config.json")
-    from spyre_runtime.pooling import detect_task
+    from spyre_runtime.executor.pooling_model import detect_task
 
     task = check_task(args.task) or detect_task(model_dir)
     config = load_config(
@@ -155,7 +155,7 @@ def _config(args):
         task=task,
     )
     if not is_pooling_task(task):
-        from spyre_runtime.workers import check_tensor_parallel
+        from spyre_runtime.executor.workers import check_tensor_parallel
 
         check_tensor_parallel(config)
     config = dataclasses.replace(
@@ -169,14 +169,14 @@ def _config(args):
 
 
 def cmd_serve(args) -> int:
-    from spyre_runtime.executor import compiler_for
-    from spyre_runtime.graph_cache import check_precompiled
-    from spyre_runtime.server import serve
+    from spyre_runtime.entrypoints.server import serve
+    from spyre_runtime.executor.graph_cache import check_precompiled
+    from spyre_runtime.executor.model_executor import compiler_for
 
     config = _config(args)
     compiler_for(config.backend)  # fail before binding the port when the backend is missing
     if is_pooling_task(config.task):
-        from spyre_runtime.pooling_server import serve as serve_pooling
+        from spyre_runtime.entrypoints.pooling_server import serve as serve_pooling
 
         api_key = getattr(args, "api_key", None) or os.environ.get("SPYRE_API_KEY")
         check_precompiled(config)
@@ -187,8 +187,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from spyre_runtime.executor import ModelExecutor, configure_threads
-    from spyre_runtime.graph_cache import warmup_with_cache
+    from spyre_runtime.executor.graph_cache import warmup_with_cache
+    from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
 
     config = _config(args)
     if not config.cache_enabled:
@@ -201,7 +201,7 @@ def cmd_compile(args) -> int:
         config = check_memory(config)
     configure_threads(config)
     if is_pooling_task(config.task):
-        from spyre_runtime.pooling import load_pooling_model
+        from spyre_runtime.executor.pooling_model import load_pooling_model
 
         executor = load_pooling_model(config, compile_only=True)
     else:
@@ -224,9 +224,9 @@ def cmd_compile(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from spyre_runtime.engine import LLM
-    from spyre_runtime.graph_cache import check_precompiled
-    from spyre_runtime.sampling import SamplingParams
+    from spyre_runtime.engine.llm_engine import LLM
+    from spyre_runtime.executor.graph_cache import check_precompiled
+    from spyre_runtime.sampling.params import SamplingParams
 
     config = _config(args)
     _refuse_pooling(config, "generate")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from spyre_runtime.sampling import SamplingParams, make_generator
+from spyre_runtime.sampling.params import SamplingParams, make_generator
 
 
 class Status(enum.Enum):

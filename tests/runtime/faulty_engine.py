@@ -6,7 +6,8 @@ import os
 import sys
 from pathlib import Path
 
-from spyre_runtime import cli, executor
+from spyre_runtime import cli
+from spyre_runtime.executor import model_executor as executor
 
 
 def plant_fault(flag: Path) -> None:

@@ -2,7 +2,7 @@
 eviction order. Block size 4 keeps the tables readable; block 0 is scratch and never handed out."""
 
 import pytest
-from spyre_runtime.block_manager import BlockManager
+from spyre_runtime.engine.block_manager import BlockManager
 
 
 def toks(n, start=0):

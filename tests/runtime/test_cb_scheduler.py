@@ -7,10 +7,10 @@ Blocks hold 64 tokens; block 0 is scratch."""
 from pathlib import Path
 
 import pytest
-from spyre_runtime.cb_scheduler import ContinuousScheduler
 from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.engine.continuous_scheduler import ContinuousScheduler
 from spyre_runtime.request import Request, Status
-from spyre_runtime.sampling import SamplingParams
+from spyre_runtime.sampling.params import SamplingParams
 
 
 def config(**kw) -> RuntimeConfig:

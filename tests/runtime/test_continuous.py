@@ -7,8 +7,8 @@ from dataclasses import replace
 
 import pytest
 from spyre_runtime.config import RuntimeConfig, Shape
-from spyre_runtime.engine import LLMEngine
-from spyre_runtime.sampling import SamplingParams
+from spyre_runtime.engine.llm_engine import LLMEngine
+from spyre_runtime.sampling.params import SamplingParams
 
 MAX_TOKENS = 24
 

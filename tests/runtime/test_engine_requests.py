@@ -2,8 +2,8 @@
 
 import pytest
 from spyre_runtime.config import load_config
-from spyre_runtime.engine import LLMEngine
-from spyre_runtime.sampling import SamplingParams
+from spyre_runtime.engine.llm_engine import LLMEngine
+from spyre_runtime.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

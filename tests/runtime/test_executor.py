@@ -4,9 +4,9 @@ prompts and padded batches of mixed lengths; with inductor, serving after warmup
 import pytest
 import torch
 from spyre_runtime.config import RuntimeConfig, Shape
-from spyre_runtime.engine import LLMEngine
+from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.models import write_tiny_model
-from spyre_runtime.sampling import SamplingParams
+from spyre_runtime.sampling.params import SamplingParams
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [

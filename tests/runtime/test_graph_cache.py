@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from spyre_runtime.graph_cache import GraphCache, load_slot
+from spyre_runtime.executor.graph_cache import GraphCache, load_slot
 
 from tests.cluster.controlplane import Proc, terminate
 
@@ -33,7 +33,7 @@ def test_model_file_digest_is_remembered_until_the_file_changes(tmp_path, monkey
     memo or a read-only cache never give a wrong digest."""
     import hashlib
 
-    from spyre_runtime import graph_cache
+    from spyre_runtime.executor import graph_cache
 
     weights = tmp_path / "model" / "model.safetensors"
     weights.parent.mkdir()

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 import torch
-from spyre_runtime.cb_scheduler import ContinuousStep, DecodeRow, PrefillChunk
 from spyre_runtime.config import ConfigError, RuntimeConfig, load_config
-from spyre_runtime.executor import ModelExecutor, resolve_dtype
+from spyre_runtime.executor.model_executor import ModelExecutor, resolve_dtype
+from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
 
 
 def small_cb(model_dir, backend: str = "eager", **kw) -> RuntimeConfig:
@@ -77,7 +77,8 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     for the decode batch size once, at warm-up. The weights stay graph inputs (no freezing), so changing them
     in place afterwards would change a graph that read them: the decode step does not change, because it runs
     on the packed copies (weights never change after warm-up)."""
-    from spyre_runtime import executor, linear
+    from spyre_runtime.executor import linear
+    from spyre_runtime.executor import model_executor as executor
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -116,7 +117,7 @@ def test_block_graphs_drop_only_the_guards_on_parameters():
     global state, module attributes) but the tensor guards on the blocks' parameters."""
     from types import SimpleNamespace
 
-    from spyre_runtime.executor import without_parameter_guards
+    from spyre_runtime.executor.model_executor import without_parameter_guards
 
     def entry(guard_type, value=None):
         return SimpleNamespace(guard_type=guard_type, value=value)
@@ -133,7 +134,7 @@ def test_block_graphs_drop_only_the_guards_on_parameters():
 
 
 def test_block_groups_divide_the_stack_into_at_most_max_calls():
-    from spyre_runtime.executor import block_group_size, repeated_blocks
+    from spyre_runtime.executor.model_executor import block_group_size, repeated_blocks
 
     cases = {(30, 5): 6, (30, 1): 30, (30, 30): 1, (2, 5): 1, (2, 1): 2, (7, 5): 7, (32, 5): 8, (40, 5): 8}
     for (blocks, calls), group in cases.items():
@@ -145,7 +146,7 @@ def test_block_groups_divide_the_stack_into_at_most_max_calls():
     )
     assert repeated_blocks(model) == list(model[1])
     from spyre_runtime.config import ConfigError
-    from spyre_runtime.executor import BlockCompiler
+    from spyre_runtime.executor.model_executor import BlockCompiler
 
     # a model with no stack of blocks (or one that does not match its KV layers) stops start-up, named
     with pytest.raises(ConfigError, match="Linear: no stack of decoder blocks"):
@@ -158,7 +159,7 @@ def test_a_decode_step_with_few_live_rows_multiplies_only_those(tiny_model):
     """One live row in a 4-row decode graph (compiled, serving stance): the packed-linear op multiplies that
     row alone (the dummy rows' logits come out exactly zero) and its logits equal the full step's; with every
     row live, every row is multiplied."""
-    from spyre_runtime import linear
+    from spyre_runtime.executor import linear
 
     cfg = small_cb(tiny_model, "inductor", max_num_seqs=4, decode_batch_buckets=(4,), kv_len_buckets=(128,))
     ex = ModelExecutor(cfg)
@@ -211,7 +212,7 @@ def test_paged_prefill_attends_each_piece_to_its_own_slots_causally():
     causally without a mask), tokens interleaved in the region, padding, GQA, garbage in every other slot;
     its static-shape form (for sendnn) computes the same; and within one forward pass (step_layouts) the
     layout worked out by the first layer serves the next layer's cache."""
-    from spyre_runtime.kv_cache import BLOCK_SIZE, paged_prefill, static_paged_prefill, step_layouts
+    from spyre_runtime.executor.kv_cache import BLOCK_SIZE, paged_prefill, static_paged_prefill, step_layouts
 
     torch.manual_seed(0)
     kvh, group, hd = 2, 3, 16
@@ -257,7 +258,7 @@ def test_paged_prefill_attends_each_piece_to_its_own_slots_causally():
 def test_paged_decode_reads_each_rows_own_slots_only():
     """The paged decode op against attention computed row by row on that row's keys: rows of different
     lengths in scattered blocks, GQA (6 query heads on 2 KV heads), and garbage in every other slot."""
-    from spyre_runtime.kv_cache import BLOCK_SIZE, paged_decode, static_paged_decode
+    from spyre_runtime.executor.kv_cache import BLOCK_SIZE, paged_decode, static_paged_decode
 
     torch.manual_seed(0)
     kvh, group, hd = 2, 3, 16
@@ -278,7 +279,7 @@ def test_paged_decode_reads_each_rows_own_slots_only():
     static = static_paged_decode(query, key_cache, value_cache, tables, lens, hd**-0.5)
     torch.testing.assert_close(static, out, atol=1e-4, rtol=1e-4)
     # a step whose first rows only are live (linear.live_rows): those rows as before, the others zero
-    from spyre_runtime import linear
+    from spyre_runtime.executor import linear
 
     for live in (2, 0):
         with linear.live_rows(live):
@@ -286,7 +287,7 @@ def test_paged_decode_reads_each_rows_own_slots_only():
         torch.testing.assert_close(few[:live], out[:live], atol=1e-5, rtol=1e-5)
         assert not few[live:].any()
     # within one forward pass (step_layouts), every layer reads the rows' blocks of its own cache
-    from spyre_runtime.kv_cache import step_layouts
+    from spyre_runtime.executor.kv_cache import step_layouts
 
     other_keys, other_values = torch.randn_like(key_cache), torch.randn_like(value_cache)
     other = paged_decode(query, other_keys, other_values, tables, lens, hd**-0.5)
@@ -301,7 +302,7 @@ def test_paged_decode_reads_each_rows_own_slots_only():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
-    from spyre_runtime import linear
+    from spyre_runtime.executor import linear
 
     if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         # a CPU with neither AVX-512 nor AVX-NE-CONVERT (an AVX2 EPYC): oneDNN refuses to pack bf16, so
@@ -344,9 +345,9 @@ def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
 WARM_WITH_BUDGET = """
 import sys
 from pathlib import Path
-from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
+from spyre_runtime.steps import ContinuousStep, PrefillChunk
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.executor import ModelExecutor
+from spyre_runtime.executor.model_executor import ModelExecutor
 budget = int(sys.argv[2])
 cfg = RuntimeConfig(model_dir=Path(sys.argv[1]), served_model_name="t", backend="inductor", use_cb=True,
                     max_model_len=128, max_num_seqs=2, max_num_batched_tokens=budget,

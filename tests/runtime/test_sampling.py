@@ -6,12 +6,8 @@ import math
 import pytest
 import torch
 from spyre_runtime.request import Request
-from spyre_runtime.sampling import (
-    SamplingParams,
-    _top_p,
-    apply_logit_processors,
-    sample,
-)
+from spyre_runtime.sampling.params import SamplingParams
+from spyre_runtime.sampling.sampler import _top_p, apply_logit_processors, sample
 
 
 def req(i=0, prompt=(1, 2, 3), output=(), **kw):

@@ -2,9 +2,9 @@
 
 import pytest
 from spyre_runtime.config import Shape
+from spyre_runtime.engine.static_scheduler import StaticScheduler, smallest_fitting_shape
 from spyre_runtime.request import Request
-from spyre_runtime.sampling import SamplingParams
-from spyre_runtime.scheduler import StaticScheduler, smallest_fitting_shape
+from spyre_runtime.sampling.params import SamplingParams
 
 SHAPES = (Shape(64, 20, 1), Shape(64, 20, 4), Shape(128, 64, 2))
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 from spyre_runtime.config import RuntimeConfig, Shape
-from spyre_runtime.engine import LLMEngine
+from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.models import prepare_smollm2
-from spyre_runtime.sampling import SamplingParams
+from spyre_runtime.sampling.params import SamplingParams
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow

@@ -13,10 +13,10 @@ from dataclasses import replace
 import psutil
 import pytest
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
-from spyre_runtime.engine import LLMEngine
+from spyre_runtime.engine.llm_engine import LLMEngine
+from spyre_runtime.executor.workers import check_tensor_parallel
 from spyre_runtime.models import write_tiny_model
-from spyre_runtime.sampling import SamplingParams
-from spyre_runtime.workers import check_tensor_parallel
+from spyre_runtime.sampling.params import SamplingParams
 
 from tests.runtime.serverproc import ServerProcess
 

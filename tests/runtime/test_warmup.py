@@ -1,6 +1,6 @@
 """Warm-up progress lines and counts (pure: a fake clock)."""
 
-from spyre_runtime.warmup import WarmupProgress
+from spyre_runtime.executor.warmup import WarmupProgress
 
 
 def test_progress_lines_count_graphs_and_estimate_the_rest():

@@ -32,79 +32,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from dataclasses import dataclass
 
 from spyre_contract.environment import round_up
 
-from spyre_runtime.block_manager import BlockManager
 from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
+from spyre_runtime.engine.block_manager import BlockManager
+from spyre_runtime.engine.static_scheduler import abort_waiting, check_admissible
 from spyre_runtime.request import Request, Status
-from spyre_runtime.scheduler import abort_waiting, check_admissible
-
-
-@dataclass(frozen=True)
-class PrefillChunk:
-    """Tokens [start, start + len(token_ids)) of the request's sequence, run at `chunk_size` rows."""
-
-    request: Request
-    token_ids: tuple[int, ...]
-    start: int
-    chunk_size: int
-    block_table: tuple[int, ...]
-    is_last: bool  # the chunk ends the sequence: its sampled token is the request's next token
-
-
-@dataclass(frozen=True)
-class DecodeRow:
-    request: Request
-    token_id: int
-    position: int
-    block_table: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class ContinuousStep:
-    chunks: tuple[PrefillChunk, ...] = ()  # prefill pieces, one per prompt (one alone unless mixed)
-    decode: tuple[DecodeRow, ...] = ()
-    batch_size: int = 1  # decode bucket
-    kv_len: int = 0  # decode bucket
-
-    mixed: bool = False  # the chunk and the decode rows run as one forward
-    pieces: int = 0  # mixed: places for the pieces' last tokens beside the chunk bucket
-
-    @property
-    def is_prefill(self) -> bool:
-        return bool(self.chunks)
-
-    @property
-    def chunk_size(self) -> int:
-        """The chunk bucket the step runs at (0: no chunk)."""
-        return self.chunks[0].chunk_size if self.chunks else 0
-
-    @property
-    def requests(self) -> tuple[Request, ...]:
-        """The requests that receive a sampled token from this step, in row order: the decode rows, then
-        the prefilled requests whose chunk ends their prompt, in chunk order."""
-        done = tuple(chunk.request for chunk in self.chunks if chunk.is_last)
-        return tuple(row.request for row in self.decode) + done
-
-    @property
-    def scheduled(self) -> tuple[Request, ...]:
-        """Requests whose prompt this step computes (their scheduled time is the first such step)."""
-        return tuple(chunk.request for chunk in self.chunks)
-
-    @property
-    def occupancy(self) -> float:
-        """Live tokens / tokens the step's graph computes."""
-        live = sum(len(chunk.token_ids) for chunk in self.chunks) + len(self.decode)
-        computed = self.chunk_size + self.pieces
-        if self.decode or self.mixed or not self.chunks:
-            computed += self.batch_size
-        return live / max(1, computed)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(chunk.token_ids) for chunk in self.chunks) + len(self.decode)
+from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
 
 
 def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:

@@ -19,8 +19,6 @@ import threading
 
 import torch
 
-from spyre_runtime.sampling import GuideError
-
 _BITS = torch.arange(32, dtype=torch.int32)
 
 # JSON comes out as json.dumps writes it: `{"a": 1, "b": [2, 3]}`, no other whitespace. With llguidance's
@@ -29,6 +27,14 @@ _BITS = torch.arange(32, dtype=torch.int32)
 # that wants free whitespace says so itself: `"x-guidance": {"whitespace_flexible": true}` (applied after
 # these defaults, as in llguidance and vLLM's guidance backend).
 JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+class GuideError(RuntimeError):
+    """A grammar could not produce a mask for its row: only that request fails."""
+
+    def __init__(self, row: int, message: str) -> None:
+        super().__init__(message)
+        self.row = row
 
 
 class GuideSpec:

@@ -19,15 +19,14 @@ from pathlib import Path
 
 import torch
 
-from spyre_runtime import kv_cache, linear
-from spyre_runtime.cb_scheduler import ContinuousStep, PrefillChunk
 from spyre_runtime.config import CHUNK_ALIGN, ConfigError, RuntimeConfig, Shape
-from spyre_runtime.graph_cache import loading
-from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
-from spyre_runtime.sampling import SamplerOutput, sample
-from spyre_runtime.scheduler import StaticStep
-from spyre_runtime.warmup import WarmupProgress
-from spyre_runtime.workers import WorkerGroup
+from spyre_runtime.executor.graph_cache import loading
+from spyre_runtime.executor.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, KVCachePool, blocks_for
+from spyre_runtime.executor import kv_cache, linear
+from spyre_runtime.executor.warmup import WarmupProgress
+from spyre_runtime.executor.workers import WorkerGroup
+from spyre_runtime.sampling.sampler import SamplerOutput, sample
+from spyre_runtime.steps import ContinuousStep, PrefillChunk, StaticStep
 
 log = logging.getLogger(__name__)
 

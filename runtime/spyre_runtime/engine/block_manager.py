@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from spyre_runtime.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK
+from spyre_runtime.executor.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK
 
 
 @dataclass

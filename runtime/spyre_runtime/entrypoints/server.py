@@ -28,12 +28,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.engine import EngineThread, LLMEngine, RequestOutput
-from spyre_runtime.executor import configure_threads
-from spyre_runtime.graph_cache import warmup_with_cache
-from spyre_runtime.guided import GuideCompiler
-from spyre_runtime.metrics import Metrics
-from spyre_runtime.protocol import (
+from spyre_runtime.engine.llm_engine import EngineThread, LLMEngine, RequestOutput
+from spyre_runtime.entrypoints.metrics import Metrics
+from spyre_runtime.entrypoints.protocol import (
     APIError,
     ChatCompletionRequest,
     Choice,
@@ -48,7 +45,10 @@ from spyre_runtime.protocol import (
     install_guards,
     param_of,
 )
-from spyre_runtime.sampling import TokenLogprob
+from spyre_runtime.executor.graph_cache import warmup_with_cache
+from spyre_runtime.executor.model_executor import configure_threads
+from spyre_runtime.sampling.guided import GuideCompiler
+from spyre_runtime.sampling.params import TokenLogprob
 
 log = logging.getLogger(__name__)
 DEAD_ENGINE_EXIT_DELAY = 5.0  # seconds for in-flight requests to receive their error before exiting

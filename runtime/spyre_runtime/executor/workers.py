@@ -164,7 +164,7 @@ def worker_main(config: RuntimeConfig, rank: int, port: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
     )
-    from spyre_runtime.executor import ModelExecutor, configure_threads
+    from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
 
     configure_threads(config)
     _init_process_group(config, rank, port)

@@ -29,18 +29,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import Field
 
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.metrics import Metrics
-from spyre_runtime.pooling import (
-    PoolingEngine,
+from spyre_runtime.engine.pooling import PoolingEngine, PoolingScheduler, PoolItem
+from spyre_runtime.entrypoints.metrics import Metrics
+from spyre_runtime.entrypoints.protocol import APIError, _Strict, bad_request, error_body, install_guards
+from spyre_runtime.executor.pooling_model import (
     PoolingModel,
-    PoolingScheduler,
     PoolingSpec,
-    PoolItem,
     check_shapes,
     detect_pooling,
     shapes_str,
 )
-from spyre_runtime.protocol import APIError, _Strict, bad_request, error_body, install_guards
 
 log = logging.getLogger(__name__)
 MAX_INPUTS = 2048  # inputs (or pairs, or documents) in one request, as OpenAI's embeddings API
@@ -102,8 +100,8 @@ class PoolingState:
         try:
             from transformers import AutoTokenizer
 
-            from spyre_runtime.executor import configure_threads
-            from spyre_runtime.graph_cache import warmup_with_cache
+            from spyre_runtime.executor.graph_cache import warmup_with_cache
+            from spyre_runtime.executor.model_executor import configure_threads
 
             configure_threads(self.config)
             self.tokenizer = AutoTokenizer.from_pretrained(self.config.model_dir)

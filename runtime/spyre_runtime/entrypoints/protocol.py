@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from spyre_runtime.sampling import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParamError, SamplingParams
+from spyre_runtime.sampling.params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, SamplingParamError, SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 MAX_PROMPTS = 64  # prompts in one completions request

@@ -11,30 +11,10 @@ requests; scheduler.update(step). The static scheduler below is the seeds' behav
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 from spyre_runtime.config import Shape
 from spyre_runtime.request import Request, Status
-
-
-@dataclass(frozen=True)
-class StaticStep:
-    """A plain description of one step. `requests` fill the first rows of the shape; the executor pads
-    the remaining `shape.batch_size - len(requests)` rows with dummies. `decode_index` is t for the
-    t-th decode step after the prefill (0 for the first decode, ignored for a prefill)."""
-
-    is_prefill: bool
-    shape: Shape
-    requests: tuple[Request, ...]
-    decode_index: int = 0
-
-    @property
-    def scheduled(self) -> tuple[Request, ...]:
-        return self.requests if self.is_prefill else ()
-
-    @property
-    def occupancy(self) -> float:
-        return len(self.requests) / self.shape.batch_size
+from spyre_runtime.steps import StaticStep
 
 
 def smallest_fitting_shape(

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 
-log = logging.getLogger("spyre_runtime.warmup")
+log = logging.getLogger("spyre_runtime.executor.warmup")
 
 
 class WarmupProgress:

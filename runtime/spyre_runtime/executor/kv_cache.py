@@ -37,8 +37,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from spyre_runtime.linear import live_row_count
-from spyre_runtime.ops import opaque_op
+from spyre_runtime.executor.linear import live_row_count
+from spyre_runtime.executor.ops import opaque_op
 
 ATTN_NAME = "spyre_serve_paged"
 BLOCK_SIZE = 64

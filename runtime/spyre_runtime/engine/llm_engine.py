@@ -17,13 +17,14 @@ from pathlib import Path
 
 import torch
 
-from spyre_runtime.cb_scheduler import ContinuousScheduler
 from spyre_runtime.config import RuntimeConfig, load_config
-from spyre_runtime.executor import ModelExecutor, configure_threads
-from spyre_runtime.graph_cache import warmup_with_cache
+from spyre_runtime.engine.continuous_scheduler import ContinuousScheduler
+from spyre_runtime.engine.static_scheduler import StaticScheduler, check_admissible
+from spyre_runtime.executor.graph_cache import warmup_with_cache
+from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
 from spyre_runtime.request import Request
-from spyre_runtime.sampling import SamplingParams, TokenLogprob, token_logprobs
-from spyre_runtime.scheduler import StaticScheduler, check_admissible
+from spyre_runtime.sampling.params import SamplingParams, TokenLogprob
+from spyre_runtime.sampling.sampler import token_logprobs
 
 log = logging.getLogger(__name__)
 

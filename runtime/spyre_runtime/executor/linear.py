@@ -29,7 +29,7 @@ from collections.abc import Iterator
 
 import torch
 
-from spyre_runtime.ops import opaque_op
+from spyre_runtime.executor.ops import opaque_op
 
 _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the weight packed for oneDNN
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set

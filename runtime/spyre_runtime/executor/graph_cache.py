@@ -110,7 +110,7 @@ def cache_configuration(config: RuntimeConfig) -> dict:
     """Everything that changes the compiled graphs, as plain JSON."""
     import torch
 
-    from spyre_runtime.executor import MAX_BLOCK_CALLS  # executor imports this module
+    from spyre_runtime.executor.model_executor import MAX_BLOCK_CALLS  # executor imports this module
 
     model_dir = config.model_dir
     memo = config.cache_dir / "digests" if config.cache_enabled and config.cache_dir else None

@@ -1,0 +1,1 @@
+"""The HTTP layer: one OpenAI-compatible FastAPI app, its routers, schemas and response formatting."""

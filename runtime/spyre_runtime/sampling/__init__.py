@@ -1,0 +1,1 @@
+"""Sampling: request parameters, the batched sampler, structured output."""
