@@ -22,6 +22,7 @@ from kubernetes.client.rest import ApiException
 from spyre_operator import manifests
 from spyre_operator.events import EventRecorder
 from spyre_operator.metrics import OperatorMetrics
+from spyre_operator.model_spec import ModelSpec, quantity_bytes
 from spyre_operator.plan import Budget, PodPlan, plan_pods
 from spyre_operator.settings import (
     ATTEMPT_ANNOTATION,
@@ -37,7 +38,7 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.spec import InvalidSpec, ModelSpec, parse_spec, quantity_bytes
+from spyre_operator.spec import InvalidSpec, parse_spec
 from spyre_operator.status import (
     CacheState,
     Problem,

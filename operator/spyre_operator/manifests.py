@@ -10,6 +10,7 @@ from spyre_contract.memory import DTYPE_BYTES, GIB, ModelDims, plan_memory
 from spyre_contract.registry import check_known_config
 from spyre_contract.tasks import POOLING_TASKS, read_pooling_environment
 
+from spyre_operator.model_spec import ModelSpec, quantity_bytes
 from spyre_operator.settings import (
     ATTEMPT_ANNOTATION,
     CACHE_KEY_LABEL,
@@ -24,7 +25,7 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.spec import InvalidSpec, ModelSpec, UnknownConfiguration, quantity_bytes
+from spyre_operator.spec import InvalidSpec, UnknownConfiguration
 
 CACHE_MOUNT = "/cache"
 MODEL_MOUNT = "/models"

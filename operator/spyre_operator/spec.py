@@ -1,16 +1,18 @@
 """The SpyreModel spec, validated by the operator itself: the 1.20 API server ignores the CRD's CEL rules,
-and a spec written before a CRD upgrade may predate its schema. Every rule the CRD states is checked here."""
+and a spec written before a CRD upgrade may predate its schema. Every rule the CRD states is checked here,
+one section of the spec at a time (model, engine, batching, graphCache, the pod's own fields, rollout), in the
+order a reader meets them; the first broken rule is the one reported."""
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
 
 from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
 from spyre_contract.tasks import POOLING_TASKS, TASKS
 
+from spyre_operator.model_spec import SOURCE, GraphCache, ModelSpec, Rollout, StaticShape
+
 VALID_CARDS = (1, 2, 4, 8)
-SOURCE = re.compile(r"^(pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)/(?P<path>.*)|file://(?P<file>/.+))$")
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 # Kubernetes' resource.Quantity syntax: a number and a binary-SI, decimal-SI or exponent suffix
 K8S_QUANTITY = re.compile(
@@ -47,102 +49,6 @@ class UnknownConfiguration(InvalidSpec):
     reason = "UnknownConfiguration"
 
 
-@dataclass(frozen=True)
-class StaticShape:
-    prompt_length: int
-    new_tokens: int
-    batch_size: int
-
-
-@dataclass(frozen=True)
-class GraphCache:
-    enabled: bool = True
-    size: str = "10Gi"
-    storage_class: str | None = None
-    access_mode: str = "ReadWriteMany"
-    existing_claim: str | None = None
-    retention: str = "Retain"
-    precompile: bool = False
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """How many pods above `replicas` may exist during a rollout, and how many of `replicas` may be
-    unavailable (only used when there are no cards for a surge). Integers or percentages of replicas."""
-
-    max_surge: int | str = "100%"
-    max_unavailable: int | str = 1
-
-    def resolve(self, replicas: int) -> tuple[int, int]:
-        """(surge, unavailable) as pod counts: surge rounds up, unavailable rounds down (Deployment's
-        rule), and at least one of them is positive so a rollout can always move."""
-        surge = _scaled(self.max_surge, replicas, up=True)
-        unavailable = _scaled(self.max_unavailable, replicas, up=False)
-        if surge == 0 and unavailable == 0:
-            unavailable = 1
-        return surge, unavailable
-
-
-def _scaled(value: int | str, replicas: int, up: bool) -> int:
-    if isinstance(value, int):
-        return value
-    percent = int(value.rstrip("%"))
-    return -(-replicas * percent // 100) if up else replicas * percent // 100
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    source: str
-    served_model_name: str
-    architecture: str | None = None  # config.json's architectures[0], for the registry
-    model_config: dict | None = None  # config.json's dimensions, for the memory plan
-    require_known_config: bool = False
-    cards: int = 1
-    replicas: int = 1
-    backend: str = "sendnn"
-    dtype: str = "auto"
-    task: str = "generate"
-    mode: str = "static"
-    shapes: tuple[StaticShape, ...] = (StaticShape(64, 20, 1),)
-    max_num_seqs: int | None = None
-    max_model_len: int | None = None
-    max_num_batched_tokens: int | None = None
-    buckets: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # (env name, (min, step, max))
-    cache: GraphCache = field(default_factory=GraphCache)
-    image: str | None = None
-    resources: dict = field(default_factory=dict)
-    env: tuple = ()
-    node_selector: dict = field(default_factory=dict)
-    tolerations: tuple = ()
-    affinity: dict | None = None
-    scheduler_name: str | None = None
-    priority_class_name: str | None = None
-    suspend: bool = False
-    rollout: Rollout = field(default_factory=Rollout)
-
-    @property
-    def pvc_claim(self) -> str | None:
-        m = SOURCE.match(self.source)
-        return m.group("claim") if m else None
-
-    @property
-    def model_path_in_pod(self) -> str:
-        m = SOURCE.match(self.source)
-        if m.group("claim"):
-            return "/models/" + m.group("path").strip("/")
-        return m.group("file")
-
-
-def _int(spec: dict, path: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidSpec(path, f"must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise InvalidSpec(path, f"must be at least {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise InvalidSpec(path, f"must be at most {maximum}, got {value}")
-    return value
-
-
 def check_name(name: str) -> None:
     """The model's name names its Service (an RFC 1035 label) and is a label value of its pods."""
     if len(name) > MAX_NAME:
@@ -162,6 +68,28 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     check_name(name)
     if not isinstance(spec, dict):
         raise InvalidSpec("", "must be an object")
+    model = _model_section(name, spec)
+    engine = _engine_fields(spec)
+    batching = _batching_section(spec, engine["task"])
+    cache = _graph_cache_section(_object(spec, "graphCache"))
+    require_known_config = _bool(spec, "requireKnownConfiguration")
+    return ModelSpec(
+        **model,
+        **engine,
+        **batching,
+        cache=cache,
+        require_known_config=require_known_config,
+        **_pod_fields(spec),
+        suspend=_bool(spec, "suspend"),
+        rollout=_rollout(_object(spec, "rollout")),
+    )
+
+
+# ---- sections ------------------------------------------------------------------------------------
+
+
+def _model_section(name: str, spec: dict) -> dict:
+    """spec.model: where the weights are, what config.json says, the name the model is served under."""
     model = spec.get("model")
     if not isinstance(model, dict) or not model.get("source"):
         raise InvalidSpec("model.source", "is required")
@@ -175,10 +103,20 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     served = model.get("servedModelName")
     if served is not None and (not isinstance(served, str) or not served.strip()):
         raise InvalidSpec("model.servedModelName", f"must be a non-empty string, got {served!r}")
+    return {
+        "source": source,
+        "served_model_name": served or name,
+        "architecture": architecture,
+        "model_config": model_config,
+    }
+
+
+def _engine_fields(spec: dict) -> dict:
+    """cards, replicas, backend, task and dtype."""
     cards = spec.get("cards", 1)
     if cards not in VALID_CARDS or isinstance(cards, bool):
         raise InvalidSpec("cards", f"must be one of 1, 2, 4, 8, got {cards!r}")
-    replicas = _int(spec, "replicas", spec.get("replicas", 1), minimum=0)
+    replicas = _int("replicas", spec.get("replicas", 1), minimum=0)
     backend = spec.get("backend", "sendnn")
     if backend not in BACKENDS and backend not in BACKEND_ALIASES:
         raise InvalidSpec("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -186,65 +124,79 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     task = spec.get("task", "generate")
     if task not in TASKS:
         raise InvalidSpec("task", f"must be one of {', '.join(TASKS)}, got {task!r}")
-    pooling = task in POOLING_TASKS
     dtype = spec.get("dtype", "auto")
     if dtype not in DTYPES:
         raise InvalidSpec("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return {"cards": cards, "replicas": replicas, "backend": backend, "task": task, "dtype": dtype}
 
+
+def _batching_section(spec: dict, task: str) -> dict:
+    """spec.batching: static warm-up shapes, or continuous batching's limits and bucket ranges."""
     batching = _object(spec, "batching")
     mode = batching.get("mode", "static")
     if mode not in ("static", "continuous"):
         raise InvalidSpec("batching.mode", f"must be static or continuous, got {mode!r}")
-    if pooling and mode != "static":
+    if task in POOLING_TASKS and mode != "static":
         raise InvalidSpec("batching.mode", f"{task} models run on static warm-up shapes, got {mode!r}")
-    shapes: tuple[StaticShape, ...] = ()
-    max_num_seqs = max_model_len = chunk = None
-    bucket_ranges: tuple = ()
     if mode == "static":
-        raw_shapes = batching.get("shapes")
-        if not raw_shapes:
-            raise InvalidSpec("batching.shapes", "static batching needs at least one shape")
-        if not isinstance(raw_shapes, list):
-            raise InvalidSpec("batching.shapes", f"must be a list of shapes, got {raw_shapes!r}")
-        parsed = []
-        for i, s in enumerate(raw_shapes):
-            at = f"batching.shapes[{i}]"
-            if not isinstance(s, dict):
-                raise InvalidSpec(at, "must be an object with promptLength, newTokens, batchSize")
-            p = _int(spec, f"{at}.promptLength", s.get("promptLength"), minimum=64)
-            if p % 64:
-                raise InvalidSpec(f"{at}.promptLength", f"must be a multiple of 64, got {p}")
-            if pooling:  # encoders generate nothing: a shape is a prompt length and a batch size
-                n = 0
-                if s.get("newTokens") not in (None, 0):
-                    raise InvalidSpec(f"{at}.newTokens", f"does not apply to {task} models")
-            else:
-                n = _int(spec, f"{at}.newTokens", s.get("newTokens"), minimum=1)
-            b = _int(spec, f"{at}.batchSize", s.get("batchSize"), minimum=1, maximum=256)
-            parsed.append(StaticShape(p, n, b))
-        shapes = tuple(parsed)
-    else:
-        if batching.get("maxNumSeqs") is None or batching.get("maxModelLen") is None:
-            raise InvalidSpec("batching", "continuous batching needs maxNumSeqs and maxModelLen")
-        max_num_seqs = _int(spec, "batching.maxNumSeqs", batching["maxNumSeqs"], minimum=1, maximum=256)
-        max_model_len = _int(spec, "batching.maxModelLen", batching["maxModelLen"], minimum=64)
-        buckets = []
-        for field_name, var in BUCKET_FIELDS.items():
-            r = batching.get(field_name)
-            if r is None:
-                continue
-            at = f"batching.{field_name}"
-            if not isinstance(r, dict) or set(r) - {"min", "step", "max"}:
-                raise InvalidSpec(at, f"must be an object with min, step and max, got {r!r}")
-            values = tuple(_int(spec, f"{at}.{k}", r.get(k), minimum=1) for k in ("min", "step", "max"))
-            buckets.append((var, values))
-        bucket_ranges = tuple(buckets)
-        if batching.get("maxNumBatchedTokens") is not None:
-            chunk = _int(spec, "batching.maxNumBatchedTokens", batching["maxNumBatchedTokens"], minimum=64)
-            if chunk % 64:
-                raise InvalidSpec("batching.maxNumBatchedTokens", f"must be a multiple of 64, got {chunk}")
+        return {"mode": mode, "shapes": _static_shapes(batching.get("shapes"), task)}
+    return {"mode": mode, "shapes": (), **_continuous_batching(batching)}
 
-    gc = _object(spec, "graphCache")
+
+def _static_shapes(raw_shapes, task: str) -> tuple[StaticShape, ...]:
+    if not raw_shapes:
+        raise InvalidSpec("batching.shapes", "static batching needs at least one shape")
+    if not isinstance(raw_shapes, list):
+        raise InvalidSpec("batching.shapes", f"must be a list of shapes, got {raw_shapes!r}")
+    parsed = []
+    for i, s in enumerate(raw_shapes):
+        at = f"batching.shapes[{i}]"
+        if not isinstance(s, dict):
+            raise InvalidSpec(at, "must be an object with promptLength, newTokens, batchSize")
+        p = _int(f"{at}.promptLength", s.get("promptLength"), minimum=64)
+        if p % 64:
+            raise InvalidSpec(f"{at}.promptLength", f"must be a multiple of 64, got {p}")
+        if task in POOLING_TASKS:  # encoders generate nothing: a shape is a prompt length and a batch size
+            n = 0
+            if s.get("newTokens") not in (None, 0):
+                raise InvalidSpec(f"{at}.newTokens", f"does not apply to {task} models")
+        else:
+            n = _int(f"{at}.newTokens", s.get("newTokens"), minimum=1)
+        b = _int(f"{at}.batchSize", s.get("batchSize"), minimum=1, maximum=256)
+        parsed.append(StaticShape(p, n, b))
+    return tuple(parsed)
+
+
+def _continuous_batching(batching: dict) -> dict:
+    if batching.get("maxNumSeqs") is None or batching.get("maxModelLen") is None:
+        raise InvalidSpec("batching", "continuous batching needs maxNumSeqs and maxModelLen")
+    max_num_seqs = _int("batching.maxNumSeqs", batching["maxNumSeqs"], minimum=1, maximum=256)
+    max_model_len = _int("batching.maxModelLen", batching["maxModelLen"], minimum=64)
+    buckets = []
+    for field_name, var in BUCKET_FIELDS.items():
+        r = batching.get(field_name)
+        if r is None:
+            continue
+        at = f"batching.{field_name}"
+        if not isinstance(r, dict) or set(r) - {"min", "step", "max"}:
+            raise InvalidSpec(at, f"must be an object with min, step and max, got {r!r}")
+        values = tuple(_int(f"{at}.{k}", r.get(k), minimum=1) for k in ("min", "step", "max"))
+        buckets.append((var, values))
+    chunk = None
+    if batching.get("maxNumBatchedTokens") is not None:
+        chunk = _int("batching.maxNumBatchedTokens", batching["maxNumBatchedTokens"], minimum=64)
+        if chunk % 64:
+            raise InvalidSpec("batching.maxNumBatchedTokens", f"must be a multiple of 64, got {chunk}")
+    return {
+        "max_num_seqs": max_num_seqs,
+        "max_model_len": max_model_len,
+        "max_num_batched_tokens": chunk,
+        "buckets": tuple(buckets),
+    }
+
+
+def _graph_cache_section(gc: dict) -> GraphCache:
+    """spec.graphCache: the claim the compiled graphs live in, and whether a Job fills it first."""
     if gc.get("existingClaim") and gc.get("storageClassName"):
         raise InvalidSpec("graphCache", "existingClaim and storageClassName exclude each other")
     size = gc.get("size", "10Gi")
@@ -264,7 +216,7 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         value = gc.get(key)
         if value is not None and (not isinstance(value, str) or not LABEL_PREFIX.match(value)):
             raise InvalidSpec(f"graphCache.{key}", f"must be a DNS name, got {value!r}")
-    cache = GraphCache(
+    return GraphCache(
         precompile=bool(gc.get("precompile", False)),
         enabled=bool(gc.get("enabled", True)),
         size=size,
@@ -273,35 +225,33 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         existing_claim=gc.get("existingClaim"),
         retention=retention,
     )
-    return ModelSpec(
-        source=source,
-        served_model_name=served or name,
-        architecture=architecture,
-        model_config=model_config,
-        require_known_config=_bool(spec, "requireKnownConfiguration"),
-        cards=cards,
-        replicas=replicas,
-        backend=backend,
-        dtype=dtype,
-        task=task,
-        mode=mode,
-        shapes=shapes,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=chunk,
-        buckets=bucket_ranges,
-        cache=cache,
-        image=_string(spec, "image"),
-        resources=_resources(spec.get("resources")),
-        env=_env(spec.get("env")),
-        node_selector=_node_selector(spec.get("nodeSelector")),
-        tolerations=_tolerations(spec.get("tolerations")),
-        affinity=_object(spec, "affinity") or None,
-        scheduler_name=_string(spec, "schedulerName"),
-        priority_class_name=_string(spec, "priorityClassName"),
-        suspend=_bool(spec, "suspend"),
-        rollout=_rollout(_object(spec, "rollout")),
-    )
+
+
+def _pod_fields(spec: dict) -> dict:
+    """The fields passed on to the pods as they are (Kubernetes' own rules checked)."""
+    return {
+        "image": _string(spec, "image"),
+        "resources": _resources(spec.get("resources")),
+        "env": _env(spec.get("env")),
+        "node_selector": _node_selector(spec.get("nodeSelector")),
+        "tolerations": _tolerations(spec.get("tolerations")),
+        "affinity": _object(spec, "affinity") or None,
+        "scheduler_name": _string(spec, "schedulerName"),
+        "priority_class_name": _string(spec, "priorityClassName"),
+    }
+
+
+# ---- fields --------------------------------------------------------------------------------------
+
+
+def _int(path: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSpec(path, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidSpec(path, f"must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidSpec(path, f"must be at most {maximum}, got {value}")
+    return value
 
 
 def _object(spec: dict, key: str) -> dict:
@@ -428,16 +378,3 @@ def _rollout(value: dict) -> Rollout:
             raise InvalidSpec(f"rollout.{key}", f"must be a count >= 0 or a percentage like 25%, got {v!r}")
         parsed[attr] = v
     return Rollout(**parsed)
-
-
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
-
-
-def quantity_bytes(text: str) -> float:
-    """A storage quantity (10Gi, 500M, 1.5Ti) in bytes."""
-    text = str(text).strip()
-    for suffix in sorted({**_BINARY, **_DECIMAL}, key=len, reverse=True):
-        if suffix and text.endswith(suffix):
-            return float(text[: -len(suffix)]) * {**_BINARY, **_DECIMAL}[suffix]
-    return float(text)

@@ -1,0 +1,108 @@
+"""ModelSpec: a SpyreModel spec once validated (`spec.parse_spec`), as the builders and the reconcile read it:
+frozen values with the defaults the CRD states (no validation here), and `quantity_bytes` for its sizes."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+SOURCE = re.compile(r"^(pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)/(?P<path>.*)|file://(?P<file>/.+))$")
+
+
+@dataclass(frozen=True)
+class StaticShape:
+    prompt_length: int
+    new_tokens: int
+    batch_size: int
+
+
+@dataclass(frozen=True)
+class GraphCache:
+    enabled: bool = True
+    size: str = "10Gi"
+    storage_class: str | None = None
+    access_mode: str = "ReadWriteMany"
+    existing_claim: str | None = None
+    retention: str = "Retain"
+    precompile: bool = False
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """How many pods above `replicas` may exist during a rollout, and how many of `replicas` may be
+    unavailable (only used when there are no cards for a surge). Integers or percentages of replicas."""
+
+    max_surge: int | str = "100%"
+    max_unavailable: int | str = 1
+
+    def resolve(self, replicas: int) -> tuple[int, int]:
+        """(surge, unavailable) as pod counts: surge rounds up, unavailable rounds down (Deployment's
+        rule), and at least one of them is positive so a rollout can always move."""
+        surge = _scaled(self.max_surge, replicas, up=True)
+        unavailable = _scaled(self.max_unavailable, replicas, up=False)
+        if surge == 0 and unavailable == 0:
+            unavailable = 1
+        return surge, unavailable
+
+
+def _scaled(value: int | str, replicas: int, up: bool) -> int:
+    if isinstance(value, int):
+        return value
+    percent = int(value.rstrip("%"))
+    return -(-replicas * percent // 100) if up else replicas * percent // 100
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    source: str
+    served_model_name: str
+    architecture: str | None = None  # config.json's architectures[0], for the registry
+    model_config: dict | None = None  # config.json's dimensions, for the memory plan
+    require_known_config: bool = False
+    cards: int = 1
+    replicas: int = 1
+    backend: str = "sendnn"
+    dtype: str = "auto"
+    task: str = "generate"
+    mode: str = "static"
+    shapes: tuple[StaticShape, ...] = (StaticShape(64, 20, 1),)
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    buckets: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # (env name, (min, step, max))
+    cache: GraphCache = field(default_factory=GraphCache)
+    image: str | None = None
+    resources: dict = field(default_factory=dict)
+    env: tuple = ()
+    node_selector: dict = field(default_factory=dict)
+    tolerations: tuple = ()
+    affinity: dict | None = None
+    scheduler_name: str | None = None
+    priority_class_name: str | None = None
+    suspend: bool = False
+    rollout: Rollout = field(default_factory=Rollout)
+
+    @property
+    def pvc_claim(self) -> str | None:
+        m = SOURCE.match(self.source)
+        return m.group("claim") if m else None
+
+    @property
+    def model_path_in_pod(self) -> str:
+        m = SOURCE.match(self.source)
+        if m.group("claim"):
+            return "/models/" + m.group("path").strip("/")
+        return m.group("file")
+
+
+_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL = {"": 1, "k": 10**3, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
+
+
+def quantity_bytes(text: str) -> float:
+    """A storage quantity (10Gi, 500M, 1.5Ti) in bytes."""
+    text = str(text).strip()
+    for suffix in sorted({**_BINARY, **_DECIMAL}, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            return float(text[: -len(suffix)]) * {**_BINARY, **_DECIMAL}[suffix]
+    return float(text)
