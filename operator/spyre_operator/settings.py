@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 GROUP = "spyre-serve.io"
@@ -99,82 +99,121 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
 def load_settings(
     environ: Mapping[str, str] | None = None, flags: argparse.Namespace | None = None
 ) -> OperatorSettings:
-    """Environment first; a flag that is given wins."""
+    """Environment first; a flag that is given wins. Each value is parsed by its field's rule (PARSE), in
+    PARSE's order, so the first bad setting is the one reported."""
     env = os.environ if environ is None else environ
-    raw: dict[str, str] = {}
+    given: dict[str, tuple[str, str]] = {}  # field -> (value, where it came from)
     for field, var in ENV.items():
         value = getattr(flags, field, None) if flags is not None else None
         source = f"--{field.replace('_', '-')}"
         if value is None and env.get(var):
             value, source = env[var], var
         if value is not None:
-            raw[field] = (value, source)
-    values: dict = {}
-    if "card_resource" in raw:
-        value, source = raw["card_resource"]
-        if not RESOURCE_NAME.match(value) or "/" not in value:
-            raise SettingsError(f"{source}={value!r} is not an extended resource name like ibm.com/spyre_pf")
-        values["card_resource"] = value
-    for field in ("scheduler_name", "runtime_image", "default_storage_class", "lease_name", "health_host"):
-        if field in raw:
-            values[field] = raw[field][0]
-    namespace = raw.get("lease_namespace", (env.get("POD_NAMESPACE") or "", ""))[0]
-    if namespace:
-        values["lease_namespace"] = namespace
-    for field in ("leader_election", "prometheus_annotations", "require_known_config"):
-        if field in raw:
-            value, source = raw[field]
-            if value.strip().lower() not in ("1", "0", "true", "false", "on", "off"):
-                raise SettingsError(f"{source}={value!r} is not a boolean (use 1 or 0)")
-            values[field] = value.strip().lower() in ("1", "true", "on")
-    if "card_tiers" in raw:
-        value, source = raw["card_tiers"]
-        try:
-            tiers = tuple(int(t) for t in value.split(",") if t.strip())
-        except ValueError:
-            raise SettingsError(
-                f"{source}={value!r} is not a comma list of card counts like 4,8,16"
-            ) from None
-        if not tiers or any(t <= 0 for t in tiers) or list(tiers) != sorted(set(tiers)):
-            raise SettingsError(f"{source}={value!r} must list increasing positive card counts like 4,8,16")
-        values["card_tiers"] = tiers
-    if "shm_size" in raw:
-        value, source = raw["shm_size"]
-        if not re.match(r"^[0-9]+(Ki|Mi|Gi|Ti)$", value):
-            raise SettingsError(f"{source}={value!r} is not a size like 8Gi")
-        values["shm_size"] = value
-    for field in ("run_as_user", "fs_group"):
-        if field in raw:
-            value, source = raw[field]
-            if not value.strip().isdigit():
-                raise SettingsError(f"{source}={value!r} is not a user or group id")
-            values[field] = int(value)
-    if "health_port" in raw:
-        value, source = raw["health_port"]
-        if not value.isdigit() or int(value) > 65535:
-            raise SettingsError(f"{source}={value!r} is not a port (0 turns the endpoint off)")
-        values["health_port"] = int(value)
-    if "namespaces" in raw:
-        values["namespaces"] = tuple(n.strip() for n in raw["namespaces"][0].split(",") if n.strip())
-    for field, cast in (
-        ("resync_seconds", float),
-        ("startup_seconds_per_shape", int),
-        ("api_timeout_seconds", float),
-        ("stuck_grace_seconds", float),
-        ("compile_attempts", int),
-        ("compile_retry_seconds", float),
-        ("workers", int),
-        ("lease_seconds", float),
-        ("max_concurrent_rollouts", int),
-        ("card_memory_gib", float),
-    ):
-        if field in raw:
-            value, source = raw[field]
-            try:
-                parsed = cast(value)
-            except ValueError:
-                raise SettingsError(f"{source}={value!r} is not a number") from None
-            if parsed <= 0:
-                raise SettingsError(f"{source}={value!r} must be positive")
-            values[field] = parsed
+            given[field] = (value, source)
+    if "lease_namespace" not in given:
+        given["lease_namespace"] = (env.get("POD_NAMESPACE") or "", "POD_NAMESPACE")
+    values = {}
+    for field, parse in PARSE.items():
+        if field in given:
+            parsed = parse(*given[field])
+            if parsed is not None:
+                values[field] = parsed
     return OperatorSettings(**values)
+
+
+# ---- one rule per kind of value: (value, where it came from) -> the setting, or None for the default --
+
+
+def _text(value: str, source: str) -> str:
+    return value
+
+
+def _non_empty(value: str, source: str) -> str | None:
+    return value or None
+
+
+def _resource_name(value: str, source: str) -> str:
+    if not RESOURCE_NAME.match(value) or "/" not in value:
+        raise SettingsError(f"{source}={value!r} is not an extended resource name like ibm.com/spyre_pf")
+    return value
+
+
+def _boolean(value: str, source: str) -> bool:
+    if value.strip().lower() not in ("1", "0", "true", "false", "on", "off"):
+        raise SettingsError(f"{source}={value!r} is not a boolean (use 1 or 0)")
+    return value.strip().lower() in ("1", "true", "on")
+
+
+def _card_tiers(value: str, source: str) -> tuple[int, ...]:
+    try:
+        tiers = tuple(int(t) for t in value.split(",") if t.strip())
+    except ValueError:
+        raise SettingsError(f"{source}={value!r} is not a comma list of card counts like 4,8,16") from None
+    if not tiers or any(t <= 0 for t in tiers) or list(tiers) != sorted(set(tiers)):
+        raise SettingsError(f"{source}={value!r} must list increasing positive card counts like 4,8,16")
+    return tiers
+
+
+def _memory_size(value: str, source: str) -> str:
+    if not re.match(r"^[0-9]+(Ki|Mi|Gi|Ti)$", value):
+        raise SettingsError(f"{source}={value!r} is not a size like 8Gi")
+    return value
+
+
+def _id(value: str, source: str) -> int:
+    if not value.strip().isdigit():
+        raise SettingsError(f"{source}={value!r} is not a user or group id")
+    return int(value)
+
+
+def _port(value: str, source: str) -> int:
+    if not value.isdigit() or int(value) > 65535:
+        raise SettingsError(f"{source}={value!r} is not a port (0 turns the endpoint off)")
+    return int(value)
+
+
+def _names(value: str, source: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in value.split(",") if n.strip())
+
+
+def _positive(cast: type) -> Callable[[str, str], float | int]:
+    def parse(value: str, source: str) -> float | int:
+        try:
+            parsed = cast(value)
+        except ValueError:
+            raise SettingsError(f"{source}={value!r} is not a number") from None
+        if parsed <= 0:
+            raise SettingsError(f"{source}={value!r} must be positive")
+        return parsed
+
+    return parse
+
+
+PARSE = {
+    "card_resource": _resource_name,
+    "scheduler_name": _text,
+    "runtime_image": _text,
+    "default_storage_class": _text,
+    "lease_name": _text,
+    "health_host": _text,
+    "lease_namespace": _non_empty,  # default: POD_NAMESPACE, else spyre-system
+    "leader_election": _boolean,
+    "prometheus_annotations": _boolean,
+    "require_known_config": _boolean,
+    "card_tiers": _card_tiers,
+    "shm_size": _memory_size,
+    "run_as_user": _id,
+    "fs_group": _id,
+    "health_port": _port,
+    "namespaces": _names,
+    "resync_seconds": _positive(float),
+    "startup_seconds_per_shape": _positive(int),
+    "api_timeout_seconds": _positive(float),
+    "stuck_grace_seconds": _positive(float),
+    "compile_attempts": _positive(int),
+    "compile_retry_seconds": _positive(float),
+    "workers": _positive(int),
+    "lease_seconds": _positive(float),
+    "max_concurrent_rollouts": _positive(int),
+    "card_memory_gib": _positive(float),
+}

@@ -57,6 +57,14 @@ def test_settings_env_and_flags():
         load_settings({"SPYRE_OPERATOR_RESYNC_SECONDS": "-1"})
 
 
+def test_every_setting_has_a_parse_rule():
+    from dataclasses import fields
+
+    from spyre_operator.settings import ENV, PARSE
+
+    assert list(PARSE) != [] and set(PARSE) == set(ENV) <= {f.name for f in fields(OperatorSettings)}
+
+
 @pytest.mark.parametrize(
     ("changes", "field", "rule"),
     [
