@@ -10,6 +10,7 @@ venv:
 
 k8s:
 	@bash tests/cluster/build-k8s.sh
+	@bash tests/cluster/build-crd-server.sh
 
 demo: venv k8s
 	@$(PY) scripts/demo.py

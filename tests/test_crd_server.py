@@ -1,0 +1,142 @@
+"""The CRD against a current API server: the 1.36 CRD API server (k8s.io/apiextensions-apiserver, built by
+tests/cluster/build-crd-server.sh) beside the 1.20 control plane, which it delegates authentication and
+authorization to. 1.20 ignores CEL (`x-kubernetes-validations`); 1.36 compiles every rule, checks its cost
+budget when the CRD is written, and enforces it on every create and update. A rule that fails either way would
+break `kubectl apply -f crds/` on every modern cluster while the 1.20 tests stay green."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from tests.cluster.crdserver import CRDServer
+from tests.conftest import REPO
+from tests.operator.catalog import BASE, CATALOG
+
+pytestmark = pytest.mark.cluster
+
+SHIPPED_CRDS = sorted([*REPO.glob("crds/*.yaml"), *REPO.glob("charts/*/crds/*.yaml")])
+MODELS = "/apis/spyre-serve.io/v1alpha1/namespaces/default/spyremodels"
+
+
+@pytest.fixture(scope="module")
+def crd_server(cluster, tmp_path_factory):
+    server = CRDServer(cluster, tmp_path_factory.mktemp("crd-server"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def spyremodel_crd(crd_server):
+    crd = yaml.safe_load((REPO / "crds/spyremodels.yaml").read_text())
+    crd_server.apply_crd(crd)
+    return crd
+
+
+def model(name: str = "m", **changes) -> dict:
+    spec = {**copy.deepcopy(BASE), **copy.deepcopy(changes)}
+    return {
+        "apiVersion": "spyre-serve.io/v1alpha1",
+        "kind": "SpyreModel",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
+def create(server: CRDServer, body: dict, dry_run: bool = True):
+    return server.request("POST", MODELS + ("?dryRun=All" if dry_run else ""), body)
+
+
+@pytest.mark.parametrize("path", SHIPPED_CRDS, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_crd_we_ship_is_accepted_and_established(crd_server, path):
+    for crd in yaml.safe_load_all(path.read_text()):
+        conditions = crd_server.apply_crd(crd)
+        assert conditions["NamesAccepted"]["status"] == "True", conditions
+        assert "NonStructuralSchema" not in conditions, conditions["NonStructuralSchema"]["message"]
+
+
+def test_a_rule_that_does_not_compile_is_refused(crd_server):
+    """The check above could fail: the same CRD under another group, with one rule naming a field that does
+    not exist, is refused when it is written, with CEL's compile error."""
+    broken = yaml.safe_load((REPO / "crds/spyremodels.yaml").read_text())
+    broken["metadata"]["name"] = "spyremodels.broken.spyre-serve.io"
+    broken["spec"]["group"] = "broken.spyre-serve.io"
+    spec_schema = broken["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    spec_schema["x-kubernetes-validations"].append({"rule": "self.noSuchField > 0", "message": "never"})
+    answer = crd_server.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", broken)
+    assert answer.code == 422, answer
+    assert "compilation failed" in answer.message and "noSuchField" in answer.message
+
+
+def test_a_valid_model_is_created_with_the_schema_defaults(crd_server, spyremodel_crd):
+    answer = create(crd_server, model("valid", model={"source": "pvc://models/tiny"}), dry_run=False)
+    assert answer.code == 201, answer
+    spec = answer.body["spec"]
+    assert (spec["cards"], spec["replicas"], spec["task"], spec["dtype"]) == (1, 1, "generate", "auto")
+    assert crd_server.request("DELETE", f"{MODELS}/valid").code == 200
+
+
+CB = {"mode": "continuous", "maxNumSeqs": 4, "maxModelLen": 256}
+
+# What the 1.36 server refuses when the SpyreModel is created, with (part of) its message.
+REFUSED_AT_CREATE = [
+    ("static-without-shapes", {"batching": {"mode": "static"}}, "static batching needs at least one shape"),
+    (
+        "continuous-without-limits",
+        {"batching": {"mode": "continuous", "maxNumSeqs": 4}},
+        "continuous batching needs spec.batching.maxNumSeqs and spec.batching.maxModelLen",
+    ),
+    (
+        "claim-and-class",
+        {"graphCache": {"existingClaim": "x", "storageClassName": "y"}},
+        "existingClaim and spec.graphCache.storageClassName exclude each other",
+    ),
+    (
+        "precompile-without-cache",
+        {"graphCache": {"enabled": False, "precompile": True}},
+        "spec.graphCache.precompile needs spec.graphCache.enabled",
+    ),
+    ("cards-three", {"cards": 3}, 'spec.cards: Unsupported value: 3: supported values: "1", "2", "4", "8"'),
+    ("source-http", {"model": {"source": "http://hub/model"}}, "spec.model.source in body should match"),
+    (
+        "prompt-not-multiple",
+        {"batching": {"shapes": [{"promptLength": 100, "batchSize": 1}]}},
+        "multiple of 64",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "changes", "message"), REFUSED_AT_CREATE, ids=[c[0] for c in REFUSED_AT_CREATE]
+)
+def test_the_current_server_refuses_at_create_time(crd_server, spyremodel_crd, case, changes, message):
+    answer = create(crd_server, model(**changes))
+    assert answer.code == 422, answer
+    assert message in answer.message
+
+
+# Rows of the hostile catalog that a current cluster refuses when they are applied (the schema or a CEL
+# rule); the operator refuses every row again (clusters older than 1.25 ignore CEL), as its tests show.
+CATALOG_REFUSED_AT_CREATE = {
+    "cards-three": "spec.cards: Unsupported value: 3",
+    "replicas-string": "spec.replicas in body must be of type integer",
+    "dtype-int8": 'spec.dtype: Unsupported value: "int8"',
+    "suspend-string": "spec.suspend in body must be of type boolean",
+    "source-s3": "spec.model.source in body should match",
+}
+
+
+@pytest.mark.parametrize("row", CATALOG, ids=[row[0] for row in CATALOG])
+def test_the_hostile_catalog_against_the_current_server(crd_server, spyremodel_crd, row):
+    case, name, changes, _message, _by = row
+    answer = create(crd_server, model(name, **changes))
+    if case in CATALOG_REFUSED_AT_CREATE:
+        assert answer.code == 422, answer
+        assert CATALOG_REFUSED_AT_CREATE[case] in answer.message
+    else:  # left to the operator (InvalidSpec) or to the 1.20 server's dry run of the pod
+        assert answer.code == 201, answer
