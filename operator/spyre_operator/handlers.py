@@ -23,6 +23,7 @@ from spyre_operator import manifests
 from spyre_operator.events import EventRecorder
 from spyre_operator.metrics import OperatorMetrics
 from spyre_operator.model_spec import ModelSpec, quantity_bytes
+from spyre_operator.observe import CacheState, observe_job, observe_pod
 from spyre_operator.plan import Budget, PodPlan, plan_pods
 from spyre_operator.settings import (
     ATTEMPT_ANNOTATION,
@@ -39,15 +40,7 @@ from spyre_operator.settings import (
     OperatorSettings,
 )
 from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.status import (
-    CacheState,
-    Problem,
-    compute_status,
-    merge_conditions,
-    observe_job,
-    observe_pod,
-    status_changed,
-)
+from spyre_operator.status import Problem, compute_status, merge_conditions, status_changed
 from spyre_operator.watch import KnownModels, Resync, WatchCache, plain
 from spyre_operator.workqueue import Result, WorkQueue
 

@@ -10,10 +10,11 @@ from spyre_operator.manifests import (
     startup_failure_threshold,
     template_hash,
 )
+from spyre_operator.observe import PodHealth, observe_pod
 from spyre_operator.plan import PodPlan, PodView, plan_pods
 from spyre_operator.settings import HASH_LABEL, MODEL_LABEL, OperatorSettings, SettingsError, load_settings
 from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.status import PodHealth, compute_status, merge_conditions, observe_pod, status_changed
+from spyre_operator.status import compute_status, merge_conditions, status_changed
 
 MODEL = {
     "apiVersion": "spyre-serve.io/v1alpha1",
@@ -394,7 +395,7 @@ def test_compile_job_and_cache_key():
     ],
 )
 def test_observe_job_and_cache_status(job_status, ready, failed, reason):
-    from spyre_operator.status import observe_job
+    from spyre_operator.observe import observe_job
 
     job = None if job_status is None else {"metadata": {"name": "m-compile-k"}, "status": job_status}
     state = observe_job(job, "k")

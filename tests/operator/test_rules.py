@@ -10,10 +10,11 @@ import time
 import pytest
 from spyre_operator.manifests import check_runtime_contract, clone_pod
 from spyre_operator.model_spec import Rollout
+from spyre_operator.observe import observe_pod
 from spyre_operator.plan import Budget, PodView, plan_pods
 from spyre_operator.settings import HASH_LABEL
 from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.status import Problem, compute_status, observe_pod
+from spyre_operator.status import Problem, compute_status
 from spyre_operator.workqueue import Result, WorkQueue
 
 from tests.conftest import REPO

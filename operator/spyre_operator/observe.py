@@ -1,0 +1,176 @@
+"""What the operator reads off the objects it owns: each pod as a PodView (what the plan needs) and a
+PodHealth (its failures, for the conditions); each compile Job as a CacheState. Pure functions of bodies."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+from spyre_operator.plan import PodView
+from spyre_operator.settings import HASH_LABEL, OperatorSettings
+
+# container waiting reasons that never resolve by waiting; replaced after a grace period
+STUCK_REASONS = (
+    "ImagePullBackOff",
+    "ErrImagePull",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+)
+
+
+@dataclass(frozen=True)
+class PodHealth:
+    """Failures read off one pod's status."""
+
+    name: str
+    failure_reason: str | None = None  # CrashLoop | ContainerFailed | PodFailed | one of STUCK_REASONS
+    failure_message: str = ""
+    unschedulable_message: str = ""
+
+
+def _last_line(text: str | None) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _age_seconds(created: str, now: datetime.datetime) -> float:
+    try:
+        then = datetime.datetime.strptime(created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+    except ValueError:
+        return 0.0
+    return (now - then).total_seconds()
+
+
+def observe_pod(
+    pod: dict,
+    card_resource: str,
+    hash_label: str,
+    now: datetime.datetime | None = None,
+    stuck_grace_seconds: float = 120.0,
+) -> tuple[PodView, PodHealth]:
+    meta, status = pod["metadata"], pod.get("status") or {}
+    now = now or datetime.datetime.now(datetime.UTC)
+    conditions = {c["type"]: c for c in status.get("conditions") or []}
+    ready = conditions.get("Ready", {}).get("status") == "True"
+    scheduled = conditions.get("PodScheduled", {})
+    unschedulable = ""
+    if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+        unschedulable = scheduled.get("message", "")
+    failure, message, dead = None, "", ""
+    for cs in status.get("containerStatuses") or []:
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        terminated = (cs.get("state") or {}).get("terminated") or {}
+        last = (cs.get("lastState") or {}).get("terminated") or {}
+        if waiting.get("reason") == "CrashLoopBackOff":
+            failure = "CrashLoop"
+            words = _last_line(last.get("message"))
+            message = (
+                f"pod {meta['name']}: container {cs['name']} is crash-looping (last exit: "
+                f"{last.get('reason', 'unknown')}, code {last.get('exitCode', '?')}, restarts "
+                f"{cs.get('restartCount', 0)})" + (f": {words}" if words else "")
+            )
+        elif waiting.get("reason") in STUCK_REASONS:
+            failure = waiting["reason"]
+            message = (
+                f"pod {meta['name']}: container {cs['name']} cannot start ({waiting['reason']}, image "
+                f"{cs.get('image', '?')}): {waiting.get('message', '')}".rstrip(": ")
+            )
+            if _age_seconds(meta.get("creationTimestamp") or "", now) > stuck_grace_seconds:
+                dead = f"stuck in {waiting['reason']} for more than {stuck_grace_seconds:.0f} s"
+        elif terminated and terminated.get("exitCode", 0) != 0:
+            failure = "ContainerFailed"
+            words = _last_line(terminated.get("message"))
+            message = (
+                f"pod {meta['name']}: container {cs['name']} exited: {terminated.get('reason', 'Error')} "
+                f"(code {terminated.get('exitCode')})" + (f": {words}" if words else "")
+            )
+    phase = status.get("phase")
+    if phase in ("Failed", "Succeeded"):
+        why = " ".join(x for x in (status.get("reason"), status.get("message")) if x) or f"phase {phase}"
+        dead = f"pod ended ({phase}): {why}"
+        if failure is None:
+            failure, message = "PodFailed", f"pod {meta['name']} ended ({phase}): {why}"
+    view = PodView(
+        name=meta["name"],
+        template_hash=(meta.get("labels") or {}).get(hash_label, ""),
+        is_ready=ready and not dead,
+        is_terminating=bool(meta.get("deletionTimestamp")),
+        lacks_cards=f"Insufficient {card_resource}" in unschedulable,
+        created=meta.get("creationTimestamp") or "",
+        node=(pod.get("spec") or {}).get("nodeName") or "",
+        dead_reason=dead,
+    )
+    return view, PodHealth(meta["name"], failure, message, unschedulable)
+
+
+def observe_pods(pods: list[dict], settings: OperatorSettings) -> list[tuple[PodView, PodHealth]]:
+    """`observe_pod` of each pod, with the settings' card resource and grace period."""
+    return [
+        observe_pod(p, settings.card_resource, HASH_LABEL, stuck_grace_seconds=settings.stuck_grace_seconds)
+        for p in pods
+    ]
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """The compile Job of the current cache key, as observed."""
+
+    key: str
+    is_ready: bool
+    is_failed: bool
+    reason: str
+    message: str
+    attempt: int = 1
+    max_attempts: int = 1
+    failed_at: str = ""  # when the current attempt failed
+
+    @property
+    def can_retry(self) -> bool:
+        return self.is_failed and self.attempt < self.max_attempts
+
+
+def observe_job(
+    job: dict | None, key: str, max_attempts: int = 1, attempt_annotation: str = ""
+) -> CacheState:
+    """Reads a compile Job's status (None: not created yet)."""
+    if job is None:
+        return CacheState(key, False, False, "Compiling", f"creating the compile Job for cache key {key}")
+    status = job.get("status") or {}
+    name = job["metadata"]["name"]
+    try:
+        attempt = int((job["metadata"].get("annotations") or {}).get(attempt_annotation, 1))
+    except ValueError:
+        attempt = 1
+    conditions = {c.get("type"): c for c in status.get("conditions") or []}
+    failed = conditions.get("Failed", {})
+    if status.get("succeeded"):
+        return CacheState(key, True, False, "Compiled", f"compile Job {name} filled the cache for key {key}")
+    if failed.get("status") == "True":
+        reason = failed.get("reason") or "JobFailed"
+        detail = failed.get("message") or "the compile Job failed"
+        tail = (
+            f"attempt {attempt} of {max_attempts}, retrying with back-off"
+            if attempt < max_attempts
+            else f"failed {attempt} of {max_attempts} attempts: fix the cause, then delete the Job to retry"
+        )
+        return CacheState(
+            key,
+            False,
+            True,
+            "CompileJobFailed",
+            f"compile Job {name} failed ({reason}): {detail} ({tail})",
+            attempt,
+            max_attempts,
+            failed.get("lastTransitionTime") or "",
+        )
+    return CacheState(
+        key,
+        False,
+        False,
+        "Compiling",
+        f"compile Job {name} is filling the cache for key {key}"
+        + (f" (attempt {attempt} of {max_attempts})" if attempt > 1 else ""),
+        attempt,
+        max_attempts,
+    )
