@@ -25,6 +25,7 @@ from spyre_operator.metrics import OperatorMetrics
 from spyre_operator.model_spec import ModelSpec, quantity_bytes
 from spyre_operator.observe import CacheState, observe_job, observe_pod
 from spyre_operator.plan import Budget, PodPlan, plan_pods
+from spyre_operator.runtime_contract import check_fit
 from spyre_operator.settings import (
     ATTEMPT_ANNOTATION,
     CACHE_KEY_LABEL,
@@ -159,7 +160,7 @@ class Reconciler:
         selector = f"{MODEL_LABEL}={name}"
         try:
             spec = parse_spec(name, model.get("spec") or {})
-            manifests.check_fit(spec, self.settings)
+            check_fit(spec, self.settings)
             self._dry_run(key, model, spec)
         except InvalidSpec as e:
             # a name that is no label value cannot select pods (and none can carry it)

@@ -8,10 +8,11 @@ import threading
 import time
 
 import pytest
-from spyre_operator.manifests import check_runtime_contract, clone_pod
+from spyre_operator.manifests import clone_pod
 from spyre_operator.model_spec import Rollout
 from spyre_operator.observe import observe_pod
 from spyre_operator.plan import Budget, PodView, plan_pods
+from spyre_operator.runtime_contract import check_runtime_contract
 from spyre_operator.settings import HASH_LABEL
 from spyre_operator.spec import InvalidSpec, parse_spec
 from spyre_operator.status import Problem, compute_status
@@ -26,7 +27,7 @@ from tests.operator.catalog import BASE, CATALOG
     [pytest.param(n, c, needle, id=i) for i, n, c, needle, by in CATALOG if by == "operator"],
 )
 def test_catalog_refused_by_the_operator_with_a_message_naming_the_problem(name, changes, needle):
-    from spyre_operator.manifests import check_fit
+    from spyre_operator.runtime_contract import check_fit
     from spyre_operator.settings import OperatorSettings
 
     with pytest.raises(InvalidSpec) as err:
@@ -345,7 +346,7 @@ def test_work_queue_coalesces_serializes_and_backs_off():
 
 
 def test_bucket_ranges_reach_the_pod_environment():
-    from spyre_operator.manifests import runtime_env
+    from spyre_operator.runtime_contract import runtime_env
 
     batching = {"mode": "continuous", "maxNumSeqs": 8, "maxModelLen": 512}
     batching["decodeBatchBuckets"] = {"min": 1, "step": 4, "max": 8}
@@ -423,7 +424,7 @@ def test_card_tiers_shared_memory_and_startup_budget():
 
 
 def test_memory_plan_and_known_configurations_before_any_pod():
-    from spyre_operator.manifests import check_fit
+    from spyre_operator.runtime_contract import check_fit
     from spyre_operator.settings import OperatorSettings
     from spyre_operator.spec import UnknownConfiguration
 
