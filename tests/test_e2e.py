@@ -192,3 +192,56 @@ def test_embedding_example_answers_the_openai_client_through_its_service(stack):
     norm = sum(x * x for x in vectors[0]) ** 0.5
     assert abs(norm - 1.0) < 1e-3  # normalized, as the folder's sentence-transformers config says
     assert out.usage.prompt_tokens > 0
+
+
+def test_model_converges_through_an_etcd_stall_and_an_api_server_restart(stack):
+    """Mid-rollout of 3 replicas, etcd freezes for 25 s, then the API server is killed and comes back 3 s
+    later. The pod runner re-lists as a kubelet does (its loop died on the first refused connection before),
+    the operator re-watches, and the model converges with nothing done twice: 3 pods started in all, status
+    current. A 25 s stall outlasts the operator's 15 s Lease, so the leader may step down the way client-go's
+    leader election does (exit 3, restarted as a standby); it never crashes (its renew thread died on the
+    first refused connection before, and a standby exited with a traceback)."""
+    manifest = model_manifest(3, SHAPES_A)
+    manifest["metadata"]["name"] = "chaos"
+    manifest["spec"]["model"]["servedModelName"] = "chaos"
+
+    def chaos_pods() -> list[tuple[str, str, str]]:
+        return [a for a in stack.runner.admitted if a[0] == NS and a[1].startswith("chaos-")]
+
+    def operator_pods():
+        return [rp for rp in stack.runner.pods.values() if rp.namespace == "spyre-system"]
+
+    restarts_before = {rp.name: rp.restarts for rp in operator_pods()}
+    failed_before = stack.runner.failed_passes
+    stack.apply_model(NS, manifest)
+    stack.wait(lambda: chaos_pods(), 60, "the first chaos pod to start")
+    assert not stack.is_ready(NS, "chaos", 3)  # the chaos comes mid-rollout
+    stack.cp.pause("etcd")
+    try:
+        time.sleep(25)
+    finally:
+        stack.cp.resume("etcd")
+    stack.cp.restart_apiserver(down_seconds=3)
+    stack.wait(
+        lambda: stack.is_ready(NS, "chaos", 3),
+        300,
+        "chaos: 3 replicas Ready",
+        lambda: stack.diagnose(NS, "chaos"),
+    )
+    assert stack.runner.is_alive(), stack.runner.last_error
+    assert stack.runner.failed_passes > failed_before  # it did meet the outage, and came through it
+    started = chaos_pods()
+    assert len(started) == 3 and len({uid for *_, uid in started}) == 3, started
+    for rp in operator_pods():
+        if rp.restarts > restarts_before.get(rp.name, 0):
+            assert rp.last_exit["exitCode"] == 3, rp.last_exit  # stepped down: lost the Lease
+        log = rp.log.read_text(errors="replace")
+        assert "Exception in thread" not in log and "Traceback" not in log, log[-3000:]
+    status = stack.model(NS, "chaos")
+    assert status["status"]["observedGeneration"] == status["metadata"]["generation"]
+    ip = stack.wait(lambda: stack.endpoints(NS, "chaos"), 30, "a ready chaos endpoint")[0]
+    c = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0, timeout=30)
+    assert (
+        c.completions.create(model="chaos", prompt="Hi", max_tokens=2, temperature=0).choices[0].text
+        is not None
+    )

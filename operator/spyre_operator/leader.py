@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import urllib3
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
@@ -63,7 +64,16 @@ class LeaderElection:
     # ---- one attempt -------------------------------------------------------------------------------
 
     def try_acquire_or_renew(self) -> bool:
-        """One round: take the Lease when it is free, expired or ours; returns whether we hold it."""
+        """One round: take the Lease when it is free, expired or ours; returns whether we hold it. An API
+        server that does not answer (refused, reset, timed out: etcd stalled, a restart) is a failed round,
+        never an exception: the renew loop must live on to notice when the Lease runs out."""
+        try:
+            return self._acquire_or_renew()
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            log.warning("Lease %s/%s: the API server did not answer: %s", self.namespace, self.name, e)
+            return False
+
+    def _acquire_or_renew(self) -> bool:
         now = _now()
         spec = {
             "holderIdentity": self.identity,
@@ -160,6 +170,8 @@ class LeaderElection:
                 )
         except ApiException as e:
             log.warning("releasing the Lease: %s", e.reason)
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            log.warning("releasing the Lease: the API server did not answer: %s", e)
         self.is_leader = False
 
     def stop(self) -> None:

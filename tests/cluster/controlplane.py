@@ -199,6 +199,34 @@ class ControlPlane:
         state = self.workdir / "state.json"
         state.unlink(missing_ok=True)
 
+    # ---- chaos: what a real control plane goes through ------------------------------------------
+
+    def _proc(self, name: str) -> Proc:
+        for proc in self.procs:
+            if proc.name == name and proc.is_alive():
+                return proc
+        raise ControlPlaneError(f"{name} is not running")
+
+    def pause(self, name: str) -> None:
+        """Freezes a component (SIGSTOP), as a stalled disk or a long GC pause does: connections stay open
+        and nothing answers."""
+        os.kill(self._proc(name).pid, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        os.kill(self._proc(name).pid, signal.SIGCONT)
+
+    def restart_apiserver(self, down_seconds: float = 0.0) -> None:
+        """Kills kube-apiserver (SIGKILL: no graceful shutdown, watches break mid-stream), keeps it down for
+        `down_seconds` (connections are refused meanwhile), and starts it again on the same port."""
+        proc = self._proc("kube-apiserver")
+        os.kill(proc.pid, signal.SIGKILL)
+        if proc.popen is not None:
+            proc.popen.wait(timeout=30)
+        self.procs.remove(proc)
+        time.sleep(down_seconds)
+        self._start_apiserver()
+        self._write_state()
+
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 

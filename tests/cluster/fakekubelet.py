@@ -101,7 +101,8 @@ class FakeKubelet:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
-            with contextlib.suppress(ApiException):
+            # re-lists on the next pass whatever failed: refused connections and restarts cost passes only
+            with contextlib.suppress(Exception):
                 self.sync()
 
     def _patch(self, name: str, body: dict) -> None:

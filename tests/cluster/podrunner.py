@@ -99,6 +99,9 @@ class PodRunner:
         self.root = Path(root)
         self.period = period
         self.pods: dict[str, RunningPod] = {}
+        self.admitted: list[tuple[str, str, str]] = []  # (namespace, name, uid) of every pod ever started
+        self.failed_passes = 0
+        self.last_error = ""
         self._next_ip = 2
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pod-runner", daemon=True)
@@ -108,6 +111,9 @@ class PodRunner:
     def start(self) -> PodRunner:
         self._thread.start()
         return self
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()
@@ -122,11 +128,14 @@ class PodRunner:
         self.stop()
 
     def _loop(self) -> None:
+        """As a kubelet does, every pass re-lists: an API server that refuses connections, restarts or
+        stalls costs passes, never the loop. Each failure is counted and its message kept."""
         while not self._stop.wait(self.period):
             try:
                 self.sync()
-            except ApiException:
-                continue
+            except Exception as e:  # ApiException, urllib3's MaxRetryError and ProtocolError, timeouts
+                self.failed_passes += 1
+                self.last_error = f"{type(e).__name__}: {e}"
 
     # ---- one pass --------------------------------------------------------------------------------
 
@@ -178,6 +187,7 @@ class PodRunner:
             rp.probe = {"path": hg.path or "/", "port": self._port(c, hg.port)}
         rp.log = workdir / "container.log"
         self.pods[rp.uid] = rp
+        self.admitted.append((rp.namespace, rp.name, rp.uid))
         return rp
 
     @staticmethod
