@@ -95,18 +95,18 @@ def main() -> int:
     )
     decode = ContinuousStep(batch_size=args.batch, kv_len=args.kv, decode=rows)
     chunk = PrefillChunk(None, tuple(range(1, args.chunk + 1)), 0, args.chunk, tuple(range(1, 1 + nb)), True)
-    decode_args = ex.batch_decode_inputs(decode)
+    decode_args = ex.inputs.batch_decode(decode)
     # chunks run beside the decode rows (mixed steps, SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default)
     mixed = dataclasses.replace(decode, chunks=(chunk,), mixed=True, pieces=ex.config.prefill_pieces)
-    chunk_args = ex.mixed_inputs(mixed)
+    chunk_args = ex.inputs.mixed(mixed)
     res = {
         "config": vars(args) | {"out": None},
         "load_s": load_s,
         "warmup_s": warm_s,
         "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters),
-        "decode_inputs_ms": timed(lambda: ex.batch_decode_inputs(decode), args.iters),
+        "decode_inputs_ms": timed(lambda: ex.inputs.batch_decode(decode), args.iters),
         "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4)),
-        "chunk_inputs_ms": timed(lambda: ex.mixed_inputs(mixed), args.iters),
+        "chunk_inputs_ms": timed(lambda: ex.inputs.mixed(mixed), args.iters),
         "decode_top_ops": top_ops(lambda: ex.run_local(*decode_args)),
         "chunk_top_ops": top_ops(lambda: ex.run_local(*chunk_args)),
         "threads": torch.get_num_threads(),

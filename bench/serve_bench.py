@@ -188,7 +188,7 @@ def step_overhead(jobs) -> dict:
         t_steps.append(time.perf_counter() - t0)
     decode_steps = t_steps[1:]
     shape = engine.executor.config.shapes[-1]
-    args = engine.executor.decode_inputs(shape, [len(i) for i in group], [1] * len(group), 10)
+    args = engine.executor.inputs.static_decode(shape, [len(i) for i in group], [1] * len(group), 10)
     fwd = []
     for _ in range(30):
         t0 = time.perf_counter()

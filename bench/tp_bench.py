@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 def measure(model_dir: Path, tp: int) -> dict:
     from spyre_runtime.config import RuntimeConfig, Shape
     from spyre_runtime.engine.llm_engine import LLMEngine
-    from spyre_runtime.executor.model_executor import configure_threads
+    from spyre_runtime.executor.loader import configure_threads
     from spyre_runtime.sampling.params import SamplingParams
 
     config = RuntimeConfig(

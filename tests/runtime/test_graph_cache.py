@@ -33,18 +33,18 @@ def test_model_file_digest_is_remembered_until_the_file_changes(tmp_path, monkey
     memo or a read-only cache never give a wrong digest."""
     import hashlib
 
-    from spyre_runtime.executor import graph_cache
+    from spyre_runtime.executor import graph_key
 
     weights = tmp_path / "model" / "model.safetensors"
     weights.parent.mkdir()
     weights.write_bytes(os.urandom(100_000))
     memo = tmp_path / "cache" / "digests"
     hashed = []
-    real = graph_cache._sha256_file
-    monkeypatch.setattr(graph_cache, "_sha256_file", lambda p: hashed.append(p) or real(p))
+    real = graph_key._sha256_file
+    monkeypatch.setattr(graph_key, "_sha256_file", lambda p: hashed.append(p) or real(p))
 
     def digest():
-        return graph_cache.model_file_digest(weights, memo)
+        return graph_key.model_file_digest(weights, memo)
 
     first = digest()
     assert first == hashlib.sha256(weights.read_bytes()).hexdigest() and len(hashed) == 1
@@ -75,9 +75,9 @@ def test_model_file_digest_is_remembered_until_the_file_changes(tmp_path, monkey
 
     with monkeypatch.context() as m:  # a full or read-only cache volume: the digest, and nothing left behind
         m.setattr(Path, "write_text", full_disk)
-        assert graph_cache.model_file_digest(other, memo) == hashlib.sha256(b"x" * 10).hexdigest()
+        assert graph_key.model_file_digest(other, memo) == hashlib.sha256(b"x" * 10).hexdigest()
     assert set(memo.iterdir()) == before
-    assert graph_cache.model_file_digest(weights, None) == changed  # no cache: hashed, nothing kept
+    assert graph_key.model_file_digest(weights, None) == changed  # no cache: hashed, nothing kept
 
 
 def test_publish_then_hit_and_catalog(tmp_path):

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 from spyre_runtime.config import ConfigError, RuntimeConfig, load_config
-from spyre_runtime.executor.model_executor import ModelExecutor, resolve_dtype
+from spyre_runtime.executor.loader import resolve_dtype
+from spyre_runtime.executor.model_executor import ModelExecutor
 from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
 
 
@@ -68,7 +69,7 @@ def test_bfloat16_weights_and_kv_cache(tiny_model):
     assert {p.dtype for p in ex.model.parameters()} == {torch.bfloat16}
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in ex.kv.layers)
     ex.warmup()
-    logits = ex.run_local(*ex.batch_decode_inputs(ContinuousStep(batch_size=2, kv_len=128)))
+    logits = ex.run_local(*ex.inputs.batch_decode(ContinuousStep(batch_size=2, kv_len=128)))
     assert logits.dtype == torch.bfloat16 and torch.isfinite(logits).all()
 
 
@@ -77,15 +78,14 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     for the decode batch size once, at warm-up. The weights stay graph inputs (no freezing), so changing them
     in place afterwards would change a graph that read them: the decode step does not change, because it runs
     on the packed copies (weights never change after warm-up)."""
-    from spyre_runtime.executor import linear
-    from spyre_runtime.executor import model_executor as executor
+    from spyre_runtime.executor import compiler, linear
     from torch._dynamo.utils import counters
 
     counters.clear()
     cfg = small_cb(tiny_model, "inductor", decode_batch_buckets=(2,), kv_len_buckets=(128,))
     ex = ModelExecutor(cfg)
     # two blocks, each in its own call (at most MAX_BLOCK_CALLS): they share one graph per shape
-    assert ex.blocks.group == 1 and len(executor.repeated_blocks(ex.model)) == 2
+    assert ex.blocks.group == 1 and len(compiler.repeated_blocks(ex.model)) == 2
     ex.warmup()
     # chunk 64 and decode batch 2, each one graph for both blocks (a graph per block would make 4)
     assert counters["stats"]["unique_graphs"] == len(cfg.chunk_buckets) + 1
@@ -94,16 +94,16 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     assert ex.packed and len(layers) > 0
     assert all(m.weight.data_ptr() in linear._PACKED for m in layers)  # every layer packed at load
     rows = tuple(DecodeRow(None, 5 + r, 3, (1 + 2 * r, 2 + 2 * r)) for r in range(2))
-    args = ex.batch_decode_inputs(ContinuousStep(decode=rows, batch_size=2, kv_len=128))
+    args = ex.inputs.batch_decode(ContinuousStep(decode=rows, batch_size=2, kv_len=128))
     before = ex.run_local(*args).clone()
     with torch.no_grad():
         for m in layers:
             m.weight.mul_(0.5)
     assert before.abs().sum() > 0
     assert torch.equal(ex.run_local(*args), before)  # the packed copies, no recompile
-    # the groups' graph keeps its guards on the step's tensors (executor.without_parameter_guards): a batch
+    # the groups' graph keeps its guards on the step's tensors (compiler.without_parameter_guards): a batch
     # that no graph was warmed for is still caught, and serving refuses to compile it
-    odd = ex.batch_decode_inputs(ContinuousStep(batch_size=3, kv_len=128))
+    odd = ex.inputs.batch_decode(ContinuousStep(batch_size=3, kv_len=128))
     with pytest.raises(RuntimeError, match="Detected recompile"):
         ex.run_local(*odd)
     with torch.inference_mode():
@@ -117,7 +117,7 @@ def test_block_graphs_drop_only_the_guards_on_parameters():
     global state, module attributes) but the tensor guards on the blocks' parameters."""
     from types import SimpleNamespace
 
-    from spyre_runtime.executor.model_executor import without_parameter_guards
+    from spyre_runtime.executor.compiler import without_parameter_guards
 
     def entry(guard_type, value=None):
         return SimpleNamespace(guard_type=guard_type, value=value)
@@ -134,7 +134,7 @@ def test_block_graphs_drop_only_the_guards_on_parameters():
 
 
 def test_block_groups_divide_the_stack_into_at_most_max_calls():
-    from spyre_runtime.executor.model_executor import block_group_size, repeated_blocks
+    from spyre_runtime.executor.compiler import block_group_size, repeated_blocks
 
     cases = {(30, 5): 6, (30, 1): 30, (30, 30): 1, (2, 5): 1, (2, 1): 2, (7, 5): 7, (32, 5): 8, (40, 5): 8}
     for (blocks, calls), group in cases.items():
@@ -146,7 +146,7 @@ def test_block_groups_divide_the_stack_into_at_most_max_calls():
     )
     assert repeated_blocks(model) == list(model[1])
     from spyre_runtime.config import ConfigError
-    from spyre_runtime.executor.model_executor import BlockCompiler
+    from spyre_runtime.executor.compiler import BlockCompiler
 
     # a model with no stack of blocks (or one that does not match its KV layers) stops start-up, named
     with pytest.raises(ConfigError, match="Linear: no stack of decoder blocks"):
@@ -165,7 +165,7 @@ def test_a_decode_step_with_few_live_rows_multiplies_only_those(tiny_model):
     ex = ModelExecutor(cfg)
     ex.warmup()
     step = ContinuousStep(decode=(DecodeRow(None, 9, 3, (2,)),), batch_size=4, kv_len=128)
-    args = ex.batch_decode_inputs(step)
+    args = ex.inputs.batch_decode(step)
     args[0][1:, 0] = 5  # dummy rows of a token that does not embed to zeros (they write scratch only)
     full = ex.run_local(*args)
     few = ex.run_local(*args, live_rows=1)
@@ -182,24 +182,24 @@ def test_a_mixed_step_equals_its_decode_and_its_chunks_run_apart(tiny_model):
     decode row's."""
     cfg = small_cb(tiny_model, max_num_seqs=4, decode_batch_buckets=(4,), kv_len_buckets=(128,))
     ex = ModelExecutor(cfg)
-    kv = ex.prefill_kv_len
+    kv = ex.inputs.prefill_kv_len
     assert cfg.prefill_pieces == 4
     # a: 10 prompt tokens in block 1, prefilled first; c: the first 25 of 40 tokens (block 4) likewise. Then
     # one mixed step: a decodes, c's last 15 tokens and b's first 12 of 20 (block 3) are prefilled
     a = PrefillChunk(None, tuple(range(5, 15)), 0, 64, (1,), True)
     c_prompt = tuple(range(60, 100))
-    ex.run_local(*ex.chunk_inputs(a, kv))
-    ex.run_local(*ex.chunk_inputs(PrefillChunk(None, c_prompt[:25], 0, 64, (4,), False), kv))
+    ex.run_local(*ex.inputs.chunk(a, kv))
+    ex.run_local(*ex.inputs.chunk(PrefillChunk(None, c_prompt[:25], 0, 64, (4,), False), kv))
     saved = [(k.clone(), v.clone()) for k, v in ex.kv.layers]
     decode = ContinuousStep(decode=(DecodeRow(None, 7, 10, (1,)),), batch_size=4, kv_len=128)
     c = PrefillChunk(None, c_prompt[25:], 25, 64, (4,), True)
     b = PrefillChunk(None, tuple(range(30, 42)), 0, 64, (3,), False)
-    apart = [ex.run_local(*ex.chunk_inputs(chunk, kv))[0] for chunk in (c, b)]
-    apart.append(ex.run_local(*ex.batch_decode_inputs(decode))[0])
+    apart = [ex.run_local(*ex.inputs.chunk(chunk, kv))[0] for chunk in (c, b)]
+    apart.append(ex.run_local(*ex.inputs.batch_decode(decode))[0])
     for (k, v), (k0, v0) in zip(ex.kv.layers, saved, strict=True):
         k.copy_(k0)
         v.copy_(v0)
-    mixed = ex.run_local(*ex.mixed_inputs(dataclasses.replace(decode, chunks=(c, b), mixed=True, pieces=4)))
+    mixed = ex.run_local(*ex.inputs.mixed(dataclasses.replace(decode, chunks=(c, b), mixed=True, pieces=4)))
     assert mixed.shape[0] == 8  # the 4 pieces' places (2 used), then the 4 decode rows (3 of them dummies)
     for row, expected in zip((0, 1, 4), apart, strict=True):
         torch.testing.assert_close(mixed[row], expected, atol=1e-5, rtol=1e-5)
@@ -356,7 +356,7 @@ ex = ModelExecutor(cfg)
 ex.warmup()
 chunk = PrefillChunk(None, tuple(range(1, budget - 7)), 0, budget - 8, (1, 2), True)
 step = ContinuousStep((chunk,), batch_size=2, mixed=True, pieces=cfg.prefill_pieces)
-served = ex.run_local(*ex.mixed_inputs(step)).isfinite().all().item()
+served = ex.run_local(*ex.inputs.mixed(step)).isfinite().all().item()
 from torch._dynamo.utils import counters
 print("cache-hits", counters["inductor"]["fxgraph_cache_hit"], "served", served)
 """

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
+from spyre_runtime.executor.compiler import compile_settings, compile_step
+from spyre_runtime.executor.loader import resolve_dtype
 from spyre_runtime.executor.warmup import WarmupProgress
 
 log = logging.getLogger(__name__)
@@ -257,8 +259,6 @@ class PoolingModel:
         self, config: RuntimeConfig, spec: PoolingSpec, pad_id: int, model=None, compile_only: bool = False
     ) -> None:
         """`compile_only`: a precompile Job's model (sendnn's card-less backend), see graph_cache.py."""
-        from spyre_runtime.executor.model_executor import compile_step, resolve_dtype
-
         self.config = config
         self.spec = spec
         self.pad_id = pad_id
@@ -314,8 +314,6 @@ class PoolingModel:
 
     def run(self, shape: Shape, rows: list[tuple[list[int], list[int] | None]]) -> torch.Tensor:
         """-> [len(rows), D] or [len(rows)] float32."""
-        from spyre_runtime.executor.model_executor import compile_settings
-
         batch = self.inputs(shape, rows)
         with torch.inference_mode():
             if self.is_warm and self.config.backend != "eager":

@@ -9,9 +9,10 @@
 Rank 0 owns the scheduler and sends every step's input tensors to the others; every rank runs the same
 compiled shapes in the same order, so collectives always pair up. Messages are ("run", (args, live rows)),
 ("env", dict) (e.g. the inductor cache directory before the first compile), ("warm", None) and ("stop", None).
-A monitor thread on rank 0 watches the workers: if one dies, it logs which, kills the others and ends
-the process with exit code 3 within a second, so nothing waits on a collective forever. Workers end within
-a second of rank 0. Collectives time out after SENDNN_INFERENCE_GLOO_TIMEOUT_MINUTES.
+Rank 0 passes the executor class its ranks build (the executor imports this module, not the other way round).
+A monitor thread on rank 0 watches the workers: if one dies, it logs which, kills the others and ends the
+process with exit code 3 within a second, so nothing waits on a collective forever. Workers end within a
+second of rank 0. Collectives time out after SENDNN_INFERENCE_GLOO_TIMEOUT_MINUTES.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from spyre_runtime.config import ConfigError, RuntimeConfig
+from spyre_runtime.executor.loader import configure_threads
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +75,25 @@ def _init_process_group(config: RuntimeConfig, rank: int, port: int) -> None:
     )
 
 
-class WorkerGroup:
-    """Rank 0's handle on ranks 1..N-1."""
+# builds a rank's executor: (config, rank=rank) -> an object with run_local, score_local and is_warm; it is
+# sent to the spawned process, so a module-level class or function (the ModelExecutor class)
+ExecutorFactory = Callable[..., object]
 
-    def __init__(self, config: RuntimeConfig) -> None:
+
+class WorkerGroup:
+    """Rank 0's handle on ranks 1..N-1, each running an executor built by `make_executor`."""
+
+    def __init__(self, config: RuntimeConfig, make_executor: ExecutorFactory) -> None:
         self.config = config
         port = _free_port()
         ctx = multiprocessing.get_context("spawn")
         self.procs = [
-            ctx.Process(target=worker_main, args=(config, rank, port), name=f"tp-rank-{rank}", daemon=False)
+            ctx.Process(
+                target=worker_main,
+                args=(config, rank, port, make_executor),
+                name=f"tp-rank-{rank}",
+                daemon=False,
+            )
             for rank in range(1, config.tensor_parallel_size)
         ]
         for p in self.procs:
@@ -155,7 +168,7 @@ def _redirect_output(config: RuntimeConfig, rank: int) -> None:
     os.close(fd)
 
 
-def worker_main(config: RuntimeConfig, rank: int, port: int) -> None:
+def worker_main(config: RuntimeConfig, rank: int, port: int, make_executor: ExecutorFactory) -> None:
     """Ranks 1..N-1: load the shard, then run whatever rank 0 broadcasts until told to stop."""
     _die_with_parent()
     _redirect_output(config, rank)
@@ -164,11 +177,9 @@ def worker_main(config: RuntimeConfig, rank: int, port: int) -> None:
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
     )
-    from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
-
     configure_threads(config)
     _init_process_group(config, rank, port)
-    executor = ModelExecutor(config, rank=rank)  # loads in a load slot, then meets the others at a barrier
+    executor = make_executor(config, rank=rank)  # loads in a load slot, then meets the others at a barrier
     # rank 0 warms under a raised recompile limit; the same shapes arrive here in the same order
     torch._dynamo.config.recompile_limit = 1 << 12
     torch._dynamo.config.accumulated_recompile_limit = 1 << 14
