@@ -4,7 +4,7 @@ part of its token, and a sequence's first token loses it when decoded alone), bu
 import itertools
 
 import pytest
-from spyre_runtime.engine.llm_engine import decode_output
+from spyre_runtime.engine.outputs import decode_output
 
 CORPUS = "Hello world. The capital of France is Paris. Hello there, world of words." * 20
 
