@@ -89,3 +89,69 @@ def test_failing_container_restarts_with_last_state(stack):
         60,
         "the pod removed",
     )
+
+
+def _waiting(core, name: str):
+    cs = (core.read_namespaced_pod(name, NS).status.container_statuses or [None])[0]
+    return cs.state.waiting if cs and cs.state and cs.state.waiting else None
+
+
+SECRET_ENV = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "hub", "key": "token"}}}]
+CONFIG_ENV = [{"name": "MODE", "valueFrom": {"configMapKeyRef": {"name": "cfg", "key": "absent"}}}]
+STRICT = [
+    (
+        "bad-image",
+        "Spyre Serve/runtime",
+        (),
+        "InvalidImageName",
+        "couldn't parse image reference \"Spyre Serve/",
+    ),
+    ("no-pull", "registry.invalid/runtime:gone", (), "ErrImagePull", "failed to pull and unpack image"),
+    (
+        "no-secret",
+        "spyre-serve/runtime:dev",
+        SECRET_ENV,
+        "CreateContainerConfigError",
+        'secret "hub" not found',
+    ),
+    (
+        "no-key",
+        "spyre-serve/runtime:dev",
+        CONFIG_ENV,
+        "CreateContainerConfigError",
+        "couldn't find key absent",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "image", "env", "reason", "message"), STRICT, ids=[s[0] for s in STRICT])
+def test_a_pod_the_kubelet_would_not_start_waits_with_its_reason(stack, name, image, env, reason, message):
+    core = client.CoreV1Api(stack.kube)
+    stack.runner.unpullable.add("registry.invalid/runtime:gone")
+    spec = pod_spec(["python", "-c", "import time; time.sleep(600)"], "Always", env=env)
+    spec["containers"][0]["image"] = image
+    core.create_namespaced_pod(NS, {"metadata": {"name": name}, "spec": spec})
+    waiting = stack.wait(lambda: _waiting(core, name), 60, f"{name} waiting")
+    assert waiting.reason == reason and message in waiting.message, waiting
+    assert core.read_namespaced_pod(name, NS).status.phase == "Pending"
+    assert not [a for a in stack.runner.admitted if a[:2] == (NS, name)]  # no process was started
+
+
+def test_a_pod_starts_once_its_missing_secret_exists(stack):
+    core = client.CoreV1Api(stack.kube)
+    env = [{"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "late", "key": "token"}}}]
+    script = "import os, time; open('token', 'w').write(os.environ['TOKEN']); time.sleep(600)"
+    core.create_namespaced_pod(
+        NS, {"metadata": {"name": "late"}, "spec": pod_spec(["python", "-c", script], "Always", env=env)}
+    )
+    waiting = stack.wait(lambda: _waiting(core, "late"), 60, "late waiting")
+    assert waiting.reason == "CreateContainerConfigError"
+    core.create_namespaced_secret(NS, {"metadata": {"name": "late"}, "stringData": {"token": "t0ken"}})
+    stack.wait(lambda: core.read_namespaced_pod("late", NS).status.phase == "Running", 60, "late Running")
+    rp = next(rp for rp in stack.runner.pods.values() if (rp.namespace, rp.name) == (NS, "late"))
+    assert (
+        stack.wait(
+            lambda: (rp.workdir / "token").exists() and (rp.workdir / "token").read_text(), 30, "token"
+        )
+        == "t0ken"
+    )

@@ -2,6 +2,8 @@
 Pods bound to a node are reported Running and become Ready `ready_delay` seconds later (unless held back
 with `ready = False`); and, as a real cluster does to them: crash-loop with a termination message
 (`crashing`, `messages`), get evicted (`evict`: phase Failed), never pull their image (`bad_images`), or
+fail a kubelet's checks before starting (tests/cluster/kubelet_checks.py: an invalid image, an image in
+`unpullable`, a missing Secret or ConfigMap key), or
 lose readiness when their node goes NotReady (`set_node_ready`). Run-to-completion pods
 (restartPolicy Never, e.g. a Job's) are reported Succeeded once `complete_jobs` is set, or Failed when their
 Job is in `failing_jobs`; pods being deleted are finalized,
@@ -19,9 +21,18 @@ from concurrent.futures import ThreadPoolExecutor
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from tests.cluster.kubelet_checks import start_blocker, waiting_status
+
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _waiting_reason(pod) -> str | None:
+    for cs in pod.status.container_statuses or []:
+        if cs.state and cs.state.waiting:
+            return cs.state.waiting.reason
+    return None
 
 
 def provision_pending_claims(
@@ -79,6 +90,7 @@ class FakeKubelet:
         self.messages: dict[str, str] = {}  # pod -> the container's termination message
         self.evicted: set[str] = set()
         self.bad_images: set[str] = set()
+        self.unpullable: set[str] = set()  # images that fail with ErrImagePull (kubelet_checks)
         self.not_ready_nodes: set[str] = set()
         self._running_since: dict[str, float] = {}
         # status patches in parallel (a real cluster has a kubelet per node); 1 keeps them in order
@@ -154,6 +166,13 @@ class FakeKubelet:
                 continue
             if name in self.evicted:
                 self.core.patch_namespaced_pod_status(name, self.namespace, self._evicted(pod))
+                continue
+            if blocked := start_blocker(self.core, pod, self.unpullable):
+                if _waiting_reason(pod) != blocked[1]:
+                    self.core.patch_namespaced_pod_status(
+                        name, self.namespace, waiting_status(pod, *blocked, _now())
+                    )
+                self._running_since.pop(name, None)
                 continue
             if any(c.image in self.bad_images for c in pod.spec.containers):
                 if pod.status.phase != "Pending" or not pod.status.container_statuses:

@@ -10,7 +10,8 @@ status back to the API server. The mappings, in one place:
 - network: each pod gets its own loopback address 127.0.0.N as pod IP; `$(VAR)` in args is expanded. The
   Endpoints API refuses loopback addresses; EndpointSlices carry them, so clients read the ready addresses of
   a Service from its EndpointSlices (as kube-proxy does).
-- env: `value`, and `valueFrom.fieldRef` for metadata.name, metadata.namespace, status.podIP, spec.nodeName.
+- env: `value`, `valueFrom.fieldRef` for metadata.name, metadata.namespace, status.podIP, spec.nodeName, and
+  `valueFrom.secretKeyRef` / `configMapKeyRef`.
 - volumes: a PersistentVolumeClaim is one directory per claim (`<root>/pvc/<namespace>/<claim>`), shared by
   all pods that mount it; emptyDir is a fresh directory per pod; configMap and secret are written as files.
   A process cannot mount, so every env value and arg that starts with a container mountPath is rewritten to
@@ -20,6 +21,8 @@ status back to the API server. The mappings, in one place:
 - status: Pending -> Running -> Succeeded/Failed; `Ready` follows the readinessProbe (HTTP GET on the pod IP);
   restarts per restartPolicy with restartCount, lastState and CrashLoopBackOff; a failed container's log tail
   becomes its termination message under `terminationMessagePolicy: FallbackToLogsOnError`.
+- before the first start, a kubelet's checks (kubelet_checks.py): InvalidImageName, ErrImagePull for an
+  image in `unpullable`, CreateContainerConfigError for a missing Secret or ConfigMap key.
 - deletion: SIGTERM, the grace period, SIGKILL, then the pod object is removed. stop() stops every process.
 """
 
@@ -45,6 +48,7 @@ from kubernetes.client.rest import ApiException
 
 from tests.cluster.controlplane import kubeconfig_yaml, service_account_token
 from tests.cluster.fakekubelet import provision_pending_claims
+from tests.cluster.kubelet_checks import start_blocker, waiting_status
 
 VENV_BIN = Path(__file__).resolve().parents[2] / ".venv" / "bin"
 
@@ -99,6 +103,8 @@ class PodRunner:
         self.root = Path(root)
         self.period = period
         self.pods: dict[str, RunningPod] = {}
+        self.unpullable: set[str] = set()  # images that fail with ErrImagePull (kubelet_checks)
+        self.blocked: dict[str, tuple[str, str, str]] = {}  # pod uid -> what keeps it from starting
         self.admitted: list[tuple[str, str, str]] = []  # (namespace, name, uid) of every pod ever started
         self.failed_passes = 0
         self.last_error = ""
@@ -152,6 +158,8 @@ class PodRunner:
                 self._delete(pod, rp)
                 continue
             if rp is None:
+                if self._blocked(pod):
+                    continue
                 rp = self._admit(pod)
             if rp is not None:
                 self._tick(pod, rp)
@@ -159,6 +167,38 @@ class PodRunner:
             self._kill(self.pods.pop(uid), grace=5)
         for ns in namespaces:
             provision_pending_claims(self.core, ns, str(self.root / "pv"))
+
+    def _blocked(self, pod) -> bool:
+        """A kubelet's checks before the first start (kubelet_checks); the waiting status is written once
+        per distinct reason and the pod is checked again next pass."""
+        blocked = start_blocker(self.core, pod, self.unpullable)
+        if blocked is None:
+            self.blocked.pop(pod.metadata.uid, None)
+            return False
+        if self.blocked.get(pod.metadata.uid) != blocked:
+            self.core.patch_namespaced_pod_status(
+                pod.metadata.name, pod.metadata.namespace, waiting_status(pod, *blocked, _now())
+            )
+            self.blocked[pod.metadata.uid] = blocked
+        return True
+
+    def _key_ref(self, pod, env) -> str | None:
+        """The value of a secretKeyRef or configMapKeyRef (None: optional and absent; kubelet_checks has
+        already kept a pod with a missing required one from starting)."""
+        ns, source = pod.metadata.namespace, env.value_from
+        try:
+            if source.secret_key_ref:
+                ref = source.secret_key_ref
+                data = self.core.read_namespaced_secret(ref.name, ns).data or {}
+                return base64.b64decode(data[ref.key]).decode() if ref.key in data else None
+            if source.config_map_key_ref:
+                ref = source.config_map_key_ref
+                return (self.core.read_namespaced_config_map(ref.name, ns).data or {}).get(ref.key)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+        raise ValueError(f"env {env.name}: only fieldRef, secretKeyRef and configMapKeyRef are supported")
 
     def _admit(self, pod) -> RunningPod | None:
         ip = f"127.0.0.{self._next_ip}"
@@ -246,9 +286,10 @@ class PodRunner:
         env: dict[str, str] = {}
         for e in c.env or []:
             if e.value_from is not None:
-                if not e.value_from.field_ref:
-                    raise ValueError(f"env {e.name}: only fieldRef is supported by the pod runner")
-                env[e.name] = fields[e.value_from.field_ref.field_path]
+                if e.value_from.field_ref:
+                    env[e.name] = fields[e.value_from.field_ref.field_path]
+                elif (value := self._key_ref(pod, e)) is not None:
+                    env[e.name] = value
             else:
                 env[e.name] = rewrite(_expand(e.value or "", env))
         command = list(c.command or [])
