@@ -169,20 +169,15 @@ def _config(args):
 
 
 def cmd_serve(args) -> int:
-    from spyre_runtime.entrypoints.server import serve
+    from spyre_runtime.entrypoints.api_server import serve
     from spyre_runtime.executor.graph_cache import check_precompiled
     from spyre_runtime.executor.model_executor import compiler_for
 
     config = _config(args)
     compiler_for(config.backend)  # fail before binding the port when the backend is missing
-    if is_pooling_task(config.task):
-        from spyre_runtime.entrypoints.pooling_server import serve as serve_pooling
-
-        api_key = getattr(args, "api_key", None) or os.environ.get("SPYRE_API_KEY")
-        check_precompiled(config)
-        return serve_pooling(config, api_key=api_key)
     check_precompiled(config)
-    config = check_memory(config)  # after the one-line checks, before anything loads or compiles
+    if not is_pooling_task(config.task):
+        config = check_memory(config)  # after the one-line checks, before anything loads or compiles
     return serve(config, api_key=args.api_key or os.environ.get("SPYRE_API_KEY") or None)
 
 

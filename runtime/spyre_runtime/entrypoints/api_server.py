@@ -1,0 +1,70 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn), one for every task: the model's task picks the
+engine that boots (GenerateState or PoolingState) and the routers that mount; the lifespan, the API-key
+guard, the error bodies, /health, /metrics, /v1/models and the SIGTERM drain are the same for all.
+
+    generate:          serving_completion (/v1/completions, /v1/chat/completions)
+                       serving_tokenization (/tokenize, /detokenize)
+    embed/score/rerank: serving_pooling (/v1/embeddings, /score, /rerank)
+    every task:        serving_admin (/health, /metrics, /version, /v1/models)
+
+The engine runs on its own thread; model loading and warm-up run in the background so /health can answer
+503 until they are done."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from spyre_contract.tasks import is_pooling_task
+
+from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.entrypoints import serving_admin, serving_completion, serving_pooling, serving_tokenization
+from spyre_runtime.entrypoints.errors import install_error_handlers
+from spyre_runtime.entrypoints.generate_state import GenerateState
+from spyre_runtime.entrypoints.guard import Guard
+from spyre_runtime.entrypoints.launcher import serve_http
+from spyre_runtime.entrypoints.pooling_state import PoolingState
+from spyre_runtime.entrypoints.protocol import UNSUPPORTED
+from spyre_runtime.entrypoints.state import ServingState
+
+
+def build_state(config: RuntimeConfig, api_key: str | None = None) -> ServingState:
+    """The state of the engine the model's task needs (a pooling model's is checked here, before the port
+    is bound: a ConfigError is one line and exit 2)."""
+    if is_pooling_task(config.task):
+        return PoolingState(config, api_key=api_key)
+    return GenerateState(config, api_key=api_key)
+
+
+def build_app(state: ServingState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        threading.Thread(target=state.boot, name="boot", daemon=True).start()
+        yield
+        state.stop_engine()
+
+    pooling = isinstance(state, PoolingState)
+    app = FastAPI(
+        title="spyre-serve pooling runtime" if pooling else "spyre-serve runtime", lifespan=lifespan
+    )
+    app.state.serving = state
+    app.add_middleware(Guard, api_key=lambda: state.api_key)
+    app.include_router(serving_admin.router)
+    if pooling:
+        app.include_router(serving_pooling.router)
+        install_error_handlers(app, unsupported={})
+    else:
+        app.include_router(serving_completion.router)
+        app.include_router(serving_tokenization.router)
+        install_error_handlers(app, unsupported=UNSUPPORTED)
+    return app
+
+
+def serve(config: RuntimeConfig, api_key: str | None = None) -> int:
+    """Serves the model until SIGTERM (drained: exit 0) or a failure (exit 1)."""
+    state = build_state(config, api_key)
+    serve_http(build_app(state), state)
+    return state.exit_code()

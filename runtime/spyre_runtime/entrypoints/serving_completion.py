@@ -1,0 +1,121 @@
+"""The completion routes of decoder models: OpenAI's `/v1/completions` and `/v1/chat/completions`.
+
+A request is checked (validator.Validator), turned into token ids (prompts), submitted to the engine as
+one sequence per prompt and choice (GenerateState.submit), then answered whole (formatting.build_response)
+or streamed (formatting.stream_events). A client that hangs up (streaming or not) has its requests aborted
+at once: their slots are free by the next engine step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response, StreamingResponse
+
+from spyre_runtime.engine.llm_engine import RequestOutput
+from spyre_runtime.entrypoints.errors import APIError, bad_request
+from spyre_runtime.entrypoints.formatting import Reply, build_response, stream_events
+from spyre_runtime.entrypoints.generate_state import GenerateState
+from spyre_runtime.entrypoints.prompts import render_chat, tokenize
+from spyre_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
+from spyre_runtime.entrypoints.submission import Submission
+from spyre_runtime.entrypoints.validator import Choice
+
+router = APIRouter()
+
+
+def generate_state(request: Request) -> GenerateState:
+    return request.app.state.serving
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    state = generate_state(request)
+    v = state.ready_validator()
+    v.model(body.model)
+    prompts = v.prompt_shape(body)
+    v.num_sequences(len(prompts), body)
+    add_special = body.add_special_tokens is not False
+    tokenizer = state.engine.tokenizer
+    ids = [tokenize(tokenizer, p, add_special) if isinstance(p, str) else list(p) for p in prompts]
+    if body.echo and body.stream:
+        raise bad_request("echo", "echo is not supported with stream")
+    choices: list[Choice] = []
+    for i, prompt_ids in enumerate(ids):
+        if not prompt_ids:
+            raise bad_request("prompt", "the prompt is empty")
+        v.token_ids(prompt_ids, "prompt")
+        params = v.sampling(body, len(prompt_ids), chat=False)
+        for c in v.choices(body, params, i):
+            choices.append(Choice(len(choices), i, c.params))
+    return await respond(state, request, body, ids, choices, chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request):
+    state = generate_state(request)
+    v = state.ready_validator()
+    v.model(body.model)
+    v.num_sequences(1, body)
+    tokenizer = state.engine.tokenizer
+    ids = tokenize(tokenizer, render_chat(tokenizer, v, body), bool(body.add_special_tokens), "messages")
+    if not ids:
+        raise bad_request("messages", "the rendered prompt is empty")
+    params = v.sampling(body, len(ids), chat=True)
+    return await respond(state, request, body, [ids], v.choices(body, params, 0), chat=True)
+
+
+async def respond(
+    state: GenerateState,
+    request: Request,
+    body: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    choices: list[Choice],
+    chat: bool,
+):
+    """Submits the request's sequences and answers: a stream of events, or the whole body at the end."""
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+    sub = state.submit(rid, choices, prompts)
+    reply = Reply(sub, body, int(time.time()), state.config.served_model_name, chat, state.token_text)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(stream_events(reply, include_usage), media_type="text/event-stream")
+    try:
+        finals = await collect(request, sub)
+    finally:
+        sub.close()
+    if finals is None:  # the client went away: nobody reads an answer
+        return Response(status_code=499)
+    failed = next((o for o in finals.values() if o.finish_reason == "error"), None)
+    if failed is not None:
+        raise APIError(500, f"the request failed: {failed.error}", code="request_failed")
+    return build_response(reply, finals)
+
+
+async def collect(request: Request, sub: Submission) -> dict[str, RequestOutput] | None:
+    """Waits for every sequence's final output, or returns None when the client hangs up first."""
+    finals: dict[str, RequestOutput] = {}
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        while sub.pending:
+            get = asyncio.ensure_future(sub.next())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                return None
+            out = get.result()
+            if out.finished:
+                finals[out.request_id] = out
+        return finals
+    finally:
+        gone.cancel()
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body was read already, so the next message is the end)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,44 @@
+"""The tokenizer routes of decoder models (vLLM's): `/tokenize` (a prompt, or chat messages through the
+chat template) and `/detokenize`."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from spyre_runtime.entrypoints.errors import bad_request
+from spyre_runtime.entrypoints.generate_state import GenerateState
+from spyre_runtime.entrypoints.prompts import render_chat, tokenize
+from spyre_runtime.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
+
+router = APIRouter()
+
+
+def generate_state(request: Request) -> GenerateState:
+    return request.app.state.serving
+
+
+@router.post("/tokenize")
+async def tokenize_endpoint(body: TokenizeRequest, request: Request):
+    state = generate_state(request)
+    v = state.ready_validator()
+    v.model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise bad_request("prompt", "give exactly one of prompt and messages")
+    tokenizer = state.engine.tokenizer
+    if body.prompt is not None:
+        ids = tokenize(tokenizer, body.prompt, body.add_special_tokens is not False)
+    else:
+        ids = tokenize(tokenizer, render_chat(tokenizer, v, body), bool(body.add_special_tokens), "messages")
+    result = {"count": len(ids), "max_model_len": state.config.max_model_len, "tokens": ids}
+    if body.return_token_strs:
+        result["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return result
+
+
+@router.post("/detokenize")
+async def detokenize_endpoint(body: DetokenizeRequest, request: Request):
+    state = generate_state(request)
+    v = state.ready_validator()
+    v.model(body.model)
+    v.token_ids(body.tokens, "tokens")
+    return {"prompt": state.engine.tokenizer.decode(body.tokens)}

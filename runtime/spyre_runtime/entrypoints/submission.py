@@ -1,0 +1,56 @@
+"""One HTTP request's sequences in the decoder engine: submitted together, their outputs read from one
+queue, and aborted together when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+
+from spyre_runtime.engine.llm_engine import EngineThread, RequestOutput
+from spyre_runtime.entrypoints.errors import APIError
+from spyre_runtime.entrypoints.state import EngineDied
+from spyre_runtime.entrypoints.validator import Choice
+
+
+class Submission:
+    """The engine requests of one HTTP request (prompts x choices), sharing one queue of outputs.
+    `streams` maps every engine request id in flight to its queue (the state's: the engine thread's outputs
+    are put there on the event loop)."""
+
+    def __init__(
+        self,
+        streams: dict[str, asyncio.Queue],
+        worker: EngineThread,
+        rid: str,
+        choices: list[Choice],
+        prompts: list[list[int]],
+    ) -> None:
+        self.streams = streams
+        self.worker = worker
+        self.rid = rid
+        self.choices = choices
+        self.prompts = prompts
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.engine_ids = [f"{rid}-{c.index}" for c in choices]
+        self.choice_of = dict(zip(self.engine_ids, choices, strict=True))
+        self.pending = set(self.engine_ids)
+
+    def submit(self) -> None:
+        for eid, choice in zip(self.engine_ids, self.choices, strict=True):
+            self.streams[eid] = self.queue
+            self.worker.submit(self.prompts[choice.prompt_index], choice.params, eid)
+
+    def close(self) -> None:
+        """Aborts what is still running (the client went away) and forgets the queue."""
+        for eid in self.engine_ids:
+            self.streams.pop(eid, None)
+        for eid in self.pending:
+            self.worker.abort(eid)
+        self.pending.clear()
+
+    async def next(self) -> RequestOutput:
+        item = await self.queue.get()
+        if isinstance(item, EngineDied):
+            raise APIError(500, item.message, code="engine_dead")
+        if item.finished:
+            self.pending.discard(item.request_id)
+        return item
