@@ -46,75 +46,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def engine_flags(p: argparse.ArgumentParser) -> None:
-        p.add_argument("model_dir", help="HF model folder (config.json, safetensors, tokenizer)")
-        p.add_argument("--served-model-name", default=None)
-        p.add_argument("--max-model-len", type=_positive_int, default=None)
-        p.add_argument("--max-num-seqs", type=_positive_int, default=None)
-        p.add_argument("--tensor-parallel-size", type=_positive_int, default=None)
-        p.add_argument(
-            "--max-num-batched-tokens",
-            type=_positive_int,
-            default=None,
-            help="continuous batching: prefill chunk size, a multiple of 64 (default 256)",
-        )
-        p.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=None,
-            help="continuous batching: reuse KV blocks of shared prompt prefixes (default on)",
-        )
-        p.add_argument(
-            "--num-kv-blocks",
-            type=_positive_int,
-            default=None,
-            help="continuous batching: KV cache blocks of 64 tokens (default: max-num-seqs full sequences)",
-        )
-        p.add_argument(
-            "--task",
-            default=None,
-            choices=["auto", "generate", "embed", "score", "rerank"],
-            help="what the model serves (default auto: from the model folder); embed, score and rerank "
-            "serve a pooling model (/v1/embeddings, /score, /rerank)",
-        )
-        p.add_argument(
-            "--memory-utilization",
-            type=_fraction,
-            default=None,
-            help="continuous batching without --num-kv-blocks: size the KV cache to fill this share of the "
-            "card's (or host's) memory after the weights and activations, e.g. 0.9",
-        )
-        p.add_argument(
-            "--skip-warmup",
-            action="store_true",
-            help="development only: compile each shape on first use instead of at start-up",
-        )
-        p.add_argument(
-            "--dtype",
-            default=None,
-            help="auto (default: the checkpoint's dtype on CPU backends, float16 for sendnn), float32, "
-            "bfloat16 or float16; env SENDNN_INFERENCE_DTYPE",
-        )
-
     serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
-    engine_flags(serve)
-    serve.add_argument("--host", default=None)
-    serve.add_argument("--port", type=_positive_int, default=None)
-    serve.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
-        "(default: $SPYRE_API_KEY, else no key)",
-    )
+    _engine_flags(serve)
+    _serve_flags(serve)
 
     comp = sub.add_parser(
         "compile",
         help="warm every shape into the graph cache (TORCH_SENDNN_CACHE_DIR) and exit: a Job's work",
     )
-    engine_flags(comp)
+    _engine_flags(comp)
 
     gen = sub.add_parser("generate", help="offline batch inference: JSONL prompts in, JSONL results out")
-    engine_flags(gen)
+    _engine_flags(gen)
     gen.add_argument(
         "--prompts", required=True, help='JSONL file; each line {"prompt": ..., "max_tokens": ...}'
     )
@@ -131,6 +74,70 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tiny.add_argument("--seed", type=int, default=0)
     return parser
+
+
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    """The model and the engine's settings: serve, compile and generate take them all."""
+    p.add_argument("model_dir", help="HF model folder (config.json, safetensors, tokenizer)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=None)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=_positive_int,
+        default=None,
+        help="continuous batching: prefill chunk size, a multiple of 64 (default 256)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="continuous batching: reuse KV blocks of shared prompt prefixes (default on)",
+    )
+    p.add_argument(
+        "--num-kv-blocks",
+        type=_positive_int,
+        default=None,
+        help="continuous batching: KV cache blocks of 64 tokens (default: max-num-seqs full sequences)",
+    )
+    p.add_argument(
+        "--task",
+        default=None,
+        choices=["auto", "generate", "embed", "score", "rerank"],
+        help="what the model serves (default auto: from the model folder); embed, score and rerank "
+        "serve a pooling model (/v1/embeddings, /score, /rerank)",
+    )
+    p.add_argument(
+        "--memory-utilization",
+        type=_fraction,
+        default=None,
+        help="continuous batching without --num-kv-blocks: size the KV cache to fill this share of the "
+        "card's (or host's) memory after the weights and activations, e.g. 0.9",
+    )
+    p.add_argument(
+        "--skip-warmup",
+        action="store_true",
+        help="development only: compile each shape on first use instead of at start-up",
+    )
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="auto (default: the checkpoint's dtype on CPU backends, float16 for sendnn), float32, "
+        "bfloat16 or float16; env SENDNN_INFERENCE_DTYPE",
+    )
+
+
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    """Where the server listens and who may call it."""
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=_positive_int, default=None)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+        "(default: $SPYRE_API_KEY, else no key)",
+    )
 
 
 def _config(args):
