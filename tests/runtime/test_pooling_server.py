@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import re
+import signal
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -301,3 +303,68 @@ def test_truncation_lets_long_pairs_through(rerank_server):
     )
     assert result.status_code == 200 and len(result.json()["results"]) == 2
     assert result.json()["usage"]["total_tokens"] == 128
+
+
+# ---- the server's life: SIGTERM drains, as a decoder's ----------------------------------------------
+
+
+def test_sigterm_drains_in_flight_pooling_requests_then_exits_0(minilm, tmp_path):
+    """Requests in flight when SIGTERM lands are answered (200, every embedding); a request arriving during
+    the drain gets the decoder's 503 and /health says draining; then the process exits 0."""
+    env = {
+        **SHAPES_ENV,
+        "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "256",
+        "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "1",
+    }
+    srv = ServerProcess(minilm, env, tmp_path / "s.log", served_name="minilm")
+    num_requests, num_inputs = 3, 40  # one input a step: 120 steps of ~50 ms, seconds in flight
+    long_text = "kubernetes operators reconcile resources " * 80
+    body = {"input": [long_text] * num_inputs, "truncate_prompt_tokens": -1, "encoding_format": "float"}
+    answers: dict[int, tuple[httpx.Response, float]] = {}
+
+    def embed(i: int) -> None:
+        response = httpx.post(srv.base + "/v1/embeddings", json=body, timeout=120)
+        answers[i] = (response, time.monotonic())
+
+    try:
+        srv.wait_ready()
+        threads = [threading.Thread(target=embed, args=(i,)) for i in range(num_requests)]
+        for t in threads:
+            t.start()
+        wait_until_submitted(srv, num_requests * num_inputs)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        late = post(srv, "/v1/embeddings", {"input": "late"})
+        refused_at = time.monotonic()
+        health = httpx.get(srv.base + "/health", timeout=10)
+        for t in threads:
+            t.join(timeout=120)
+        assert_error(late, 503, None, "the server is not ready (warming up or shutting down)")
+        assert late.json()["error"]["type"] == "service_unavailable"
+        assert (health.status_code, health.json()) == (503, {"status": "draining"})
+        assert sorted(answers) == list(range(num_requests))
+        for response, finished_at in answers.values():
+            assert response.status_code == 200, response.text
+            assert len(response.json()["data"]) == num_inputs
+            assert response.json()["usage"]["prompt_tokens"] == num_inputs * 256
+            assert finished_at > refused_at  # still in flight when the late request was refused
+        assert srv.proc.wait(timeout=60) == 0
+        assert "SIGTERM: draining" in srv.log()
+    finally:
+        srv.stop()
+
+
+def wait_until_submitted(srv: ServerProcess, num_items: int, timeout: float = 60) -> None:
+    """Until every input has reached the engine: those waiting plus the steps run (one input each) count
+    them all (but the one running)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = httpx.get(srv.base + "/metrics", timeout=10).text
+        waiting = re.search(r"^spyre_queue_length ([0-9.e+]+)$", text, re.M)
+        steps = re.search(r'^spyre_engine_step_seconds_count\{kind="pool"\} ([0-9.e+]+)$', text, re.M)
+        done = float(steps.group(1)) if steps else 0.0
+        if waiting and float(waiting.group(1)) + done >= num_items - 1:
+            assert float(waiting.group(1)) > 0, "the requests finished before the SIGTERM"
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the requests did not reach the engine in {timeout} s:\n{srv.log()}")
