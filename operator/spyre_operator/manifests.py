@@ -39,6 +39,11 @@ def owner_reference(model: dict) -> dict:
     }
 
 
+def is_owned_by(obj: dict, model: dict) -> bool:
+    uid = model["metadata"]["uid"]
+    return any(r.get("uid") == uid for r in obj["metadata"].get("ownerReferences") or [])
+
+
 def selector_labels(name: str) -> dict[str, str]:
     return {MODEL_LABEL: name}
 

@@ -455,9 +455,7 @@ def test_warming_pods_progress_reaches_the_progressing_message():
     import json as _json
     import threading as _threading
 
-    from kubernetes import client as k8s
-    from spyre_operator.handlers import Reconciler
-    from spyre_operator.settings import OperatorSettings
+    from spyre_operator.report import warmup_progress
 
     class Warming(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -473,12 +471,11 @@ def test_warming_pods_progress_reaches_the_progressing_message():
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Warming)
     _threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        reconciler = Reconciler(OperatorSettings(runtime_port=server.server_address[1]), k8s.ApiClient())
         warm = pod("w", ready=False)
         warm["status"]["podIP"] = "127.0.0.1"
         pods = [pod("a"), warm]
         observed = [observe_pod(p, "ibm.com/spyre_pf", HASH_LABEL, now=NOW) for p in pods]
-        progress = reconciler._warmup_progress(pods, observed)
+        progress = warmup_progress(pods, observed, server.server_address[1])
     finally:
         server.shutdown()
     assert progress == {"w": (7, 12)}

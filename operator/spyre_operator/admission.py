@@ -1,0 +1,61 @@
+"""Whether a SpyreModel can be served as written, before anything is made for it: its spec (parse_spec), the
+runtime's own rules on it (check_fit), then the API server's admission and validation of every object the
+spec makes, asked in a dry run once per generation and template. A refusal is an InvalidSpec."""
+
+from __future__ import annotations
+
+from kubernetes.client.rest import ApiException
+
+from spyre_operator import manifests
+from spyre_operator.kube import Kube, api_message, is_quota
+from spyre_operator.model_spec import ModelSpec
+from spyre_operator.runtime_contract import check_fit
+from spyre_operator.settings import HASH_LABEL, OperatorSettings
+from spyre_operator.spec import InvalidSpec, parse_spec
+from spyre_operator.watch import Key
+
+
+class Admission:
+    def __init__(self, settings: OperatorSettings, kube: Kube) -> None:
+        self.settings = settings
+        self.kube = kube
+        self._validated: dict[Key, tuple] = {}  # key -> ((uid, generation, template hash), refusal or "")
+
+    def admit(self, key: Key, model: dict) -> ModelSpec:
+        """The model's spec, validated; raises InvalidSpec naming the first rule it breaks."""
+        spec = parse_spec(key[1], model.get("spec") or {})
+        check_fit(spec, self.settings)
+        self._dry_run(key, model, spec)
+        return spec
+
+    def forget(self, key: Key) -> None:
+        self._validated.pop(key, None)
+
+    def _dry_run(self, key: Key, model: dict, spec: ModelSpec) -> None:
+        """Asks the API server (dryRun=All: admission and validation, nothing stored) whether it would
+        accept every object of this spec; a refusal is an InvalidSpec. Done once per generation."""
+        meta = model["metadata"]
+        pod = manifests.build_pod(model, spec, self.settings)
+        # a fixed name, so the API server's message (and the condition) is the same at every pass
+        pod["metadata"]["name"] = pod["metadata"].pop("generateName").rstrip("-")
+        stamp = (meta["uid"], meta.get("generation"), pod["metadata"]["labels"][HASH_LABEL])
+        seen = self._validated.get(key)
+        if seen is not None and seen[0] == stamp:
+            if seen[1]:
+                raise InvalidSpec("", seen[1])
+            return
+        # the Service and the claim are built from fields checked above; their creation reports the rest
+        attempts = [("Pod", pod)]
+        if spec.cache.precompile:
+            key_of_cache = manifests.cache_key(spec, self.settings)
+            attempts.append(("Job", manifests.build_compile_job(model, spec, self.settings, key_of_cache)))
+        for kind, body in attempts:
+            try:
+                self.kube.create(body, dry_run=True)
+            except ApiException as e:
+                if e.status in (408, 409, 429) or is_quota(e) or (e.status or 500) >= 500:
+                    continue  # exists already, quota (a rollout matter), or the server's trouble
+                refusal = f"the API server refuses the {kind}: {api_message(e)}"
+                self._validated[key] = (stamp, refusal)
+                raise InvalidSpec("", refusal) from None
+        self._validated[key] = (stamp, "")

@@ -1,0 +1,134 @@
+"""The one idempotent reconcile the work queue runs per model key, read as a table of contents: observe (the
+watch's cached view of the model and its pods), admit the spec, then one step per owned kind (Service,
+graph-cache claim, compile Job, pods: each decides from what it observed and acts through `kube.Kube`),
+then the status and its Events, written once. Whatever fails while acting ends in the model's status (a
+condition naming the object and the API server's message) and one Event per distinct error, and the key is
+retried with back-off; nothing raises into kopf."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from spyre_operator import manifests
+from spyre_operator.admission import Admission
+from spyre_operator.claim import ClaimStep
+from spyre_operator.compile_job import CompileJobStep
+from spyre_operator.events import EventRecorder
+from spyre_operator.kube import Kube, api_message, problem_of
+from spyre_operator.metrics import OperatorMetrics
+from spyre_operator.model_spec import ModelSpec
+from spyre_operator.pods import PodStep
+from spyre_operator.report import Conflict, Reporter
+from spyre_operator.service import ServiceStep
+from spyre_operator.settings import OperatorSettings
+from spyre_operator.spec import InvalidSpec
+from spyre_operator.status import Problem
+from spyre_operator.watch import Key, WatchCache
+from spyre_operator.work import Pass
+from spyre_operator.workqueue import Result
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler:
+    def __init__(
+        self,
+        settings: OperatorSettings,
+        api_client: client.ApiClient,
+        metrics: OperatorMetrics | None = None,
+        cache: WatchCache | None = None,
+    ) -> None:
+        self.settings = settings
+        self.cache = cache or WatchCache()
+        self.metrics = metrics or OperatorMetrics()
+        self.kube = Kube(api_client, settings.api_timeout_seconds)
+        events = EventRecorder(self.kube.core, settings.api_timeout_seconds)
+        self.admission = Admission(settings, self.kube)
+        self.service = ServiceStep(settings, self.kube, events)
+        self.claim = ClaimStep(settings, self.kube, events)
+        self.compile_job = CompileJobStep(settings, self.kube, events)
+        self.pods = PodStep(settings, self.kube, events)
+        self.report = Reporter(settings, self.kube, events, self.metrics)
+
+    def reconcile(self, key: Key) -> Result:
+        started = time.monotonic()
+        result = self._guarded(key)
+        self.metrics.reconcile_seconds.observe(time.monotonic() - started)
+        outcome = "error" if result.failed else "requeue" if result.after is not None else "success"
+        self.metrics.reconciles.labels(outcome).inc()
+        return result
+
+    def _reconcile(self, key: Key, model: dict) -> Result:
+        """Admit the spec; the Service and the claim; the compile Job; the pods; the status and Events."""
+        try:
+            spec = self.admission.admit(key, model)
+        except InvalidSpec as e:
+            self.report.invalid(model, e, self.cache.pods(key))
+            return Result()
+        work = Pass()
+        has_claim = self._ensure_service_and_claim(key, model, spec, work)
+        cache = None
+        if spec.cache.precompile and not spec.suspend and has_claim:
+            cache = self.compile_job.ensure(model, spec, work)
+        thash = manifests.template_hash(manifests.pod_template(key[1], spec, self.settings))
+        pods = self.cache.pods(key)
+        if has_claim:
+            pods, acted = self.pods.ensure(key, model, spec, thash, pods, cache, work)
+            if acted and not work.problems:
+                # the watch reports the pods just made or removed, and that pass writes the status
+                return Result(after=work.after)
+        else:
+            work.waiting = "the pods wait for their graph-cache claim"
+        self.report.progress(model, spec, thash, pods, cache, work)
+        return Result(failed=True) if work.problems else Result(after=work.after)
+
+    def _ensure_service_and_claim(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> bool:
+        """Checked once per generation and again when their watch reports a change. Pods do not depend on
+        their Service (they are made even when it fails), only on their claim: True when it is there."""
+        stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
+        if self.cache.owned_stamp(key) == stamp:
+            return True
+        has_service = self.service.ensure(model, work)
+        has_claim = self.claim.ensure(model, spec, work)
+        if has_service and has_claim and not work.problems:
+            self.cache.set_owned_stamp(key, stamp)
+        return has_claim
+
+    def _guarded(self, key: Key) -> Result:
+        """The model (from the watch, else asked once), reconciled unless it is being deleted; a failure
+        that escapes the steps still reaches its status."""
+        namespace, name = key
+        model = self.cache.model(key)
+        if model is None:  # not seen by the watch (yet): ask once
+            try:
+                model = self.kube.get_model(namespace, name)
+            except ApiException as e:
+                if e.status == 404:
+                    self.forget(key)
+                    return Result()
+                log.warning("reading SpyreModel %s/%s: %s", namespace, name, api_message(e))
+                return Result(failed=True)
+        if model["metadata"].get("deletionTimestamp"):
+            return Result()
+        try:
+            return self._reconcile(key, model)
+        except Conflict:
+            return Result(after=0.5)
+        except Exception as e:  # a bug or an unexpected failure: it still reaches the status
+            log.exception("reconcile of %s/%s failed", namespace, name)
+            problem = problem_of("Reconcile", e) if isinstance(e, ApiException) else None
+            problem = problem or Problem("ReconcileError", f"{type(e).__name__}: {e}", is_stalled=False)
+            try:
+                self.report.failure(model, problem)
+            except Exception:
+                log.exception("could not report the failure of %s/%s", namespace, name)
+            return Result(failed=True)
+
+    def forget(self, key: Key) -> None:
+        self.metrics.forget(key)
+        self.admission.forget(key)
+        self.pods.forget(key)
