@@ -1,7 +1,7 @@
 """How the decoder's step is compiled: the torch.compile backend, regional compilation of groups of decoder
 blocks (inductor) with their parameter guards filtered, inductor's settings while a graph is traced, and the
-dynamic token range of the mixed step's one graph. Nothing here runs per step once warm: the executor calls
-the compiled step directly (model_executor.py), these wrap only the calls that may compile (warm-up)."""
+dynamic token range of the mixed step's one graph. Of this module only the compiled block groups run per
+step once warm (BlockCompiler._call); the executor calls its step directly (model_executor.py)."""
 
 from __future__ import annotations
 
@@ -195,20 +195,3 @@ def mark_dynamic_chunk(
         torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
     if blocks is not None:  # the hidden states the blocks get: [1, chunk + rows, D]
         blocks.dynamic_tokens = (low + rows, high + rows)
-
-
-@contextlib.contextmanager
-def compiling(config: RuntimeConfig, blocks: BlockCompiler | None, packed: bool, args: tuple):
-    """Around a step that may compile (before warm-up ends): a mixed step's dynamic token dimension is
-    marked, and inductor compiles with compile_settings."""
-    if config.dynamic_chunks and len(args) == 12:  # a mixed step
-        mark_dynamic_chunk(config, blocks, *args)
-    try:
-        # freezing would make one group's weights constants of the graph every group shares;
-        # where the weights are not packed (bf16 on an AVX2 CPU, fp16) oneDNN cannot pack them either
-        freeze = not packed and blocks is None
-        with compile_settings(config.backend, config.cache_enabled, freeze, cache_tag(config)):
-            yield
-    finally:
-        if blocks is not None:
-            blocks.dynamic_tokens = None

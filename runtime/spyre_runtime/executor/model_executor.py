@@ -17,7 +17,14 @@ import torch
 
 from spyre_runtime.config import RuntimeConfig, Shape
 from spyre_runtime.executor import kv_cache, linear
-from spyre_runtime.executor.compiler import BlockCompiler, compile_step, compiler_for, compiling
+from spyre_runtime.executor.compiler import (
+    BlockCompiler,
+    cache_tag,
+    compile_settings,
+    compile_step,
+    compiler_for,
+    mark_dynamic_chunk,
+)
 from spyre_runtime.executor.kv_cache import KVCachePool, blocks_for
 from spyre_runtime.executor.loader import configure_threads as configure_threads  # re-exported
 from spyre_runtime.executor.loader import load_model, model_dims, pack_weights, prime_rotary
@@ -130,8 +137,20 @@ class ModelExecutor:
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._step_fn(*args)
-            with compiling(self.config, self.blocks, self.packed, args):
-                return self._step_fn(*args)
+            # eager, or compiling (warm-up): a mixed step's token dimension may be dynamic (compiler.py)
+            if self.config.dynamic_chunks and len(args) == 12:
+                mark_dynamic_chunk(self.config, self.blocks, *args)
+            try:
+                # freezing would make one group's weights constants of the graph every group shares;
+                # where the weights are not packed (bf16 on an AVX2 CPU, fp16) oneDNN cannot pack them either
+                freeze = not self.packed and self.blocks is None
+                with compile_settings(
+                    self.config.backend, self.config.cache_enabled, freeze, cache_tag(self.config)
+                ):
+                    return self._step_fn(*args)
+            finally:
+                if self.blocks is not None:
+                    self.blocks.dynamic_tokens = None
 
     # ---- steps -----------------------------------------------------------------------------------
 
