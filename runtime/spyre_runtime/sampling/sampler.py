@@ -1,6 +1,7 @@
 """The batched sampler: one call per engine step samples every row at once. Each processor is a tensor op
 over the rows that asked for it; no per-row loop touches the vocabulary (a seeded row draws its one uniform
-from its own generator, as vLLM keeps a generator per seeded request), and no full-vocabulary sort runs at all.
+from its own generator, as vLLM keeps a generator per seeded request), and no full-vocabulary sort
+runs at all.
 
     logits [B, V] raw ─► logprobs (of the raw logits: vLLM's default "raw_logprobs")  rows that ask
                       ─► logit_bias, min_tokens (EOS/stop ids banned), grammar mask, penalties
