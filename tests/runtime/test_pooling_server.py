@@ -317,7 +317,7 @@ def test_sigterm_drains_in_flight_pooling_requests_then_exits_0(minilm, tmp_path
         "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "1",
     }
     srv = ServerProcess(minilm, env, tmp_path / "s.log", served_name="minilm")
-    num_requests, num_inputs = 3, 40  # one input a step: 120 steps of ~50 ms, seconds in flight
+    num_requests, num_inputs = 3, 20  # one input a step: 60 steps of ~50 ms, seconds in flight
     long_text = "kubernetes operators reconcile resources " * 80
     body = {"input": [long_text] * num_inputs, "truncate_prompt_tokens": -1, "encoding_format": "float"}
     answers: dict[int, tuple[httpx.Response, float]] = {}
