@@ -70,9 +70,9 @@ __all__ = [
 class RuntimeConfig:
     model_dir: Path
     served_model_name: str
-    task: str = "generate"  # generate | embed | score | rerank (pooling tasks: pooling_server.py)
+    task: str = "generate"  # generate | embed | score | rerank (pooling: entrypoints/pooling_state.py)
     backend: str = "sendnn"
-    dtype: str = "auto"  # auto: the checkpoint's dtype on CPU backends, float16 for sendnn (executor.py)
+    dtype: str = "auto"  # auto: the checkpoint's dtype on CPU backends, float16 for sendnn (loader.py)
     memory_utilization: float = (
         0.0  # continuous batching: size the KV cache from this share of memory (0: off)
     )
