@@ -1,18 +1,33 @@
-"""Whether a SpyreModel can be served as written, before anything is made for it: its spec (parse_spec), the
-runtime's own rules on it (check_fit), then the API server's admission and validation of every object the
-spec makes, asked in a dry run once per generation and template. A refusal is an InvalidSpec."""
+"""Whether a SpyreModel can be served as written, before anything is made for it: its spec (parse_spec), where
+its cards come from (check_placement), the runtime's own rules on it (check_fit), whether the cluster serves
+DRA when the spec asks for it, then the API server's admission and validation of every object the spec makes,
+asked in a dry run once per generation and template. A refusal is an InvalidSpec."""
 
 from __future__ import annotations
+
+import time
 
 from kubernetes.client.rest import ApiException
 
 from spyre_operator import manifests
 from spyre_operator.kube import Kube, api_message, is_quota
 from spyre_operator.model_spec import ModelSpec
+from spyre_operator.placement import DRAUnavailable, check_placement
 from spyre_operator.runtime_contract import check_fit
 from spyre_operator.settings import HASH_LABEL, OperatorSettings
 from spyre_operator.spec import InvalidSpec, parse_spec
 from spyre_operator.watch import Key
+
+DISCOVERY_SECONDS = 60.0  # how long an answer of the API server's discovery is trusted
+
+
+def check_spec(name: str, raw: dict, settings: OperatorSettings) -> ModelSpec:
+    """Everything the operator can tell from the spec and its own settings alone; raises InvalidSpec naming
+    the first rule the spec breaks."""
+    spec = parse_spec(name, raw)
+    check_placement(spec, settings)
+    check_fit(spec, settings)
+    return spec
 
 
 class Admission:
@@ -20,13 +35,21 @@ class Admission:
         self.settings = settings
         self.kube = kube
         self._validated: dict[Key, tuple] = {}  # key -> ((uid, generation, template hash), refusal or "")
+        self._serves_dra: tuple[float, bool] | None = None  # (when asked, the answer)
 
     def admit(self, key: Key, model: dict) -> ModelSpec:
         """The model's spec, validated; raises InvalidSpec naming the first rule it breaks."""
-        spec = parse_spec(key[1], model.get("spec") or {})
-        check_fit(spec, self.settings)
+        spec = check_spec(key[1], model.get("spec") or {}, self.settings)
+        if spec.devices is not None and not self._cluster_serves_dra():
+            raise DRAUnavailable()
         self._dry_run(key, model, spec)
         return spec
+
+    def _cluster_serves_dra(self) -> bool:
+        """Asked once a minute at most (a cluster upgrade turns it on)."""
+        if self._serves_dra is None or time.monotonic() - self._serves_dra[0] > DISCOVERY_SECONDS:
+            self._serves_dra = (time.monotonic(), self.kube.serves_claim_templates())
+        return self._serves_dra[1]
 
     def forget(self, key: Key) -> None:
         self._validated.pop(key, None)

@@ -1,5 +1,6 @@
 """The operator's one door to the API server: create, read, list, patch and delete of the objects it owns
-(Pod, Service, PersistentVolumeClaim, Job), the nodes it may read, the SpyreModel and its status. Every call
+(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate), the nodes it may read, which APIs the
+cluster serves, the SpyreModel and its status. Every call
 carries the settings' timeout and answers plain dicts; a 404 on a read or a delete is an answer (None;
 nothing left to delete), not an error. And how a refused or failed call reaches the status: as a Problem
 with the API server's own message."""
@@ -20,6 +21,7 @@ _METHOD_NAMES = {
     "Service": "service",
     "PersistentVolumeClaim": "persistent_volume_claim",
     "Job": "job",
+    "ResourceClaimTemplate": "resource_claim_template",
 }
 
 
@@ -28,10 +30,11 @@ class Kube:
         self.core = client.CoreV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
+        self.resource = client.ResourceV1Api(api_client)
         self.timeout = timeout
 
     def _method(self, verb: str, kind: str):
-        api = self.batch if kind == "Job" else self.core
+        api = {"Job": self.batch, "ResourceClaimTemplate": self.resource}.get(kind, self.core)
         return getattr(api, f"{verb}_namespaced_{_METHOD_NAMES[kind]}")
 
     # ---- owned objects -----------------------------------------------------------------------------
@@ -91,6 +94,20 @@ class Kube:
         except ApiException as e:
             if e.status != 404:
                 raise
+
+    # ---- what the cluster serves --------------------------------------------------------------------
+
+    def serves_claim_templates(self) -> bool:
+        """Whether the API server serves ResourceClaimTemplates in resource.k8s.io/v1 (DRA, Kubernetes 1.34
+        and later): its discovery document; a 404 is a no."""
+        try:
+            resp = self.resource.get_api_resources(_preload_content=False, _request_timeout=self.timeout)
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        resources = json.loads(resp.data).get("resources") or []
+        return any(r.get("name") == "resourceclaimtemplates" for r in resources)
 
     # ---- nodes -------------------------------------------------------------------------------------
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from spyre_operator import placement
 from spyre_operator.model_spec import ModelSpec
 from spyre_operator.runtime_contract import CACHE_MOUNT, engine_args, runtime_args, runtime_env
 from spyre_operator.settings import (
@@ -21,7 +22,6 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.spec import InvalidSpec
 
 MODEL_MOUNT = "/models"
 PROBE_PERIOD = 10
@@ -73,19 +73,6 @@ def startup_failure_threshold(spec: ModelSpec, settings: OperatorSettings) -> in
     # graphs loaded from a precompiled cache take a fraction of compiling them
     per_shape = settings.startup_seconds_per_shape // (5 if spec.cache.precompile else 1)
     return max(6, (60 + num_shapes * per_shape) // PROBE_PERIOD)
-
-
-def card_resource_for(spec: ModelSpec, settings: OperatorSettings) -> str:
-    """The card resource a pod requests: with tiered device plugins, the smallest tier whose linked cards
-    hold `cards` (`<card_resource>_tier<i>`). Raises InvalidSpec when no tier can."""
-    if not settings.card_tiers:
-        return settings.card_resource
-    for i, size in enumerate(settings.card_tiers):
-        if spec.cards <= size:
-            return f"{settings.card_resource}_tier{i}"
-    raise InvalidSpec(
-        "cards", f"{spec.cards} cards fit no card tier of this cluster (tiers of {list(settings.card_tiers)})"
-    )
 
 
 def _storage(
@@ -140,9 +127,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
     port = settings.runtime_port
     probe = {"httpGet": {"path": "/health", "port": port}}
     resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
-    cards = card_resource_for(spec, settings)
-    resources.setdefault("requests", {})[cards] = str(spec.cards)
-    resources.setdefault("limits", {})[cards] = str(spec.cards)
+    claims = placement.request_cards(resources, name, spec, settings)
     mounts, volumes = _storage(name, spec, settings)
     container = {
         "name": "runtime",
@@ -173,6 +158,8 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         "enableServiceLinks": False,
         "securityContext": pod_security(settings),
     }
+    if claims:
+        pod_spec["resourceClaims"] = claims
     _placement(pod_spec, spec, settings)
     return pod_spec
 
@@ -272,6 +259,19 @@ def build_service(model: dict, settings: OperatorSettings) -> dict:
             ],
         },
     }
+
+
+def build_claim_template(model: dict, spec: ModelSpec) -> dict | None:
+    """The ResourceClaimTemplate of a model whose cards come by DRA (spec.devices); None otherwise."""
+    if spec.devices is None:
+        return None
+    name = model["metadata"]["name"]
+    meta = {
+        "namespace": model["metadata"]["namespace"],
+        "labels": {**selector_labels(name), **MANAGED_BY},
+        "ownerReferences": [owner_reference(model)],
+    }
+    return placement.claim_template(name, spec, meta)
 
 
 def build_cache_claim(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict | None:

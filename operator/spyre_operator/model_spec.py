@@ -1,5 +1,6 @@
 """ModelSpec: a SpyreModel spec once validated (`spec.parse_spec`), as the builders and the reconcile read it:
-frozen values with the defaults the CRD states (no validation here), and `quantity_bytes` for its sizes."""
+frozen values with the defaults the CRD states (no validation here), `quantity_bytes` for its sizes, and
+InvalidSpec, the error that names the field a spec breaks a rule with."""
 
 from __future__ import annotations
 
@@ -7,6 +8,16 @@ import re
 from dataclasses import dataclass, field
 
 SOURCE = re.compile(r"^(pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)/(?P<path>.*)|file://(?P<file>/.+))$")
+
+
+class InvalidSpec(ValueError):
+    reason = "InvalidSpec"  # the condition's reason
+
+    def __init__(self, field_path: str, rule: str) -> None:
+        where = field_path if field_path.startswith("metadata.") else f"spec.{field_path}".rstrip(".")
+        super().__init__(f"{where}: {rule}")
+        self.field_path = field_path
+        self.rule = rule
 
 
 @dataclass(frozen=True)
@@ -25,6 +36,15 @@ class GraphCache:
     existing_claim: str | None = None
     retention: str = "Retain"
     precompile: bool = False
+
+
+@dataclass(frozen=True)
+class Devices:
+    """Cards by Dynamic Resource Allocation (spec.devices): `cards` devices of the DeviceClass, all sharing
+    the value of `match_attribute` when there are several."""
+
+    device_class: str = "spyre-pf"
+    match_attribute: str = "spyre.ibm.com/numaInfo"
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,8 @@ class ModelSpec:
     buckets: tuple[tuple[str, tuple[int, int, int]], ...] = ()  # (env name, (min, step, max))
     cache: GraphCache = field(default_factory=GraphCache)
     image: str | None = None
+    card_resource: str | None = None  # spec.cardResource: overrides the operator's card resource
+    devices: Devices | None = None  # spec.devices: cards by DRA instead of an extended resource
     resources: dict = field(default_factory=dict)
     env: tuple = ()
     node_selector: dict = field(default_factory=dict)

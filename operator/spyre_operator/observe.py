@@ -4,6 +4,7 @@ PodHealth (its failures, for the conditions); each compile Job as a CacheState. 
 from __future__ import annotations
 
 import datetime
+import re
 from dataclasses import dataclass
 
 from spyre_operator.plan import PodView
@@ -19,19 +20,65 @@ STUCK_REASONS = (
 )
 
 
+# what the scheduler says of a pod that lacks cards: too few of the extended resource, or devices (DRA)
+DRA_SHORTAGE = "cannot allocate all claims"
+# ... and of a pod whose claim does not exist (yet) or is not bound
+MISSING_CLAIM = re.compile(
+    r'(persistentvolumeclaim|resourceclaim)s? "[^"]*" not found|unbound immediate PersistentVolumeClaims',
+    re.I,
+)
+
+
 @dataclass(frozen=True)
 class PodHealth:
-    """Failures read off one pod's status."""
+    """Failures and start-up read off one pod's status."""
 
     name: str
     failure_reason: str | None = None  # CrashLoop | ContainerFailed | PodFailed | one of STUCK_REASONS
     failure_message: str = ""
     unschedulable_message: str = ""
+    node: str = ""  # the node the pod is bound to ("": not scheduled)
+    is_started: bool = False  # a container ran (running, or terminated at least once)
+    bound_seconds: float = 0.0  # since it was bound to its node
+    waiting_reason: str = ""  # its first waiting container's reason (ContainerCreating, ...)
+
+    @property
+    def is_bound_not_started(self) -> bool:
+        return bool(self.node) and not self.is_started
+
+
+def lacks_cards(unschedulable_message: str, card_resource: str) -> bool:
+    return f"Insufficient {card_resource}" in unschedulable_message or DRA_SHORTAGE in unschedulable_message
+
+
+def waits_for_claim(unschedulable_message: str) -> bool:
+    return bool(MISSING_CLAIM.search(unschedulable_message))
 
 
 def _last_line(text: str | None) -> str:
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     return lines[-1][:300] if lines else ""
+
+
+def _start_facts(pod: dict, conditions: dict, now: datetime.datetime) -> dict:
+    """Where a pod stands before its containers run: bound to which node, for how long, started or not."""
+    status = pod.get("status") or {}
+    statuses = status.get("containerStatuses") or []
+    states = [cs.get("state") or {} for cs in statuses]
+    is_started = status.get("phase") in ("Running", "Succeeded", "Failed") or any(
+        "running" in s or "terminated" in s or (cs.get("lastState") or {}).get("terminated")
+        for s, cs in zip(states, statuses, strict=True)
+    )
+    bound_at = conditions.get("PodScheduled", {}).get("lastTransitionTime") or (
+        pod["metadata"].get("creationTimestamp") or ""
+    )
+    waiting = next((s["waiting"].get("reason", "") for s in states if "waiting" in s), "")
+    return {
+        "node": (pod.get("spec") or {}).get("nodeName") or "",
+        "is_started": is_started,
+        "bound_seconds": _age_seconds(bound_at, now),
+        "waiting_reason": waiting,
+    }
 
 
 def _age_seconds(created: str, now: datetime.datetime) -> float:
@@ -96,18 +143,22 @@ def observe_pod(
         template_hash=(meta.get("labels") or {}).get(hash_label, ""),
         is_ready=ready and not dead,
         is_terminating=bool(meta.get("deletionTimestamp")),
-        lacks_cards=f"Insufficient {card_resource}" in unschedulable,
+        lacks_cards=lacks_cards(unschedulable, card_resource),
         created=meta.get("creationTimestamp") or "",
         node=(pod.get("spec") or {}).get("nodeName") or "",
         dead_reason=dead,
     )
-    return view, PodHealth(meta["name"], failure, message, unschedulable)
+    return view, PodHealth(
+        meta["name"], failure, message, unschedulable, **_start_facts(pod, conditions, now)
+    )
 
 
-def observe_pods(pods: list[dict], settings: OperatorSettings) -> list[tuple[PodView, PodHealth]]:
-    """`observe_pod` of each pod, with the settings' card resource and grace period."""
+def observe_pods(
+    pods: list[dict], settings: OperatorSettings, card_resource: str
+) -> list[tuple[PodView, PodHealth]]:
+    """`observe_pod` of each pod, with the model's card resource and the settings' grace period."""
     return [
-        observe_pod(p, settings.card_resource, HASH_LABEL, stuck_grace_seconds=settings.stuck_grace_seconds)
+        observe_pod(p, card_resource, HASH_LABEL, stuck_grace_seconds=settings.stuck_grace_seconds)
         for p in pods
     ]
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from kubernetes.client.rest import ApiException
 
-from spyre_operator import manifests
+from spyre_operator import manifests, placement
 from spyre_operator.events import EventRecorder
 from spyre_operator.kube import Kube, is_quota, problem_of
 from spyre_operator.model_spec import ModelSpec
@@ -69,7 +69,7 @@ class PodStep:
         work: Pass,
     ) -> tuple[PodPlan, Callable[[], dict] | None]:
         """The pod plan for what `pods` shows, and how to build a new pod."""
-        observed = observe_pods(pods, self.settings)
+        observed = observe_pods(pods, self.settings, placement.card_resource_for(spec, self.settings))
         views = [v for v, _ in observed]
         hold = cache is not None and not cache.is_ready  # the new template waits for its cache
         if not hold and self.slots.must_wait(key, model, spec, thash, pods):
@@ -139,8 +139,11 @@ class PodStep:
     def _can_host(self, spec: ModelSpec, views: list[PodView], pods: list[dict]) -> frozenset[str] | None:
         """Old pods whose node could host a pod of the current template once they leave: the node
         matches the spec's nodeSelector and has the cards (its allocatable cards, less what other pods
-        there hold, plus the leaving pod's). None when nodes cannot be read (namespaced RBAC)."""
-        res = self.settings.card_resource
+        there hold, plus the leaving pod's). None when nodes cannot be read (namespaced RBAC) or the cards
+        come by DRA (devices are not node capacity)."""
+        if spec.devices is not None:
+            return None
+        res = placement.card_resource_for(spec, self.settings)
         by_name = {p["metadata"]["name"]: p for p in pods}
         hosts = set()
         try:

@@ -15,6 +15,7 @@ from kubernetes.client.rest import ApiException
 
 from spyre_operator import manifests
 from spyre_operator.admission import Admission
+from spyre_operator.card_claim import CardClaimStep
 from spyre_operator.claim import ClaimStep
 from spyre_operator.compile_job import CompileJobStep
 from spyre_operator.events import EventRecorder
@@ -50,6 +51,7 @@ class Reconciler:
         self.admission = Admission(settings, self.kube)
         self.service = ServiceStep(settings, self.kube, events)
         self.claim = ClaimStep(settings, self.kube, events)
+        self.card_claim = CardClaimStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
         self.pods = PodStep(settings, self.kube, events)
         self.report = Reporter(settings, self.kube, events, self.metrics)
@@ -63,7 +65,7 @@ class Reconciler:
         return result
 
     def _reconcile(self, key: Key, model: dict) -> Result:
-        """Admit the spec; the Service and the claim; the compile Job; the pods; the status and Events."""
+        """Admit the spec; the Service and the claims; the compile Job; the pods; the status and Events."""
         try:
             spec = self.admission.admit(key, model)
         except InvalidSpec as e:
@@ -76,13 +78,15 @@ class Reconciler:
             cache = self.compile_job.ensure(model, spec, work)
         thash = manifests.template_hash(manifests.pod_template(key[1], spec, self.settings))
         pods = self.cache.pods(key)
+        has_claim = has_claim and self.card_claim.ensure(model, spec, pods, work)
         if has_claim:
             pods, acted = self.pods.ensure(key, model, spec, thash, pods, cache, work)
             if acted and not work.problems:
                 # the watch reports the pods just made or removed, and that pass writes the status
                 return Result(after=work.after)
         else:
-            work.waiting = "the pods wait for their graph-cache claim"
+            work.waiting_reason = "WaitingForClaim"
+            work.waiting = "the pods wait for their claims (graph cache, cards)"
         self.report.progress(model, spec, thash, pods, cache, work)
         return Result(failed=True) if work.problems else Result(after=work.after)
 

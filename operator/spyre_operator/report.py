@@ -12,6 +12,7 @@ from collections import Counter
 
 from kubernetes.client.rest import ApiException
 
+from spyre_operator import placement
 from spyre_operator.events import EventRecorder
 from spyre_operator.kube import Kube
 from spyre_operator.metrics import OperatorMetrics
@@ -88,7 +89,10 @@ class Reporter:
     ) -> dict:
         meta = model["metadata"]
         work = work or Pass()
-        observed = observe_pods(pods, self.settings)
+        card_resource = (
+            placement.card_resource_for(spec, self.settings) if spec else self.settings.card_resource
+        )
+        observed = observe_pods(pods, self.settings, card_resource)
         status = compute_status(
             generation=meta.get("generation", 0),
             replicas=spec.replicas if spec else 0,
@@ -101,7 +105,8 @@ class Reporter:
                 if spec
                 else None
             ),
-            card_resource=self.settings.card_resource,
+            card_resource=card_resource,
+            start_grace_seconds=self.settings.start_grace_seconds,
             invalid=str(invalid) if invalid else None,
             invalid_reason=invalid.reason if invalid else "InvalidSpec",
             suspended=bool(spec and spec.suspend),
@@ -151,7 +156,12 @@ class Reporter:
         if progressing.get("reason") != was.get("reason"):
             if progressing.get("reason") == "RolloutComplete":
                 self.events.post(model, "Normal", "RolloutComplete", progressing["message"], once=False)
-            elif progressing.get("reason") in ("WaitingForCards", "WaitingForCapacity"):
+            elif progressing.get("reason") in (
+                "WaitingForCards",
+                "WaitingForCapacity",
+                "WaitingForClaim",
+                "NotStarted",
+            ):
                 self.events.post(model, "Warning", progressing["reason"], progressing["message"])
             elif progressing.get("reason") == "StagedRollout":
                 self.events.post(model, "Normal", "StagedRollout", progressing["message"])

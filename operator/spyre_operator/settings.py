@@ -8,6 +8,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from spyre_operator.image_reference import image_reference_error
+
 GROUP = "spyre-serve.io"
 VERSION = "v1alpha1"
 PLURAL = "spyremodels"
@@ -42,6 +44,7 @@ class OperatorSettings:
     runtime_port: int = 8000
     api_timeout_seconds: float = 30.0  # every API call
     stuck_grace_seconds: float = 120.0  # image never pulls / container config missing: then replaced
+    start_grace_seconds: float = 300.0  # a pod bound to a node whose containers have not started: reported
     compile_attempts: int = 3  # compile Job attempts per cache key before the model is Stalled
     compile_retry_seconds: float = 30.0  # back-off before the 2nd attempt, doubling after
     workers: int = 8  # reconcile workers (one key at a time each; they wait on the API server, not the CPU)
@@ -71,6 +74,7 @@ ENV = {
     "startup_seconds_per_shape": "SPYRE_OPERATOR_STARTUP_SECONDS_PER_SHAPE",
     "api_timeout_seconds": "SPYRE_OPERATOR_API_TIMEOUT_SECONDS",
     "stuck_grace_seconds": "SPYRE_OPERATOR_STUCK_GRACE_SECONDS",
+    "start_grace_seconds": "SPYRE_OPERATOR_START_GRACE_SECONDS",
     "compile_attempts": "SPYRE_OPERATOR_COMPILE_ATTEMPTS",
     "compile_retry_seconds": "SPYRE_OPERATOR_COMPILE_RETRY_SECONDS",
     "workers": "SPYRE_OPERATOR_WORKERS",
@@ -138,6 +142,12 @@ def _resource_name(value: str, source: str) -> str:
     return value
 
 
+def _image(value: str, source: str) -> str:
+    if error := image_reference_error(value):
+        raise SettingsError(f"{source}={value!r} is not an image reference a kubelet can pull: {error}")
+    return value
+
+
 def _boolean(value: str, source: str) -> bool:
     if value.strip().lower() not in ("1", "0", "true", "false", "on", "off"):
         raise SettingsError(f"{source}={value!r} is not a boolean (use 1 or 0)")
@@ -192,7 +202,7 @@ def _positive(cast: type) -> Callable[[str, str], float | int]:
 PARSE = {
     "card_resource": _resource_name,
     "scheduler_name": _text,
-    "runtime_image": _text,
+    "runtime_image": _image,
     "default_storage_class": _text,
     "lease_name": _text,
     "health_host": _text,
@@ -210,6 +220,7 @@ PARSE = {
     "startup_seconds_per_shape": _positive(int),
     "api_timeout_seconds": _positive(float),
     "stuck_grace_seconds": _positive(float),
+    "start_grace_seconds": _positive(float),
     "compile_attempts": _positive(int),
     "compile_retry_seconds": _positive(float),
     "workers": _positive(int),

@@ -10,18 +10,12 @@ import re
 from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
 from spyre_contract.tasks import POOLING_TASKS, TASKS
 
-from spyre_operator.model_spec import SOURCE, GraphCache, ModelSpec, Rollout, StaticShape
+from spyre_operator.model_spec import SOURCE, GraphCache, InvalidSpec, ModelSpec, Rollout, StaticShape
+from spyre_operator.pod_fields import DNS_NAME, object_field, parse_pod_fields, string_field
 
 VALID_CARDS = (1, 2, 4, 8)
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
-# Kubernetes' resource.Quantity syntax: a number and a binary-SI, decimal-SI or exponent suffix
-K8S_QUANTITY = re.compile(
-    r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
-)
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service name (RFC 1035 label)
-ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
-LABEL_PREFIX = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
 # continuous batching's bucket ranges (min, step, max; expanded as Gaudi's docs say) and their variables
 BUCKET_FIELDS = {
@@ -31,16 +25,6 @@ BUCKET_FIELDS = {
 }
 # The model's name becomes a Service name and a label value; pod names add "-<hash>-<random>".
 MAX_NAME = 63
-
-
-class InvalidSpec(ValueError):
-    reason = "InvalidSpec"  # the condition's reason
-
-    def __init__(self, field_path: str, rule: str) -> None:
-        where = field_path if field_path.startswith("metadata.") else f"spec.{field_path}".rstrip(".")
-        super().__init__(f"{where}: {rule}")
-        self.field_path = field_path
-        self.rule = rule
 
 
 class UnknownConfiguration(InvalidSpec):
@@ -71,17 +55,19 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
     model = _model_section(name, spec)
     engine = _engine_fields(spec)
     batching = _batching_section(spec, engine["task"])
-    cache = _graph_cache_section(_object(spec, "graphCache"))
+    cache = _graph_cache_section(object_field(spec, "graphCache"))
     require_known_config = _bool(spec, "requireKnownConfiguration")
+    pod_fields = parse_pod_fields(spec)
+    _check_warmup_env(pod_fields["env"], engine["task"], batching)
     return ModelSpec(
         **model,
         **engine,
         **batching,
         cache=cache,
         require_known_config=require_known_config,
-        **_pod_fields(spec),
+        **pod_fields,
         suspend=_bool(spec, "suspend"),
-        rollout=_rollout(_object(spec, "rollout")),
+        rollout=_rollout(object_field(spec, "rollout")),
     )
 
 
@@ -96,7 +82,7 @@ def _model_section(name: str, spec: dict) -> dict:
     source = model["source"]
     if not isinstance(source, str) or not SOURCE.match(source):
         raise InvalidSpec("model.source", f"must be pvc://CLAIM/PATH or file:///PATH, got {source!r}")
-    architecture = _string(model, "architecture")
+    architecture = string_field(model, "architecture")
     model_config = model.get("config")
     if model_config is not None and not isinstance(model_config, dict):
         raise InvalidSpec("model.config", f"must be an object of config.json fields, got {model_config!r}")
@@ -132,7 +118,7 @@ def _engine_fields(spec: dict) -> dict:
 
 def _batching_section(spec: dict, task: str) -> dict:
     """spec.batching: static warm-up shapes, or continuous batching's limits and bucket ranges."""
-    batching = _object(spec, "batching")
+    batching = object_field(spec, "batching")
     mode = batching.get("mode", "static")
     if mode not in ("static", "continuous"):
         raise InvalidSpec("batching.mode", f"must be static or continuous, got {mode!r}")
@@ -195,6 +181,29 @@ def _continuous_batching(batching: dict) -> dict:
     }
 
 
+def _check_warmup_env(env: tuple, task: str, batching: dict) -> None:
+    """The runtime zips its warm-up lists into shapes: a list the env overrides keeps one entry per shape
+    (the operator writes the lists from spec.batching.shapes; an alias spelling never overrides them)."""
+    if batching["mode"] != "static":
+        return
+    lists = (
+        ("PROMPT_LENS", "BATCH_SIZES")
+        if task in POOLING_TASKS
+        else ("PROMPT_LENS", "NEW_TOKENS", "BATCH_SIZES")
+    )
+    names = {f"SENDNN_INFERENCE_WARMUP_{v}" for v in lists}
+    for var in env:
+        value = var.get("value")
+        if var["name"] in names and value is not None and value.strip():
+            num_entries = len(value.split(","))
+            if num_entries != len(batching["shapes"]):
+                raise InvalidSpec(
+                    "env",
+                    f"warmup lists differ in length: {var['name']} has {num_entries} entries, "
+                    f"spec.batching.shapes has {len(batching['shapes'])} (one entry per shape)",
+                )
+
+
 def _graph_cache_section(gc: dict) -> GraphCache:
     """spec.graphCache: the claim the compiled graphs live in, and whether a Job fills it first."""
     if gc.get("existingClaim") and gc.get("storageClassName"):
@@ -214,7 +223,7 @@ def _graph_cache_section(gc: dict) -> GraphCache:
         raise InvalidSpec("graphCache.precompile", "needs the graph cache: graphCache.enabled is false")
     for key in ("existingClaim", "storageClassName"):
         value = gc.get(key)
-        if value is not None and (not isinstance(value, str) or not LABEL_PREFIX.match(value)):
+        if value is not None and (not isinstance(value, str) or not DNS_NAME.match(value)):
             raise InvalidSpec(f"graphCache.{key}", f"must be a DNS name, got {value!r}")
     return GraphCache(
         precompile=bool(gc.get("precompile", False)),
@@ -225,20 +234,6 @@ def _graph_cache_section(gc: dict) -> GraphCache:
         existing_claim=gc.get("existingClaim"),
         retention=retention,
     )
-
-
-def _pod_fields(spec: dict) -> dict:
-    """The fields passed on to the pods as they are (Kubernetes' own rules checked)."""
-    return {
-        "image": _string(spec, "image"),
-        "resources": _resources(spec.get("resources")),
-        "env": _env(spec.get("env")),
-        "node_selector": _node_selector(spec.get("nodeSelector")),
-        "tolerations": _tolerations(spec.get("tolerations")),
-        "affinity": _object(spec, "affinity") or None,
-        "scheduler_name": _string(spec, "schedulerName"),
-        "priority_class_name": _string(spec, "priorityClassName"),
-    }
 
 
 # ---- fields --------------------------------------------------------------------------------------
@@ -254,116 +249,11 @@ def _int(path: str, value, minimum: int | None = None, maximum: int | None = Non
     return value
 
 
-def _object(spec: dict, key: str) -> dict:
-    value = spec.get(key)
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidSpec(key, f"must be an object, got {value!r}")
-    return value
-
-
-def _string(spec: dict, key: str) -> str | None:
-    value = spec.get(key)
-    if value is not None and (not isinstance(value, str) or not value.strip()):
-        raise InvalidSpec(key, f"must be a non-empty string, got {value!r}")
-    return value
-
-
 def _bool(spec: dict, key: str) -> bool:
     value = spec.get(key, False)
     if not isinstance(value, bool):
         raise InvalidSpec(key, f"must be true or false, got {value!r}")
     return value
-
-
-def _resources(value) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidSpec("resources", f"must be an object with requests and limits, got {value!r}")
-    for part, amounts in value.items():
-        if part not in ("requests", "limits"):
-            raise InvalidSpec(f"resources.{part}", "is not supported (use requests and limits)")
-        if not isinstance(amounts, dict):
-            raise InvalidSpec(f"resources.{part}", f"must map resource names to quantities, got {amounts!r}")
-        for resource, amount in amounts.items():
-            if isinstance(amount, bool) or not (
-                isinstance(amount, int | float) or (isinstance(amount, str) and K8S_QUANTITY.match(amount))
-            ):
-                raise InvalidSpec(
-                    f"resources.{part}.{resource}", f"must be a quantity like 4, 500m or 16Gi, got {amount!r}"
-                )
-    return value
-
-
-def _env(value) -> tuple:
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise InvalidSpec("env", f"must be a list of {{name, value}} objects, got {value!r}")
-    seen = set()
-    for i, var in enumerate(value):
-        if not isinstance(var, dict) or not var.get("name"):
-            raise InvalidSpec(f"env[{i}]", "must be an object with a name")
-        name = var["name"]
-        if not isinstance(name, str) or not ENV_NAME.match(name):
-            raise InvalidSpec(f"env[{i}].name", f"{name!r} is not a valid environment variable name")
-        if name in seen:
-            raise InvalidSpec(f"env[{i}].name", f"{name} is set twice")
-        seen.add(name)
-        if "value" in var and "valueFrom" in var:
-            raise InvalidSpec(f"env[{i}]", f"{name}: value and valueFrom exclude each other")
-        if "value" in var and not isinstance(var["value"], str):
-            raise InvalidSpec(
-                f"env[{i}].value", f"{name}: must be a string (quote it in YAML), got {var['value']!r}"
-            )
-        if "valueFrom" in var and not isinstance(var["valueFrom"], dict):
-            raise InvalidSpec(f"env[{i}].valueFrom", f"{name}: must be an object")
-        unknown = set(var) - {"name", "value", "valueFrom"}
-        if unknown:
-            raise InvalidSpec(f"env[{i}]", f"{name}: unknown fields {sorted(unknown)}")
-    return tuple(value)
-
-
-def _label_key_ok(key: str) -> bool:
-    prefix, _, name = key.rpartition("/")
-    return (
-        0 < len(name) <= 63
-        and bool(LABEL_NAME.match(name))
-        and (not prefix or (len(prefix) <= 253 and bool(LABEL_PREFIX.match(prefix))))
-    )
-
-
-def _node_selector(value) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise InvalidSpec("nodeSelector", f"must map label keys to values, got {value!r}")
-    for key, label in value.items():
-        if not isinstance(key, str) or not _label_key_ok(key):
-            raise InvalidSpec("nodeSelector", f"{key!r} is not a valid label key")
-        if not isinstance(label, str) or len(label) > 63 or not LABEL_NAME.match(label):
-            raise InvalidSpec(f"nodeSelector.{key}", f"{label!r} is not a valid label value")
-    return value
-
-
-def _tolerations(value) -> tuple:
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise InvalidSpec("tolerations", f"must be a list, got {value!r}")
-    for i, t in enumerate(value):
-        if not isinstance(t, dict):
-            raise InvalidSpec(f"tolerations[{i}]", f"must be an object, got {t!r}")
-        op = t.get("operator", "Equal")
-        if op not in ("Equal", "Exists"):
-            raise InvalidSpec(f"tolerations[{i}].operator", f"must be Equal or Exists, got {op!r}")
-        if op == "Exists" and t.get("value"):
-            raise InvalidSpec(f"tolerations[{i}].value", "must be empty when operator is 'Exists'")
-        if t.get("effect") not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
-            raise InvalidSpec(f"tolerations[{i}].effect", f"is not a taint effect: {t.get('effect')!r}")
-    return tuple(value)
 
 
 def _rollout(value: dict) -> Rollout:

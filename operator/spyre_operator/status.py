@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
-from spyre_operator.observe import CacheState, PodHealth
+from spyre_operator.observe import CacheState, PodHealth, lacks_cards, waits_for_claim
 from spyre_operator.plan import PodView
 
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Progressing", "Degraded")
@@ -59,6 +59,7 @@ def _compute_status(
     waiting: str = "",
     waiting_reason: str = "WaitingForCapacity",
     warming: dict[str, tuple[int, int]] | None = None,
+    start_grace_seconds: float = 300.0,
 ) -> dict:
     count = _Count.of(pods, replicas, template_hash)
     base = {
@@ -78,8 +79,12 @@ def _compute_status(
             base, "Suspended", "Suspended", "spec.suspend is true: pods removed, cache and Service kept"
         )
     is_rolled_out = not suspended and count.is_rolled_out and not problems
-    starving = [h for h in health if f"Insufficient {card_resource}" in h.unschedulable_message]
-    progressing = _progressing(count, is_rolled_out, starving, waiting, waiting_reason, warming or {})
+    unready = {p.name for p in pods if not p.is_terminating and not p.is_dead and not p.is_ready}
+    starving = [h for h in health if lacks_cards(h.unschedulable_message, card_resource)]
+    starting = _Starting.of([h for h in health if h.name in unready], start_grace_seconds)
+    progressing = _progressing(
+        count, is_rolled_out, starving, starting, waiting, waiting_reason, warming or {}
+    )
     if cache is not None and not cache.is_ready and not is_rolled_out:
         progressing = condition("Progressing", True, "WaitingForCache", cache.message)
     # what needs a human first, then what the operator is retrying
@@ -133,26 +138,76 @@ class _Count:
         return self.current == self.wanted and self.ready_current == self.wanted and self.live == self.wanted
 
 
+@dataclass(frozen=True)
+class _Starting:
+    """The live pods that are not Ready, before their containers run: waiting for a claim (the scheduler
+    names it), bound to a node but not started for longer than the grace period, or starting; and whether
+    any of them runs (only those warm up)."""
+
+    claim_messages: tuple[str, ...]
+    stuck: tuple[PodHealth, ...]
+    starting: tuple[PodHealth, ...]
+    has_running: bool
+
+    @classmethod
+    def of(cls, unready: list[PodHealth], grace_seconds: float) -> _Starting:
+        not_started = [h for h in unready if not h.is_started]
+        stuck = [h for h in not_started if h.is_bound_not_started and h.bound_seconds > grace_seconds]
+        return cls(
+            claim_messages=tuple(
+                h.unschedulable_message for h in unready if waits_for_claim(h.unschedulable_message)
+            ),
+            stuck=tuple(stuck),
+            starting=tuple(h for h in not_started if h not in stuck),
+            has_running=any(h.is_started for h in unready),
+        )
+
+    def stuck_message(self) -> str:
+        return "; ".join(
+            f"pod {h.name} is bound to node {h.node} and has not started after {h.bound_seconds:.0f} s"
+            + (f" ({h.waiting_reason})" if h.waiting_reason else "")
+            for h in self.stuck
+        )
+
+    def starting_message(self) -> str:
+        return ", ".join(
+            f"{h.name} on {h.node}" + (f" ({h.waiting_reason})" if h.waiting_reason else "")
+            if h.node
+            else f"{h.name} (not scheduled yet)"
+            for h in self.starting
+        )
+
+
 def _progressing(
     count: _Count,
     is_rolled_out: bool,
     starving: list[PodHealth],
+    starting: _Starting,
     waiting: str,
     waiting_reason: str,
     warming: dict[str, tuple[int, int]],
 ) -> dict:
-    """Where the rollout is: complete, waiting (for cards, or for what the operator said), rolling out, or
-    warming up (with each warming pod's graphs compiled so far)."""
+    """Where the rollout is: complete, waiting (for cards, a claim, pods that do not start, or what the
+    operator said), rolling out, starting, or warming up (with each warming pod's graphs compiled so far).
+    Only pods whose containers run are ever said to compile."""
     ready_of = f"{count.ready_current}/{count.wanted} replicas"
     if is_rolled_out:
         return condition("Progressing", False, "RolloutComplete", f"{ready_of} ready")
     if starving:
         message = starving[0].unschedulable_message + (f"; {waiting}" if waiting else "")
         return condition("Progressing", True, "WaitingForCards", message)
+    if starting.claim_messages:
+        return condition("Progressing", True, "WaitingForClaim", starting.claim_messages[0])
+    if starting.stuck:
+        return condition("Progressing", True, "NotStarted", starting.stuck_message())
     if waiting:
         return condition("Progressing", True, waiting_reason, waiting)
     if count.current < count.wanted or count.live > count.wanted or count.is_outdated:
         return condition("Progressing", True, "RollingOut", f"{ready_of} of the current template ready")
+    if starting.starting and not starting.has_running:
+        return condition(
+            "Progressing", True, "Starting", f"{ready_of} ready; starting: {starting.starting_message()}"
+        )
     return condition(
         "Progressing",
         True,

@@ -3,7 +3,8 @@ Pods bound to a node are reported Running and become Ready `ready_delay` seconds
 with `ready = False`); and, as a real cluster does to them: crash-loop with a termination message
 (`crashing`, `messages`), get evicted (`evict`: phase Failed), never pull their image (`bad_images`), or
 fail a kubelet's checks before starting (tests/cluster/kubelet_checks.py: an invalid image, an image in
-`unpullable`, a missing Secret or ConfigMap key), or
+`unpullable`, a missing Secret or ConfigMap key), stay Pending with nothing reported when their node's
+kubelet is gone (`stopped_nodes`: bound, never started), or
 lose readiness when their node goes NotReady (`set_node_ready`). Run-to-completion pods
 (restartPolicy Never, e.g. a Job's) are reported Succeeded once `complete_jobs` is set, or Failed when their
 Job is in `failing_jobs`; pods being deleted are finalized,
@@ -92,6 +93,7 @@ class FakeKubelet:
         self.bad_images: set[str] = set()
         self.unpullable: set[str] = set()  # images that fail with ErrImagePull (kubelet_checks)
         self.not_ready_nodes: set[str] = set()
+        self.stopped_nodes: set[str] = set()  # no kubelet there: pods bound to them are never started
         self._running_since: dict[str, float] = {}
         # status patches in parallel (a real cluster has a kubelet per node); 1 keeps them in order
         self._pool = ThreadPoolExecutor(workers) if workers > 1 else None
@@ -160,6 +162,8 @@ class FakeKubelet:
                 self._running_since.pop(name, None)
                 continue
             if not pod.spec.node_name or pod.status.phase in ("Failed", "Succeeded"):
+                continue
+            if pod.spec.node_name in self.stopped_nodes:
                 continue
             if pod.spec.restart_policy == "Never":
                 self._finish(pod)

@@ -1,6 +1,19 @@
-"""Invalid and hostile SpyreModels, one table for the pure tests and the real control plane: each row is
-(id, name, spec changes, what the condition must say, who catches it). `by`: "operator" (parse_spec and
-the runtime's own contract), "server" (only the API server's dry run knows: admission, its validation)."""
+"""Invalid and hostile SpyreModels, one table for every place that refuses them: the operator's own checks
+(pure tests), the 1.20 control plane (which enforces the CRD's plain OpenAPI schema but ignores its CEL rules,
+so the operator refuses the rest) and a current API server (the 1.36 CRD server, which refuses at create time
+whatever the schema or a CEL rule expresses).
+
+Each row says what the model's condition must say on a cluster that ignores CEL (`needle`), who says it there
+(`by`: "operator" for parse_spec and the runtime's own contract, "server" for the API server's dry run of the
+pod), what a current cluster answers when the model is created (`at_create`, "" when it accepts the model and
+leaves it to the operator), and whether that refusal is a plain schema keyword, which the 1.20 API server
+enforces too (`schema`: then the model never reaches the operator there; `legacy` when 1.20 refuses it in
+words of its own)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
 
 BASE = {
     "model": {"source": "pvc://models/tiny"},
@@ -10,6 +23,7 @@ BASE = {
     "batching": {"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 20, "batchSize": 1}]},
 }
 CB = {"mode": "continuous", "maxNumSeqs": 4, "maxModelLen": 256}
+POOLING_SHAPES = [{"promptLength": 64, "batchSize": 4}]
 LLAMA_70B = {
     "hidden_size": 8192,
     "num_hidden_layers": 80,
@@ -19,124 +33,337 @@ LLAMA_70B = {
     "vocab_size": 128256,
 }
 
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    changes: dict
+    needle: str  # in the condition on a cluster that ignores CEL (the operator's InvalidSpec)
+    at_create: str = ""  # in a current API server's refusal at create time; "": it accepts the model
+    by: str = "operator"  # "operator" (its own checks) or "server" (the API server's dry run of the pod)
+    schema: bool = False  # the refusal at create is a plain OpenAPI keyword: the 1.20 server refuses it too
+    legacy: str = ""  # what the 1.20 server answers at create, when its words differ from at_create's
+    name: str = "m"
+    spec: dict = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", {**BASE, **self.changes})
+
+    @property
+    def refused_by_legacy_server(self) -> str:
+        """What the 1.20 API server answers at create time ("": it accepts the model); it names a list
+        item's field without its index (spec.env.value)."""
+        return self.legacy or (re.sub(r"\[\d+\]", "", self.at_create) if self.schema else "")
+
+    @property
+    def model_name(self) -> str:
+        """The model's name in a namespace shared by every row."""
+        return self.id if self.name == "m" else self.name
+
+
 CATALOG = [
-    ("requests-not-a-map", "m", {"resources": {"requests": "8"}}, "spec.resources.requests", "operator"),
-    ("memory-lots", "m", {"resources": {"limits": {"memory": "lots"}}}, "'lots'", "operator"),
-    ("env-value-number", "m", {"env": [{"name": "FOO", "value": 1}]}, "must be a string", "operator"),
-    ("env-bad-name", "m", {"env": [{"name": "1 BAD", "value": "x"}]}, "not a valid environment", "operator"),
-    (
+    # resources: a map of quantities, cards only through spec.cards
+    Row(
+        "requests-not-a-map",
+        {"resources": {"requests": "8"}},
+        "spec.resources.requests",
+        at_create="spec.resources.requests in body must be of type object",
+        schema=True,
+    ),
+    Row(
+        "memory-lots",
+        {"resources": {"limits": {"memory": "lots"}}},
+        "'lots'",
+        at_create="spec.resources.limits: Invalid value: every amount must be a quantity",
+    ),
+    Row(
+        "resources-claims",
+        {"resources": {"claims": [{"name": "x"}]}},
+        "spec.resources.claims",
+        at_create="spec.resources.claims: Invalid value: is not supported",
+    ),
+    Row(
+        "cpu-request-over-limit",
+        {"resources": {"requests": {"cpu": "4"}, "limits": {"cpu": "1"}}},
+        "cpu",
+        at_create="spec.resources.requests: Invalid value: a request is above its limit",
+        by="server",
+    ),
+    Row(
+        "card-limit-differs-from-cards",
+        {"resources": {"limits": {"ibm.com/spyre_pf": "2"}}},
+        "spec.resources.limits.ibm.com/spyre_pf: asks for 2 cards but spec.cards is 1",
+        at_create="spec.resources: Invalid value: a card count in requests or limits differs from spec.cards",
+    ),
+    Row(
+        "card-request-differs-from-cards",
+        {"cards": 2, "resources": {"requests": {"ibm.com/spyre_vf": 4}}},
+        "spec.resources.requests.ibm.com/spyre_vf: asks for 4 cards but spec.cards is 2",
+        at_create="a card count in requests or limits differs from spec.cards",
+    ),
+    Row(
+        "card-limit-beside-devices",
+        {"devices": {}, "resources": {"limits": {"ibm.com/spyre_pf": "1"}}},
+        "spec.resources.limits.ibm.com/spyre_pf: asks for cards by extended resource while spec.devices",
+        at_create="spec.resources: Invalid value: asks for cards by extended resource while spec.devices",
+    ),
+    Row(
+        "devices-and-card-resource",
+        {"devices": {"deviceClassName": "spyre-pf"}, "cardResource": "ibm.com/spyre_vf"},
+        "spec.devices and spec.cardResource exclude each other",
+        at_create="spec.devices: Invalid value: spec.devices and spec.cardResource exclude each other",
+    ),
+    Row(
+        "card-resource-not-a-name",
+        {"cardResource": "spyre cards"},
+        "spec.cardResource: 'spyre cards' is not an extended resource name",
+        at_create='spec.cardResource: Invalid value: "spyre cards": must be an extended resource name',
+    ),
+    # env: Kubernetes' EnvVar, and the runtime's contract on the variables the operator sets
+    Row(
+        "env-value-number",
+        {"env": [{"name": "FOO", "value": 1}]},
+        "must be a string",
+        at_create="spec.env[0].value in body must be of type string",
+        schema=True,
+    ),
+    Row(
+        "env-bad-name",
+        {"env": [{"name": "1 BAD", "value": "x"}]},
+        "not a valid environment",
+        at_create="'1 BAD' is not a valid environment variable name",
+    ),
+    Row(
         "env-twice",
-        "m",
         {"env": [{"name": "A", "value": "1"}, {"name": "A", "value": "2"}]},
         "set twice",
-        "operator",
+        at_create="spec.env: Invalid value: a variable is set twice",
     ),
-    (
+    Row(
+        "env-value-and-value-from",
+        {"env": [{"name": "A", "value": "1", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]},
+        "value and valueFrom exclude each other",
+        at_create="A: value and valueFrom exclude each other",
+    ),
+    Row(
+        "env-backend-nonsense",
+        {"env": [{"name": "SENDNN_INFERENCE_DYNAMO_BACKEND", "value": "nonsense"}]},
+        "SENDNN_INFERENCE_DYNAMO_BACKEND='nonsense'",
+        at_create="SENDNN_INFERENCE_DYNAMO_BACKEND='nonsense' is not one of sendnn, inductor, eager",
+    ),
+    Row(
+        "env-warmup-lists-differ",
+        {"env": [{"name": "SENDNN_INFERENCE_WARMUP_BATCH_SIZES", "value": "1,2"}]},
+        "warmup lists differ",
+        at_create="spec.env: Invalid value: warmup lists differ in length",
+    ),
+    Row(
+        "env-use-cb-maybe",
+        {"env": [{"name": "SENDNN_INFERENCE_USE_CB", "value": "maybe"}]},
+        "is not a boolean",
+        at_create="SENDNN_INFERENCE_USE_CB='maybe' is not a boolean",
+    ),
+    Row(  # a bucket list's numbers against the limits: beyond what CEL's cost budget allows per env entry
+        "env-kv-bucket-too-small",
+        {"batching": CB, "env": [{"name": "SENDNN_INFERENCE_CB_KV_LENS", "value": "64,128"}]},
+        "below spec.batching.maxModelLen",
+    ),
+    # placement
+    Row(
         "toleration-exists-value",
-        "m",
         {"tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]},
         "must be empty when operator is 'Exists'",
-        "operator",
+        at_create="value must be empty when operator is 'Exists'",
     ),
-    (
+    Row(
         "toleration-bad-op",
-        "m",
         {"tolerations": [{"key": "k", "operator": "Maybe"}]},
         "Equal or Exists",
-        "operator",
+        at_create="operator must be Equal or Exists, got 'Maybe'",
     ),
-    ("missing-priority-class", "m", {"priorityClassName": "no-such-class"}, "no-such-class", "server"),
-    ("name-with-dots", "my.model", {}, "must be a DNS label", "operator"),
-    ("name-too-long", "m" * 64, {}, "64 characters", "operator"),
-    ("cache-size-zero", "m", {"graphCache": {"size": "0"}}, "larger than zero", "operator"),
-    ("node-selector-space", "m", {"nodeSelector": {"bad key": "x"}}, "not a valid label key", "operator"),
-    ("node-selector-value", "m", {"nodeSelector": {"k": "a b"}}, "not a valid label value", "operator"),
-    (
+    Row(
+        "toleration-bad-effect",
+        {"tolerations": [{"key": "k", "operator": "Exists", "effect": "Sometimes"}]},
+        "is not a taint effect",
+        at_create="effect is not a taint effect: 'Sometimes'",
+    ),
+    Row(
+        "node-selector-space",
+        {"nodeSelector": {"bad key": "x"}},
+        "not a valid label key",
+        at_create="spec.nodeSelector: Invalid value: every key must be a valid label key",
+    ),
+    Row(
+        "node-selector-value",
+        {"nodeSelector": {"k": "a b"}},
+        "not a valid label value",
+        at_create="spec.nodeSelector: Invalid value: every value must be a valid label value",
+    ),
+    Row(
+        "scheduler-name-not-dns",
+        {"schedulerName": "Spyre Scheduler"},
+        "spec.schedulerName: must be a DNS name",
+        at_create='spec.schedulerName: Invalid value: "Spyre Scheduler": must be a DNS name',
+    ),
+    Row("missing-priority-class", {"priorityClassName": "no-such-class"}, "no-such-class", by="server"),
+    Row(
         "malformed-affinity",
-        "m",
         {
             "affinity": {
                 "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
             }
         },
         "nodeSelectorTerms",
-        "server",
+        by="server",
     ),
-    (
+    # the name becomes a Service name and a label value
+    Row(
+        "name-with-dots",
+        {},
+        "must be a DNS label",
+        at_create="metadata.name: Invalid value: must be a DNS label",
+        name="my.model",
+    ),
+    Row(
+        "name-too-long",
+        {},
+        "64 characters",
+        at_create="metadata.name: Invalid value: at most 63 characters fit a Service name",
+        name="m" * 64,
+    ),
+    # the graph cache
+    Row(
+        "cache-size-zero",
+        {"graphCache": {"size": "0"}},
+        "larger than zero",
+        at_create='spec.graphCache.size: Invalid value: "0": must be larger than zero, got 0',
+    ),
+    Row(
+        "cache-claim-not-dns",
+        {"graphCache": {"existingClaim": "Graph_Cache"}},
+        "spec.graphCache.existingClaim: must be a DNS name",
+        at_create='spec.graphCache.existingClaim: Invalid value: "Graph_Cache": must be a DNS name',
+    ),
+    # batching: shapes per task, continuous batching's limits and bucket ranges
+    Row(
         "chunk-above-max-model-len",
-        "m",
         {"batching": {**CB, "maxNumBatchedTokens": 512}},
         "larger than spec.batching.maxModelLen",
-        "operator",
+        at_create="spec.batching.maxNumBatchedTokens: Invalid value: the runtime would refuse it: the chunk",
     ),
-    (
-        "env-backend-nonsense",
-        "m",
-        {"env": [{"name": "SENDNN_INFERENCE_DYNAMO_BACKEND", "value": "nonsense"}]},
-        "SENDNN_INFERENCE_DYNAMO_BACKEND='nonsense'",
-        "operator",
-    ),
-    (
-        "env-warmup-lists-differ",
-        "m",
-        {"env": [{"name": "SENDNN_INFERENCE_WARMUP_BATCH_SIZES", "value": "1,2"}]},
-        "warmup lists differ",
-        "operator",
-    ),
-    (
-        "env-use-cb-maybe",
-        "m",
-        {"env": [{"name": "SENDNN_INFERENCE_USE_CB", "value": "maybe"}]},
-        "is not a boolean",
-        "operator",
-    ),
-    (
-        "env-kv-bucket-too-small",
-        "m",
-        {"batching": CB, "env": [{"name": "SENDNN_INFERENCE_CB_KV_LENS", "value": "64,128"}]},
-        "below spec.batching.maxModelLen",
-        "operator",
-    ),
-    (
+    Row(
         "kv-range-too-short",
-        "m",
         {"batching": {**CB, "kvBuckets": {"min": 64, "step": 64, "max": 128}}},
         "below spec.batching.maxModelLen",
-        "operator",
+        at_create="spec.batching.kvBuckets: Invalid value: the runtime would refuse it: the largest KV",
     ),
-    (
+    Row(
+        "decode-range-too-short",
+        {"batching": {**CB, "maxNumSeqs": 8, "decodeBatchBuckets": {"min": 1, "step": 2, "max": 4}}},
+        "below spec.batching.maxNumSeqs",
+        at_create="spec.batching.decodeBatchBuckets: Invalid value: the runtime would refuse it",
+    ),
+    Row(
+        "prefill-range-below-chunk",
+        {"batching": {**CB, "prefillBuckets": {"min": 64, "step": 64, "max": 128}}},
+        "below spec.batching.maxNumBatchedTokens",
+        at_create="spec.batching.prefillBuckets: Invalid value: the runtime would refuse it",
+    ),
+    Row(
+        "bucket-min-above-max",
+        {"batching": {**CB, "kvBuckets": {"min": 512, "step": 64, "max": 256}}},
+        "min 512 is above max 256",
+        at_create="spec.batching.kvBuckets: Invalid value: min is above max",
+    ),
+    Row(
+        "generate-shape-without-new-tokens",
+        {"batching": {"mode": "static", "shapes": [{"promptLength": 64, "batchSize": 1}]}},
+        "spec.batching.shapes[0].newTokens",
+        at_create="spec.batching.shapes: Invalid value: every shape of a generate model needs newTokens",
+    ),
+    Row(
+        "pooling-continuous",
+        {"task": "embed", "batching": CB},
+        "embed models run on static warm-up shapes",
+        at_create="spec.batching: Invalid value: embed models run on static warm-up shapes",
+    ),
+    Row(
+        "pooling-two-cards",
+        {"task": "rerank", "cards": 2, "batching": {"mode": "static", "shapes": POOLING_SHAPES}},
+        "pooling models run on one card",
+        at_create="spec.cards: Invalid value: rerank models (pooling) run on one card",
+    ),
+    Row(
         "too-large-for-one-card",
-        "m",
         {"backend": "sendnn", "model": {"source": "pvc://models/big", "config": LLAMA_70B}},
         "the memory plan does not fit",
-        "operator",
     ),
-    ("cards-three", "m", {"cards": 3}, "must be one of 1, 2, 4, 8", "operator"),
-    ("replicas-string", "m", {"replicas": "2"}, "must be an integer", "operator"),
-    ("dtype-int8", "m", {"dtype": "int8"}, "spec.dtype", "operator"),
-    ("suspend-string", "m", {"suspend": "yes"}, "true or false", "operator"),
-    ("rollout-negative", "m", {"rollout": {"maxSurge": -1}}, "spec.rollout.maxSurge", "operator"),
-    (
+    # plain schema types and enums
+    Row(
+        "cards-three",
+        {"cards": 3},
+        "must be one of 1, 2, 4, 8",
+        at_create="spec.cards: Unsupported value: 3",
+        schema=True,
+    ),
+    Row(
+        "replicas-string",
+        {"replicas": "2"},
+        "must be an integer",
+        at_create="spec.replicas in body must be of type integer",
+        schema=True,
+    ),
+    Row(
+        "dtype-int8",
+        {"dtype": "int8"},
+        "spec.dtype",
+        at_create='spec.dtype: Unsupported value: "int8"',
+        schema=True,
+    ),
+    Row(
+        "suspend-string",
+        {"suspend": "yes"},
+        "true or false",
+        at_create="spec.suspend in body must be of type boolean",
+        schema=True,
+    ),
+    Row(
+        "rollout-negative",
+        {"rollout": {"maxSurge": -1}},
+        "spec.rollout.maxSurge",
+        at_create="spec.rollout.maxSurge: Invalid value: must be a count >= 0 or a percentage",
+    ),
+    Row(
         "rollout-percent",
-        "m",
         {"rollout": {"maxUnavailable": "150%"}},
         "spec.rollout.maxUnavailable",
-        "operator",
+        at_create="spec.rollout.maxUnavailable: Invalid value: must be a count >= 0 or a percentage",
     ),
-    ("source-s3", "m", {"model": {"source": "s3://bucket/x"}}, "pvc://CLAIM/PATH", "operator"),
-    ("image-empty", "m", {"image": ""}, "spec.image", "operator"),
-    (
-        "resources-claims",
-        "m",
-        {"resources": {"claims": [{"name": "x"}]}},
-        "spec.resources.claims",
-        "operator",
+    Row(
+        "source-s3",
+        {"model": {"source": "s3://bucket/x"}},
+        "pvc://CLAIM/PATH",
+        at_create="spec.model.source in body should match",
+        schema=True,
     ),
-    (
-        "cpu-request-over-limit",
-        "m",
-        {"resources": {"requests": {"cpu": "4"}, "limits": {"cpu": "1"}}},
-        "cpu",
-        "server",
+    # the image: a reference the kubelet parses (else InvalidImageName, and the pod never starts)
+    Row(
+        "image-empty",
+        {"image": ""},
+        "spec.image",
+        at_create="spec.image: Invalid value: \"\": couldn't parse image reference '': invalid reference",
+        legacy="spec.image in body must be of type string",  # the 1.20 server reads "" as null
+    ),
+    Row(
+        "image-not-a-reference",
+        {"image": "Quay.io/Spyre Runtime:1"},
+        "spec.image: couldn't parse image reference",
+        at_create="couldn't parse image reference 'Quay.io/Spyre Runtime:1': invalid reference format",
+    ),
+    Row(
+        "image-upper-case-path",
+        {"image": "quay.io/Spyre/runtime:1"},
+        "repository name must be lowercase",
+        at_create='spec.image: Invalid value: "quay.io/Spyre/runtime:1": couldn\'t parse image reference',
     ),
 ]

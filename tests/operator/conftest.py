@@ -30,6 +30,7 @@ class OperatorProcess:
             "KUBECONFIG": str(kubeconfig),
             "SPYRE_OPERATOR_RESYNC_SECONDS": "3",
             "SPYRE_OPERATOR_STUCK_GRACE_SECONDS": "6",
+            "SPYRE_OPERATOR_START_GRACE_SECONDS": "5",
             "SPYRE_OPERATOR_COMPILE_RETRY_SECONDS": "1",
             "SPYRE_OPERATOR_LEASE_SECONDS": "6",
             "SPYRE_OPERATOR_HEALTH_HOST": "127.0.0.1",

@@ -70,6 +70,7 @@ EXPECTED = {
     "services": {"get", "list", "watch", "create", "patch"},
     "persistentvolumeclaims": {"get", "list", "watch", "create", "patch"},
     "events": {"create"},
+    "resourceclaimtemplates.resource.k8s.io": {"list", "create", "delete"},
     "nodes": {"get"},
     "customresourcedefinitions.apiextensions.k8s.io": {"get", "list", "watch"},
 }

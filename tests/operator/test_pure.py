@@ -275,13 +275,16 @@ def test_plan_table(replicas, pods, suspend, expected):
     assert (plan.create, sorted(plan.delete)) == (expected.create, sorted(expected.delete))
 
 
-def pod_dict(name, *, ready=False, unsched="", crash=False, h="h1"):
+def pod_dict(name, *, ready=False, unsched="", crash=False, h="h1", phase=None, node="", bound_at=""):
+    """A pod's body: Running (warming up, or Ready) unless unschedulable or given another phase."""
     conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
     if unsched:
         conditions.append(
             {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": unsched}
         )
-    status = {"conditions": conditions}
+    if bound_at:
+        conditions.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": bound_at})
+    status = {"conditions": conditions, "phase": phase or ("Pending" if unsched else "Running")}
     if crash:
         status["containerStatuses"] = [
             {
@@ -291,11 +294,15 @@ def pod_dict(name, *, ready=False, unsched="", crash=False, h="h1"):
                 "lastState": {"terminated": {"reason": "Error", "exitCode": 2}},
             }
         ]
-    return {"metadata": {"name": name, "labels": {HASH_LABEL: h}, "creationTimestamp": "t"}, "status": status}
+    return {
+        "metadata": {"name": name, "labels": {HASH_LABEL: h}, "creationTimestamp": "t"},
+        "spec": {"nodeName": node} if node else {},
+        "status": status,
+    }
 
 
-def status_for(pods, replicas=2, **kw):
-    observed = [observe_pod(p, "ibm.com/spyre_pf", HASH_LABEL) for p in pods]
+def status_for(pods, replicas=2, now=None, **kw):
+    observed = [observe_pod(p, "ibm.com/spyre_pf", HASH_LABEL, now=now) for p in pods]
     return compute_status(
         generation=3,
         replicas=replicas,
@@ -333,6 +340,41 @@ def test_status_cases():
     assert cond(invalid, "Ready")["reason"] == "InvalidSpec" and cond(invalid, "Degraded")["status"] == "True"
     suspended = status_for([], suspended=True)
     assert suspended["phase"] == "Suspended" and cond(suspended, "Ready")["reason"] == "Suspended"
+
+
+def test_pods_that_have_not_started_are_never_said_to_compile():
+    import datetime
+
+    now = datetime.datetime(2026, 11, 25, 12, 0, 0, tzinfo=datetime.UTC)
+    bound = {"phase": "Pending", "node": "spyre-node-1", "bound_at": "2026-11-25T11:58:20Z"}  # 100 s ago
+    ready = pod_dict("a", ready=True)
+    starting = status_for([ready, pod_dict("b", **bound)], now=now, start_grace_seconds=300)
+    progressing = cond(starting, "Progressing")
+    assert progressing["reason"] == "Starting" and progressing["message"].endswith(
+        "starting: b on spyre-node-1"
+    )
+    unscheduled = status_for([ready, pod_dict("b", phase="Pending")], now=now)
+    assert cond(unscheduled, "Progressing")["message"].endswith("starting: b (not scheduled yet)")
+    stuck = status_for([ready, pod_dict("b", **bound)], now=now, start_grace_seconds=60)
+    progressing = cond(stuck, "Progressing")
+    assert progressing["reason"] == "NotStarted" == cond(stuck, "Ready")["reason"]
+    assert progressing["message"] == "pod b is bound to node spyre-node-1 and has not started after 100 s"
+    assert cond(stuck, "Reconciling")["status"] == "True" and cond(stuck, "Stalled")["status"] == "False"
+    # one pod warming up, another one not started: the one not started is what the condition says
+    mixed = status_for(
+        [ready, pod_dict("b"), pod_dict("c", **bound)], replicas=3, now=now, start_grace_seconds=60
+    )
+    assert cond(mixed, "Progressing")["reason"] == "NotStarted"
+    claim = status_for(
+        [ready, pod_dict("b", unsched='0/2 nodes are available: 2 persistentvolumeclaim "cache" not found.')]
+    )
+    progressing = cond(claim, "Progressing")
+    assert (
+        progressing["reason"] == "WaitingForClaim"
+        and 'persistentvolumeclaim "cache" not found' in (progressing["message"])
+    )
+    dra = status_for([ready, pod_dict("b", unsched="0/2 nodes are available: 2 cannot allocate all claims.")])
+    assert cond(dra, "Progressing")["reason"] == "WaitingForCards"
 
 
 def test_status_written_only_when_changed_and_transition_times_kept():
@@ -418,3 +460,31 @@ def test_observe_job_and_cache_status(job_status, ready, failed, reason):
     assert (conds["Degraded"]["reason"] == "CompileJobFailed") is failed
     if failed:
         assert "BackoffLimitExceeded" in conds["Degraded"]["message"] and status["phase"] == "Degraded"
+
+
+def test_a_pod_the_kubelet_will_not_start_is_named_by_the_kubelets_reason():
+    """What both kubelet stand-ins write for a pod they refuse to start (tests/cluster/kubelet_checks.py),
+    read by the operator: the kubelet's reason and message, Stalled, and never said to compile. (The
+    operator refuses an image reference that does not parse before any pod exists; a pod made before an
+    upgrade of the operator may still carry one.)"""
+    from kubernetes import client
+
+    from tests.cluster.kubelet_checks import start_blocker, waiting_status
+
+    containers = [client.V1Container(name="runtime", image="quay.io/Spyre/runtime:1")]
+    refused = client.V1Pod(
+        metadata=client.V1ObjectMeta(name="b", namespace="ml"),
+        spec=client.V1PodSpec(containers=containers, node_name="spyre-node-0"),
+    )
+    blocked = start_blocker(None, refused, unpullable=set())  # the image is checked before any API call
+    assert blocked[:2] == ("runtime", "InvalidImageName")
+    for reason, message in (blocked[1:], ("CreateContainerConfigError", 'secret "hf" not found')):
+        body = {
+            "metadata": {"name": "b", "labels": {HASH_LABEL: "h1"}, "creationTimestamp": "t"},
+            "spec": {"nodeName": "spyre-node-0"},
+            **waiting_status(refused, "runtime", reason, message, "2026-11-25T12:00:00Z"),
+        }
+        status = status_for([pod_dict("a", ready=True), body])
+        assert cond(status, "Stalled")["reason"] == reason == cond(status, "Ready")["reason"]
+        assert cond(status, "Stalled")["message"].endswith(message)
+        assert cond(status, "Progressing")["reason"] in ("Starting", "NotStarted")

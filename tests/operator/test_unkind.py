@@ -5,6 +5,7 @@ failure ends in a condition and an Event, failed pods are replaced, rollouts kee
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from kubernetes import client
 
 from tests.conftest import wait_for
-from tests.operator.catalog import BASE, CATALOG
+from tests.operator.catalog import CATALOG
 from tests.operator.test_reconcile import SHAPES_B, hashes, spec
 
 pytestmark = pytest.mark.cluster
@@ -47,16 +48,20 @@ def sampled(measure, period: float = 0.2):
 
 
 def test_hostile_catalog_each_gets_a_condition_and_no_pod(operator, ns):
+    """The catalog's table on a cluster that ignores CEL (1.20): the rows a plain schema keyword refuses are
+    refused when they are applied; every other row is accepted and reaches the operator, which refuses it."""
     applied = {}
-    for row_id, name, changes, needle, _ in CATALOG:
-        name = row_id if name == "m" else name
+    for row in CATALOG:
         try:
-            ns.apply_model(name, {**BASE, **changes})
-        except client.ApiException as e:  # the API server's schema caught it first: clear, nothing made
-            assert e.status in (400, 422), (row_id, e.status)
+            ns.apply_model(row.model_name, row.spec)
+        except client.ApiException as e:
+            assert row.refused_by_legacy_server, (row.id, e.status, e.body)
+            message = json.loads(e.body)["message"]
+            assert e.status == 422 and row.refused_by_legacy_server in message, (row.id, message)
             continue
-        applied[name] = (row_id, needle)
-    assert len(applied) >= 20  # most reach the operator (the schema catches a few)
+        assert not row.refused_by_legacy_server, f"{row.id}: the 1.20 server should have refused it"
+        applied[row.model_name] = (row.id, row.needle)
+    assert len(applied) == sum(not r.refused_by_legacy_server for r in CATALOG) >= 35
 
     def refused(name):
         c = ns.condition(name, "Stalled")
@@ -138,6 +143,102 @@ def test_image_that_never_pulls_is_named_and_replaced_after_grace(operator, ns):
     ns.patch_spec("m", {"image": "quay.io/spyre-serve/runtime:0.1.0"})
     ns.wait_ready("m", 1)
     assert ns.condition("m", "Stalled")["status"] == "False"
+
+
+def not_compiling(ns, name) -> dict:
+    """The Progressing condition of a model whose pods have not started: it never says they compile."""
+    cond = ns.condition(name, "Progressing")
+    assert cond.get("reason") != "Warming" and "compiling" not in cond.get("message", ""), cond
+    return cond
+
+
+def test_image_the_kubelet_cannot_pull_is_err_image_pull(operator, ns):
+    image = "example.org/spyre/runtime:missing"
+    ns.kubelet.unpullable.add(image)
+    ns.apply_model("m", spec(replicas=1, image=image))
+    cond = wait_for(
+        lambda: (c := ns.condition("m", "Stalled")).get("reason") == "ErrImagePull" and c, what="Stalled"
+    )
+    assert f'failed to pull and unpack image "{image}"' in cond["message"]
+    assert ns.condition("m", "Ready")["reason"] == "ErrImagePull"
+    not_compiling(ns, "m")
+    assert wait_for(lambda: [e for e in ns.events("m") if e.reason == "ErrImagePull"], what="an Event")
+
+
+def test_missing_secret_key_is_create_container_config_error_until_the_secret_exists(operator, ns):
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    ns.apply_model("m", spec(replicas=1, env=[token]))
+    cond = wait_for(
+        lambda: (c := ns.condition("m", "Stalled")).get("reason") == "CreateContainerConfigError" and c,
+        what="Stalled CreateContainerConfigError",
+    )
+    assert 'secret "hf" not found' in cond["message"]  # the kubelet's own words
+    assert ns.condition("m", "Ready")["reason"] == "CreateContainerConfigError"
+    not_compiling(ns, "m")
+    ns.core.create_namespaced_secret(ns.name, {"metadata": {"name": "hf"}, "stringData": {"other": "x"}})
+    cond = wait_for(
+        lambda: "couldn't find key token" in (c := ns.condition("m", "Stalled")).get("message", "") and c,
+        what="the missing key named",
+    )
+    assert cond["reason"] == "CreateContainerConfigError"
+    ns.core.patch_namespaced_secret("hf", ns.name, {"stringData": {"token": "t"}})
+    ns.wait_ready("m", 1, timeout=60)
+    assert ns.condition("m", "Stalled")["status"] == "False"
+
+
+def test_missing_graph_cache_claim_is_waiting_for_claim(operator, ns):
+    ns.apply_model("m", spec(replicas=1, graphCache={"existingClaim": "no-such-cache"}))
+    cond = wait_for(
+        lambda: (c := ns.condition("m", "Progressing")).get("reason") == "WaitingForClaim" and c,
+        what="Progressing WaitingForClaim",
+    )
+    assert 'persistentvolumeclaim "no-such-cache" not found' in cond["message"]  # the scheduler's words
+    assert ns.condition("m", "Ready")["reason"] == "WaitingForClaim"
+    assert ns.condition("m", "Reconciling")["status"] == "True"
+    assert wait_for(lambda: [e for e in ns.events("m") if e.reason == "WaitingForClaim"], what="an Event")
+    ns.core.create_namespaced_persistent_volume_claim(
+        ns.name,
+        {
+            "metadata": {"name": "no-such-cache"},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "1Gi"}}},
+        },
+    )
+    ns.wait_ready("m", 1, timeout=120)
+
+
+def test_pod_bound_to_a_node_that_never_starts_it_is_reported_with_node_and_wait(operator, ns):
+    ns.kubelet.stopped_nodes.update({"spyre-node-0", "spyre-node-1"})
+    ns.apply_model("m", spec(replicas=1))
+    pod = wait_for(lambda: [p for p in ns.pods("m") if p.spec.node_name], what="the pod bound")[0]
+    cond = wait_for(
+        lambda: (c := ns.condition("m", "Progressing")).get("reason") == "NotStarted" and c,
+        timeout=40,
+        what="Progressing NotStarted",
+    )
+    assert (
+        f"pod {pod.metadata.name} is bound to node {pod.spec.node_name} and has not started after"
+        in (cond["message"])
+    )
+    assert int(cond["message"].split("after ")[1].split(" s")[0]) >= 5  # the grace period passed
+    assert ns.condition("m", "Ready")["reason"] == "NotStarted"
+    not_compiling(ns, "m")
+    ns.kubelet.stopped_nodes.clear()
+    ns.wait_ready("m", 1)
+
+
+def test_devices_on_a_cluster_without_dra_say_so(operator, ns):
+    ns.apply_model("m", spec(replicas=1, cards=2, devices={}))
+    cond = wait_for(
+        lambda: (c := ns.condition("m", "Stalled")).get("reason") == "DRAUnavailable" and c,
+        what="Stalled DRAUnavailable",
+    )
+    assert cond["message"].startswith("spec.devices: asks for cards by Dynamic Resource Allocation")
+    assert "resource.k8s.io/v1" in cond["message"]
+    assert wait_for(lambda: [e for e in ns.events("m") if e.reason == "DRAUnavailable"], what="an Event")
+    assert ns.pods("m") == []
+    # the same model by extended resource is served
+    ns.patch_spec("m", {"devices": None})  # a merge patch's null removes the field
+    ns.wait_ready("m", 1)
 
 
 def test_scarce_card_rollout_never_below_one_ready_pod(operator, ns):

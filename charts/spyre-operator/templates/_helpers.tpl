@@ -52,4 +52,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# cards by DRA (spec.devices): one ResourceClaimTemplate per request, removed once no pod claims from it
+- apiGroups: [resource.k8s.io]
+  resources: [resourceclaimtemplates]
+  verbs: [list, create, delete]
 {{- end -}}
