@@ -161,6 +161,7 @@ class Reporter:
                 "WaitingForCapacity",
                 "WaitingForClaim",
                 "NotStarted",
+                "Unschedulable",
             ):
                 self.events.post(model, "Warning", progressing["reason"], progressing["message"])
             elif progressing.get("reason") == "StagedRollout":

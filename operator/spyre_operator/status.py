@@ -141,10 +141,11 @@ class _Count:
 @dataclass(frozen=True)
 class _Starting:
     """The live pods that are not Ready, before their containers run: waiting for a claim (the scheduler
-    names it), bound to a node but not started for longer than the grace period, or starting; and whether
-    any of them runs (only those warm up)."""
+    names it), unschedulable for another reason, bound to a node but not started for longer than the grace
+    period, or starting; and whether any of them runs (only those warm up)."""
 
     claim_messages: tuple[str, ...]
+    unschedulable: tuple[str, ...]
     stuck: tuple[PodHealth, ...]
     starting: tuple[PodHealth, ...]
     has_running: bool
@@ -157,6 +158,7 @@ class _Starting:
             claim_messages=tuple(
                 h.unschedulable_message for h in unready if waits_for_claim(h.unschedulable_message)
             ),
+            unschedulable=tuple(h.unschedulable_message for h in not_started if h.unschedulable_message),
             stuck=tuple(stuck),
             starting=tuple(h for h in not_started if h not in stuck),
             has_running=any(h.is_started for h in unready),
@@ -187,9 +189,9 @@ def _progressing(
     waiting_reason: str,
     warming: dict[str, tuple[int, int]],
 ) -> dict:
-    """Where the rollout is: complete, waiting (for cards, a claim, pods that do not start, or what the
-    operator said), rolling out, starting, or warming up (with each warming pod's graphs compiled so far).
-    Only pods whose containers run are ever said to compile."""
+    """Where the rollout is: complete, waiting (for cards, a claim, pods that do not start or cannot be
+    scheduled, or what the operator said), rolling out, starting, or warming up (with each warming pod's
+    graphs compiled so far). Only pods whose containers run are ever said to compile."""
     ready_of = f"{count.ready_current}/{count.wanted} replicas"
     if is_rolled_out:
         return condition("Progressing", False, "RolloutComplete", f"{ready_of} ready")
@@ -200,6 +202,8 @@ def _progressing(
         return condition("Progressing", True, "WaitingForClaim", starting.claim_messages[0])
     if starting.stuck:
         return condition("Progressing", True, "NotStarted", starting.stuck_message())
+    if starting.unschedulable:
+        return condition("Progressing", True, "Unschedulable", starting.unschedulable[0])
     if waiting:
         return condition("Progressing", True, waiting_reason, waiting)
     if count.current < count.wanted or count.live > count.wanted or count.is_outdated:

@@ -375,6 +375,10 @@ def test_pods_that_have_not_started_are_never_said_to_compile():
     )
     dra = status_for([ready, pod_dict("b", unsched="0/2 nodes are available: 2 cannot allocate all claims.")])
     assert cond(dra, "Progressing")["reason"] == "WaitingForCards"
+    taints = "0/2 nodes are available: 2 node(s) didn't match node selector."
+    elsewhere = status_for([ready, pod_dict("b", unsched=taints)])
+    assert cond(elsewhere, "Progressing")["reason"] == "Unschedulable"
+    assert cond(elsewhere, "Progressing")["message"] == taints == cond(elsewhere, "Reconciling")["message"]
 
 
 def test_status_written_only_when_changed_and_transition_times_kept():
