@@ -385,7 +385,9 @@ class ControlPlane:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
-                "--service-cluster-ip-range=10.96.0.0/16",
+                # ClusterIPs on loopback: nothing routes a Service's ClusterIP here (no kube-proxy), except
+                # the aggregator, which dials an APIService's Service at its ClusterIP (tests serve there)
+                "--service-cluster-ip-range=127.96.0.0/16",
                 # what a production cluster adds to 1.20's defaults (ResourceQuota and Priority are on by
                 # default): owner references that block deletion need the owner's finalizers permission
                 "--enable-admission-plugins=OwnerReferencesPermissionEnforcement",
@@ -419,6 +421,7 @@ class ControlPlane:
                 # No kubelet posts heartbeats for the pseudo nodes: without this the node lifecycle
                 # controller would mark them unreachable after 40 s and taint them.
                 "--controllers=*,-nodelifecycle",
+                "--horizontal-pod-autoscaler-sync-period=3s",
                 "--v=1",
             ],
         )
