@@ -138,6 +138,27 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
         "(default: $SPYRE_API_KEY, else no key)",
     )
+    _chat_flags(p)
+
+
+def _chat_flags(p: argparse.ArgumentParser) -> None:
+    """How chat output is read: tool calls and reasoning (vLLM's flags)."""
+    from spyre_runtime.entrypoints.tool_parsers import TOOL_PARSERS
+
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="tool_choice auto: read the model's tool calls out of its text with --tool-call-parser",
+    )
+    p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None)
+
+
+def _chat_settings(args):
+    from spyre_runtime.entrypoints.tools import ChatSettings
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
+    return ChatSettings(args.enable_auto_tool_choice, args.tool_call_parser)
 
 
 def _config(args):
@@ -180,12 +201,13 @@ def cmd_serve(args) -> int:
     from spyre_runtime.executor.graph_cache import check_precompiled
     from spyre_runtime.executor.model_executor import compiler_for
 
+    chat = _chat_settings(args)
     config = _config(args)
     compiler_for(config.backend)  # fail before binding the port when the backend is missing
     check_precompiled(config)
     if not is_pooling_task(config.task):
         config = check_memory(config)  # after the one-line checks, before anything loads or compiles
-    return serve(config, api_key=args.api_key or os.environ.get("SPYRE_API_KEY") or None)
+    return serve(config, api_key=args.api_key or os.environ.get("SPYRE_API_KEY") or None, chat=chat)
 
 
 def cmd_compile(args) -> int:

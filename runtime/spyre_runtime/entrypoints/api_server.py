@@ -28,6 +28,7 @@ from spyre_runtime.entrypoints.launcher import serve_http
 from spyre_runtime.entrypoints.pooling_state import PoolingState
 from spyre_runtime.entrypoints.protocol import UNSUPPORTED
 from spyre_runtime.entrypoints.state import ServingState
+from spyre_runtime.entrypoints.tools import ChatSettings
 
 
 def build_state(config: RuntimeConfig, api_key: str | None = None) -> ServingState:
@@ -38,7 +39,9 @@ def build_state(config: RuntimeConfig, api_key: str | None = None) -> ServingSta
     return GenerateState(config, api_key=api_key)
 
 
-def build_app(state: ServingState) -> FastAPI:
+def build_app(state: ServingState, chat: ChatSettings | None = None) -> FastAPI:
+    """`chat`: how chat output is read (tool calls, reasoning); decoders only."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.loop = asyncio.get_running_loop()
@@ -51,6 +54,7 @@ def build_app(state: ServingState) -> FastAPI:
         title="spyre-serve pooling runtime" if pooling else "spyre-serve runtime", lifespan=lifespan
     )
     app.state.serving = state
+    app.state.chat = chat or ChatSettings()
     app.add_middleware(Guard, api_key=lambda: state.api_key)
     app.include_router(serving_admin.router)
     if pooling:
@@ -63,8 +67,8 @@ def build_app(state: ServingState) -> FastAPI:
     return app
 
 
-def serve(config: RuntimeConfig, api_key: str | None = None) -> int:
+def serve(config: RuntimeConfig, api_key: str | None = None, chat: ChatSettings | None = None) -> int:
     """Serves the model until SIGTERM (drained: exit 0) or a failure (exit 1)."""
     state = build_state(config, api_key)
-    serve_http(build_app(state), state)
+    serve_http(build_app(state, chat), state)
     return state.exit_code()

@@ -7,9 +7,10 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from spyre_runtime.engine.llm_engine import RequestOutput
+from spyre_runtime.entrypoints.chat_output import OutputDelta, OutputParser, OutputStream, ParsedOutput
 from spyre_runtime.entrypoints.errors import APIError, error_body
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from spyre_runtime.entrypoints.submission import Submission
@@ -46,6 +47,7 @@ class Reply:
     model: str
     chat: bool
     token_text: TokenText
+    output: OutputParser = field(default_factory=OutputParser)  # chat: reasoning and tool calls
 
     @property
     def as_ids(self) -> bool:
@@ -119,11 +121,29 @@ def pick_best(reply: Reply, outs: list[RequestOutput]) -> list[tuple[Choice, Req
     return picked
 
 
+def finish_reason(reason: str | None, tools_called: bool) -> str | None:
+    """A choice that ends in tool calls finishes with "tool_calls" (unless it ran out of tokens)."""
+    return "tool_calls" if tools_called and reason == "stop" else reason
+
+
+def chat_message(reply: Reply, parsed: ParsedOutput) -> dict:
+    message = {
+        "role": "assistant",
+        "content": parsed.content,
+        "tool_calls": [call.as_dict() for call in parsed.calls],
+    }
+    if reply.output.has_reasoning:
+        message["reasoning_content"] = parsed.reasoning
+    return message
+
+
 def _choice_entry(reply: Reply, index: int, choice: Choice, out: RequestOutput) -> dict:
     body = reply.body
+    reason = out.finish_reason
     if reply.chat:
-        message = {"role": "assistant", "content": out.text, "tool_calls": []}
-        entry = {"index": index, "message": message, "logprobs": None}
+        parsed = reply.output.final(out.text)
+        reason = finish_reason(reason, bool(parsed.calls))
+        entry = {"index": index, "message": chat_message(reply, parsed), "logprobs": None}
         if body.logprobs:
             entry["logprobs"] = {"content": chat_logprobs(reply.token_text, out.logprobs, reply.as_ids)}
     else:
@@ -138,7 +158,7 @@ def _choice_entry(reply: Reply, index: int, choice: Choice, out: RequestOutput) 
                 reply.token_text, echoed, out, body.logprobs, bool(body.echo), reply.as_ids
             )
         entry = {"index": index, "text": text, "logprobs": lps}
-    entry["finish_reason"] = out.finish_reason
+    entry["finish_reason"] = reason
     entry["stop_reason"] = out.stop_reason
     return entry
 
@@ -183,28 +203,56 @@ def chunk(reply: Reply, choice: dict | None, include_usage: bool, usage_: dict |
     return event(payload)
 
 
-def delta_choice(reply: Reply, out: RequestOutput) -> dict | None:
-    """One output's choice in a chunk; None when it brings nothing (no text, no logprobs, not finished)."""
+def chat_deltas(delta: OutputDelta) -> list[dict]:
+    """A chat stream's deltas for what one output brought: content and reasoning first, then each call's
+    part in a delta of its own (its id and name, then argument fragments), as OpenAI streams them."""
+    first: dict = {}
+    if delta.reasoning:
+        first["reasoning_content"] = delta.reasoning
+    if delta.content:
+        first["content"] = delta.content
+    calls = []
+    for c in delta.calls:
+        if c.id is not None:
+            function = {"name": c.name, "arguments": c.arguments}
+            calls.append({"index": c.index, "id": c.id, "type": "function", "function": function})
+        else:
+            calls.append({"index": c.index, "function": {"arguments": c.arguments}})
+    deltas = [first] if first or not calls else []
+    return deltas + [{"tool_calls": [call]} for call in calls]
+
+
+def delta_choices(reply: Reply, out: RequestOutput, stream: OutputStream | None = None) -> list[dict]:
+    """One output's choices in chunks (a chat output's tool calls may take several); none when it brings
+    nothing (no text, no logprobs, not finished)."""
     if not (out.delta_text or out.delta_logprobs or out.finished):
-        return None
+        return []
     body = reply.body
     index = reply.sub.choice_of[out.request_id].index
     reason = out.finish_reason if out.finished else None
     if reply.chat:
-        delta = {"content": out.delta_text} if out.delta_text else {}
+        stream = stream or reply.output.stream()
+        deltas = chat_deltas(stream.feed(out.text, out.finished))
         lps = (
             {"content": chat_logprobs(reply.token_text, out.delta_logprobs, reply.as_ids)}
             if body.logprobs
             else None
         )
-        choice = {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
+        if deltas == [{}] and not (lps or out.finished):
+            return []
+        reason = finish_reason(reason, stream.tools_called)
+        choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        choices[0]["logprobs"] = lps
+        choices[-1]["finish_reason"] = reason
     else:
         lps = None
         if body.logprobs is not None:
             delta_out = dataclasses.replace(out, logprobs=out.delta_logprobs)
             lps = completion_logprobs(reply.token_text, [], delta_out, body.logprobs, False, reply.as_ids)
-        choice = {"index": index, "text": out.delta_text, "logprobs": lps, "finish_reason": reason}
-    return choice | ({"stop_reason": out.stop_reason} if out.finished else {})
+        choices = [{"index": index, "text": out.delta_text, "logprobs": lps, "finish_reason": reason}]
+    if out.finished:
+        choices[-1]["stop_reason"] = out.stop_reason
+    return choices
 
 
 async def stream_events(reply: Reply, include_usage: bool) -> AsyncIterator[str]:
@@ -212,6 +260,7 @@ async def stream_events(reply: Reply, include_usage: bool) -> AsyncIterator[str]
     event). Closes the submission at the end, which aborts what still runs when the client went away."""
     sub = reply.sub
     completion_tokens = 0
+    streams = {c.index: reply.output.stream() for c in sub.choices} if reply.chat else {}
     try:
         if reply.chat:
             for choice in sub.choices:
@@ -231,8 +280,8 @@ async def stream_events(reply: Reply, include_usage: bool) -> AsyncIterator[str]
                 break
             if out.finished:
                 completion_tokens += len(out.token_ids)
-            choice = delta_choice(reply, out)
-            if choice is not None:
+            stream = streams.get(sub.choice_of[out.request_id].index)
+            for choice in delta_choices(reply, out, stream):
                 yield chunk(reply, choice, include_usage)
         else:
             if include_usage:

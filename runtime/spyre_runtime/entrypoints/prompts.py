@@ -37,10 +37,8 @@ def render_chat(tokenizer, v: Validator, body: ChatCompletionRequest | TokenizeR
     if clash:
         raise bad_request("chat_template_kwargs", f"may not set {', '.join(clash)}")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    if isinstance(body, ChatCompletionRequest):
-        v.tool_choice(body)
-        if body.tool_choice == "none":
-            tools = None
+    if isinstance(body, ChatCompletionRequest) and body.tool_choice == "none":
+        tools = None
     if body.chat_template is None and tokenizer.chat_template is None:
         raise bad_request("messages", "the model has no chat template; pass chat_template")
     try:

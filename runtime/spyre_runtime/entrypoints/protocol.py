@@ -133,14 +133,36 @@ class Tool(StrictModel):
     function: ToolFunction
 
 
+class NamedFunction(StrictModel):
+    name: str = Field(max_length=256)
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(StrictModel):
+    name: str = Field(max_length=256)
+    arguments: str
+
+
+class ToolCallParam(StrictModel):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)  # extras go to the template
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCallParam] | None = Field(default=None, max_length=128)
+    tool_call_id: str | None = Field(default=None, max_length=256)
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -149,7 +171,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = Field(default=None, max_length=128)
-    tool_choice: Literal["none", "auto"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     chat_template: str | None = Field(default=None, max_length=100_000)
     chat_template_kwargs: dict[str, Any] | None = None

@@ -15,12 +15,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
 from spyre_runtime.engine.llm_engine import RequestOutput
+from spyre_runtime.entrypoints.chat_output import OutputParser
 from spyre_runtime.entrypoints.errors import APIError, bad_request
 from spyre_runtime.entrypoints.formatting import Reply, build_response, stream_events
 from spyre_runtime.entrypoints.generate_state import GenerateState
 from spyre_runtime.entrypoints.prompts import render_chat, tokenize
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from spyre_runtime.entrypoints.submission import Submission
+from spyre_runtime.entrypoints.tools import ChatSettings, plan_tools
 from spyre_runtime.entrypoints.validator import Choice
 
 router = APIRouter()
@@ -59,12 +61,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     v = state.ready_validator()
     v.model(body.model)
     v.num_sequences(1, body)
+    settings: ChatSettings = request.app.state.chat
+    plan = plan_tools(body, settings)
     tokenizer = state.engine.tokenizer
     ids = tokenize(tokenizer, render_chat(tokenizer, v, body), bool(body.add_special_tokens), "messages")
     if not ids:
         raise bad_request("messages", "the rendered prompt is empty")
-    params = v.sampling(body, len(ids), chat=True)
-    return await respond(state, request, body, [ids], v.choices(body, params, 0), chat=True)
+    params = v.sampling(body, len(ids), chat=True, tools=plan)
+    output = OutputParser(plan)
+    return await respond(state, request, body, [ids], v.choices(body, params, 0), chat=True, output=output)
 
 
 async def respond(
@@ -74,11 +79,13 @@ async def respond(
     prompts: list[list[int]],
     choices: list[Choice],
     chat: bool,
+    output: OutputParser | None = None,
 ):
     """Submits the request's sequences and answers: a stream of events, or the whole body at the end."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
     sub = state.submit(rid, choices, prompts)
-    reply = Reply(sub, body, int(time.time()), state.config.served_model_name, chat, state.token_text)
+    model = state.config.served_model_name
+    reply = Reply(sub, body, int(time.time()), model, chat, state.token_text, output or OutputParser())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(stream_events(reply, include_usage), media_type="text/event-stream")

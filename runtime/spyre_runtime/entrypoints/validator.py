@@ -21,6 +21,7 @@ from spyre_runtime.entrypoints.protocol import (
     SamplingFields,
     TokenizeRequest,
 )
+from spyre_runtime.entrypoints.tools import TEXT, ToolPlan, template_tool_calls
 from spyre_runtime.sampling.params import SEED_MIN, SamplingParamError, SamplingParams
 
 
@@ -77,7 +78,8 @@ class Validator:
         return prompts
 
     def messages(self, body: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
-        """Messages as plain dicts for the chat template; only text content parts."""
+        """Messages as plain dicts for the chat template; only text content parts; an assistant's tool calls
+        with their arguments as objects; a tool result names the call it answers."""
         out = []
         for i, m in enumerate(body.messages or ()):
             msg = m.model_dump(exclude_none=True)
@@ -91,19 +93,20 @@ class Validator:
                 msg["content"] = "".join(part.text for part in m.content)
             elif m.content is None:
                 msg["content"] = ""
+            if m.tool_calls:
+                if m.role != "assistant":
+                    raise bad_request(f"messages.{i}.tool_calls", "only assistant messages carry tool calls")
+                msg["tool_calls"] = template_tool_calls(m.tool_calls, f"messages.{i}.tool_calls")
+            if m.role == "tool" and not m.tool_call_id:
+                raise bad_request(f"messages.{i}.tool_call_id", "a tool message names the call it answers")
             out.append(msg)
         return out
 
-    def tool_choice(self, body: ChatCompletionRequest) -> None:
-        if isinstance(body.tool_choice, dict):
-            raise bad_request(
-                "tool_choice",
-                "only 'auto' and 'none' are supported: tools reach the chat template, and tool calls are "
-                "returned as text (not parsed)",
-            )
-
-    def sampling(self, body: SamplingFields, num_prompt_tokens: int, chat: bool) -> SamplingParams:
-        """The request's SamplingParams; checks the lengths against the scheduler's limits."""
+    def sampling(
+        self, body: SamplingFields, num_prompt_tokens: int, chat: bool, tools: ToolPlan = TEXT
+    ) -> SamplingParams:
+        """The request's SamplingParams; checks the lengths against the scheduler's limits. `tools`: the
+        grammar a tool choice enforces, and whether its parser needs special tokens in the text."""
         max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens
         room = self.scheduler.max_tokens_for(num_prompt_tokens)
         if max_tokens is None:
@@ -161,18 +164,18 @@ class Validator:
                 stop_token_ids=tuple(stop_ids),
                 include_stop_str_in_output=bool(body.include_stop_str_in_output),
                 ignore_eos=bool(body.ignore_eos),
-                skip_special_tokens=body.skip_special_tokens is not False,
+                skip_special_tokens=body.skip_special_tokens is not False and not tools.needs_special_tokens,
                 logprobs=logprobs,
                 prompt_logprobs=(
                     body.logprobs if not chat and body.echo and body.logprobs is not None else None
                 ),
-                guide=self.guide(body),
+                guide=self.guide(body, tools.guide),
             )
         except SamplingParamError as e:
             raise bad_request(e.param, str(e).removeprefix(e.param + " ")) from None
 
-    def guide(self, body: SamplingFields):
-        asked = []
+    def guide(self, body: SamplingFields, tool_guide: tuple | None = None):
+        asked = [tool_guide] if tool_guide else []
         rf = body.response_format
         if rf is not None and rf.type != "text":
             if rf.type == "json_schema":
