@@ -143,6 +143,7 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
 
 def _chat_flags(p: argparse.ArgumentParser) -> None:
     """How chat output is read: tool calls and reasoning (vLLM's flags)."""
+    from spyre_runtime.entrypoints.reasoning import REASONING_PARSERS
     from spyre_runtime.entrypoints.tool_parsers import TOOL_PARSERS
 
     p.add_argument(
@@ -151,6 +152,12 @@ def _chat_flags(p: argparse.ArgumentParser) -> None:
         help="tool_choice auto: read the model's tool calls out of its text with --tool-call-parser",
     )
     p.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None)
+    p.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="move the model's reasoning into reasoning_content (structured output starts after it)",
+    )
 
 
 def _chat_settings(args):
@@ -158,7 +165,7 @@ def _chat_settings(args):
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
-    return ChatSettings(args.enable_auto_tool_choice, args.tool_call_parser)
+    return ChatSettings(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
 
 
 def _config(args):

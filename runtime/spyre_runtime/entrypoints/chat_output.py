@@ -59,11 +59,13 @@ class OutputDelta:
 
 
 class OutputParser:
-    """One request's way of reading its choices' text. `reasoning`: a reasoning parser or None."""
+    """One request's way of reading its choices' text. `reasoning`: a reasoning parser or None;
+    `include_reasoning` false drops the reasoning from what is sent (vLLM's include_reasoning)."""
 
-    def __init__(self, tools: ToolPlan = TEXT, reasoning=None) -> None:
+    def __init__(self, tools: ToolPlan = TEXT, reasoning=None, include_reasoning: bool = True) -> None:
         self.tools = tools
         self.reasoning = reasoning
+        self.include_reasoning = include_reasoning
 
     @property
     def has_reasoning(self) -> bool:
@@ -73,13 +75,14 @@ class OutputParser:
         """(reasoning, the rest): reasoning is None without a reasoning parser."""
         if self.reasoning is None:
             return None, text
-        return self.reasoning.split(text, final)
+        reasoning, rest = self.reasoning.split(text, final)
+        return (reasoning if self.include_reasoning or reasoning is None else ""), rest
 
     def calls_of(self, content: str, final: bool) -> tuple[str, tuple[PartialCall, ...]]:
         """(content, calls) of the text after the reasoning."""
         plan = self.tools
-        if plan.mode == "named":
-            return "", (PartialCall(plan.function, content, final),)
+        if plan.mode == "named":  # the call starts with its arguments (after any reasoning)
+            return "", (PartialCall(plan.function, content, final),) if content or final else ()
         if plan.parser is None:
             return content, ()
         parse = plan.parser.parse(content, final)
@@ -89,10 +92,11 @@ class OutputParser:
     def final(self, text: str) -> ParsedOutput:
         reasoning, rest = self.split(text, final=True)
         content, calls = self.calls_of(rest, final=True)
+        shown = reasoning if self.include_reasoning else None
         if not calls:
-            return ParsedOutput(reasoning, content)
+            return ParsedOutput(shown, None if reasoning is not None and not content else content)
         named = tuple(ToolCall(new_call_id(), c.name, c.arguments) for c in calls)
-        return ParsedOutput(reasoning, content if content.strip() else None, named)
+        return ParsedOutput(shown, content if content.strip() else None, named)
 
     def stream(self) -> OutputStream:
         return OutputStream(self)

@@ -37,8 +37,11 @@ def render_chat(tokenizer, v: Validator, body: ChatCompletionRequest | TokenizeR
     if clash:
         raise bad_request("chat_template_kwargs", f"may not set {', '.join(clash)}")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    if isinstance(body, ChatCompletionRequest) and body.tool_choice == "none":
-        tools = None
+    if isinstance(body, ChatCompletionRequest):
+        if body.tool_choice == "none":
+            tools = None
+        if body.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", body.reasoning_effort)  # as vLLM passes it
     if body.chat_template is None and tokenizer.chat_template is None:
         raise bad_request("messages", "the model has no chat template; pass chat_template")
     try:

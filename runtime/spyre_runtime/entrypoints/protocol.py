@@ -30,7 +30,6 @@ UNSUPPORTED = {
     "functions": "functions is deprecated; use tools",
     "function_call": "function_call is deprecated; use tool_choice",
     "web_search_options": "web search is not supported",
-    "reasoning_effort": "reasoning models are not supported",
     "use_beam_search": "beam search is not supported",
     "length_penalty": "length_penalty applies to beam search, which is not supported",
     "guided_grammar": "guided_grammar is not supported; use guided_json, guided_regex or guided_choice",
@@ -173,6 +172,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None  # to the chat template
+    include_reasoning: bool | None = None  # vLLM's: false leaves reasoning_content out
     chat_template: str | None = Field(default=None, max_length=100_000)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None

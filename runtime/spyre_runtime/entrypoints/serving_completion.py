@@ -67,8 +67,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ids = tokenize(tokenizer, render_chat(tokenizer, v, body), bool(body.add_special_tokens), "messages")
     if not ids:
         raise bad_request("messages", "the rendered prompt is empty")
-    params = v.sampling(body, len(ids), chat=True, tools=plan)
-    output = OutputParser(plan)
+    reasoning = settings.new_reasoning_parser()
+    ends = reasoning.end_markers if reasoning else ()
+    params = v.sampling(body, len(ids), chat=True, tools=plan, reasoning_end=ends)
+    output = OutputParser(plan, reasoning, include_reasoning=body.include_reasoning is not False)
     return await respond(state, request, body, [ids], v.choices(body, params, 0), chat=True, output=output)
 
 

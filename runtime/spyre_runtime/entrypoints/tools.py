@@ -34,6 +34,11 @@ class ChatSettings:
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
 
+    def new_reasoning_parser(self):
+        from spyre_runtime.entrypoints.reasoning import REASONING_PARSERS
+
+        return REASONING_PARSERS[self.reasoning_parser]() if self.reasoning_parser else None
+
 
 @dataclass(frozen=True)
 class ToolPlan:

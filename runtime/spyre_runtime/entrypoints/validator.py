@@ -103,10 +103,16 @@ class Validator:
         return out
 
     def sampling(
-        self, body: SamplingFields, num_prompt_tokens: int, chat: bool, tools: ToolPlan = TEXT
+        self,
+        body: SamplingFields,
+        num_prompt_tokens: int,
+        chat: bool,
+        tools: ToolPlan = TEXT,
+        reasoning_end: tuple[str, ...] = (),
     ) -> SamplingParams:
         """The request's SamplingParams; checks the lengths against the scheduler's limits. `tools`: the
-        grammar a tool choice enforces, and whether its parser needs special tokens in the text."""
+        grammar a tool choice enforces, and whether its parser needs special tokens in the text;
+        `reasoning_end`: a grammar starts once the output holds one of these (the reasoning is over)."""
         max_tokens = (body.max_completion_tokens if chat else None) or body.max_tokens
         room = self.scheduler.max_tokens_for(num_prompt_tokens)
         if max_tokens is None:
@@ -169,12 +175,12 @@ class Validator:
                 prompt_logprobs=(
                     body.logprobs if not chat and body.echo and body.logprobs is not None else None
                 ),
-                guide=self.guide(body, tools.guide),
+                guide=self.guide(body, tools.guide, reasoning_end),
             )
         except SamplingParamError as e:
             raise bad_request(e.param, str(e).removeprefix(e.param + " ")) from None
 
-    def guide(self, body: SamplingFields, tool_guide: tuple | None = None):
+    def guide(self, body: SamplingFields, tool_guide: tuple | None = None, after: tuple[str, ...] = ()):
         asked = [tool_guide] if tool_guide else []
         rf = body.response_format
         if rf is not None and rf.type != "text":
@@ -199,9 +205,10 @@ class Validator:
             raise bad_request(asked[1][0], f"only one kind of structured output per request (got {names})")
         param, kind, value = asked[0]
         try:
-            return self.guides.compile(kind, value)
+            spec = self.guides.compile(kind, value)
         except ValueError as e:
             raise bad_request(param, str(e)) from None
+        return self.guides.defer(spec, after) if after else spec
 
     def choices(self, body: SamplingFields, params: SamplingParams, prompt_index: int) -> list[Choice]:
         """n (or best_of) sequences for one prompt; seeded choices get seed + i, as vLLM does."""

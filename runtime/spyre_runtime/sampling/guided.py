@@ -10,6 +10,8 @@ JSON schemas, regexes and Lark grammars through one API, and vLLM ships it as it
 
     GuideCompiler (one per tokenizer) ─compile(kind, value)─► GuideSpec (a checked grammar; in SamplingParams)
         └─ per request: spec.new_guide() ─► Guide (a matcher: mask for the next token; accept(token))
+    GuideCompiler.defer(spec, markers) ─► DeferredGuideSpec: the grammar starts once the output's text holds
+        one of `markers` (the end of a model's reasoning, as vLLM applies structured output after it)
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import torch
 
 _BITS = torch.arange(32, dtype=torch.int32)
+DEFER_WINDOW = 32  # tokens decoded to look for the marker that starts a deferred grammar
 
 # JSON comes out as json.dumps writes it: `{"a": 1, "b": [2, 3]}`, no other whitespace. With llguidance's
 # default (any run of whitespace between tokens) a small or unsure model can spend all of max_tokens on
@@ -81,6 +84,44 @@ class Guide:
             raise GuideError(-1, f"structured output failed: {self.matcher.get_error() or 'token rejected'}")
 
 
+class DeferredGuide:
+    """A grammar that starts once the decoded output holds one of `markers`; until then its row is not
+    masked and nothing is complete. Only the last DEFER_WINDOW tokens are decoded at each step."""
+
+    def __init__(self, spec: GuideSpec, markers: tuple[str, ...], decode) -> None:
+        self.spec, self.markers, self.decode = spec, markers, decode
+        self.tokens: list[int] = []
+        self.inner: Guide | None = None
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.inner is not None:
+            self.inner.fill(bitmask, row)
+
+    @property
+    def is_complete(self) -> bool:
+        return self.inner is not None and self.inner.is_complete
+
+    def accept(self, token: int) -> None:
+        if self.inner is not None:
+            self.inner.accept(token)
+            return
+        self.tokens.append(token)
+        tail = self.decode(self.tokens[-DEFER_WINDOW:])
+        if any(m in tail for m in self.markers):
+            self.inner = self.spec.new_guide()
+
+
+class DeferredGuideSpec:
+    def __init__(self, spec: GuideSpec, markers: tuple[str, ...], decode) -> None:
+        self.spec, self.markers, self.decode = spec, markers, decode
+
+    def new_guide(self) -> DeferredGuide:
+        return DeferredGuide(self.spec, self.markers, self.decode)
+
+    def __repr__(self) -> str:
+        return f"DeferredGuideSpec({self.spec.description} after {self.markers})"
+
+
 def apply_guides(logits: torch.Tensor, rows: list[int], guides: list[Guide]) -> None:
     """In place on logits [B, V]: tokens a row's grammar does not allow next become -inf."""
     vocab = logits.shape[1]
@@ -112,6 +153,10 @@ class GuideCompiler:
                     self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids or None
                 )
             return self._tokenizer
+
+    def defer(self, spec: GuideSpec, markers: tuple[str, ...]) -> DeferredGuideSpec:
+        """`spec`, started once the output's text holds one of `markers`."""
+        return DeferredGuideSpec(spec, markers, self.hf_tokenizer.decode)
 
     def compile(self, kind: str, value) -> GuideSpec:
         """kind: json_object | json_schema | regex | choice. Raises ValueError for a bad grammar."""
