@@ -3,6 +3,7 @@ engine that boots (GenerateState or PoolingState) and the routers that mount; th
 guard, the error bodies, /health, /metrics, /v1/models and the SIGTERM drain are the same for all.
 
     generate:          serving_completion (/v1/completions, /v1/chat/completions)
+                       serving_responses (/v1/responses)
                        serving_tokenization (/tokenize, /detokenize)
     embed/score/rerank: serving_pooling (/v1/embeddings, /score, /rerank)
     every task:        serving_admin (/health, /metrics, /version, /v1/models)
@@ -20,13 +21,20 @@ from fastapi import FastAPI
 from spyre_contract.tasks import is_pooling_task
 
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.entrypoints import serving_admin, serving_completion, serving_pooling, serving_tokenization
+from spyre_runtime.entrypoints import (
+    serving_admin,
+    serving_completion,
+    serving_pooling,
+    serving_responses,
+    serving_tokenization,
+)
 from spyre_runtime.entrypoints.errors import install_error_handlers
 from spyre_runtime.entrypoints.generate_state import GenerateState
 from spyre_runtime.entrypoints.guard import Guard
 from spyre_runtime.entrypoints.launcher import serve_http
 from spyre_runtime.entrypoints.pooling_state import PoolingState
 from spyre_runtime.entrypoints.protocol import UNSUPPORTED
+from spyre_runtime.entrypoints.responses_protocol import RESPONSES_UNSUPPORTED
 from spyre_runtime.entrypoints.state import ServingState
 from spyre_runtime.entrypoints.tools import ChatSettings
 
@@ -62,8 +70,10 @@ def build_app(state: ServingState, chat: ChatSettings | None = None) -> FastAPI:
         install_error_handlers(app, unsupported={})
     else:
         app.include_router(serving_completion.router)
+        app.include_router(serving_responses.router)
         app.include_router(serving_tokenization.router)
-        install_error_handlers(app, unsupported=UNSUPPORTED)
+        app.state.responses = serving_responses.ResponseStore()
+        install_error_handlers(app, unsupported={**RESPONSES_UNSUPPORTED, **UNSUPPORTED})
     return app
 
 
