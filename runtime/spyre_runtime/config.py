@@ -67,6 +67,71 @@ __all__ = [
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config` (vllm/config/kv_events.py, 0.27.1), the same keys and defaults: where the
+    prefix cache's block events are published (engine/kv_events.py). Off unless `enable_kv_cache_events`."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "null"  # "zmq" when enabled and not given
+    # a wildcard address, ipc:// or inproc:// binds; a host:port connects (vLLM's rule)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None  # a ROUTER socket that replays missed batches, when given
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+
+KV_EVENTS_FLAG = "--kv-events-config"
+
+
+def parse_kv_events_config(text: str | None) -> KVEventsConfig:
+    """The flag's JSON object -> KVEventsConfig; a ConfigError naming the flag for bad JSON or values."""
+    if text is None:
+        return KVEventsConfig()
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{KV_EVENTS_FLAG}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{KV_EVENTS_FLAG}: expected a JSON object, got {text!r}")
+    known = {f.name: f for f in fields(KVEventsConfig)}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{KV_EVENTS_FLAG}: unknown key {key!r}; known keys: {', '.join(known)}")
+        _check_kv_events_value(key, value, known[key].default)
+    if "publisher" not in raw:
+        raw["publisher"] = "zmq" if raw.get("enable_kv_cache_events") else "null"
+    if raw["publisher"] not in ("null", "zmq"):
+        raise ConfigError(f"{KV_EVENTS_FLAG}: publisher={raw['publisher']!r} must be 'zmq' or 'null'")
+    for key in ("endpoint", "replay_endpoint"):
+        value = raw.get(key)
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(
+                f"{KV_EVENTS_FLAG}: {key}={value!r} must start with tcp://, ipc:// or inproc://"
+            )
+    return KVEventsConfig(**raw)
+
+
+def _check_kv_events_value(key: str, value, default) -> None:
+    if key == "replay_endpoint" or isinstance(default, str):
+        ok = isinstance(value, str) or (key == "replay_endpoint" and value is None)
+        want = "a string"
+    elif isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    else:
+        least = 0 if key == "hwm" else 1  # a high-water mark of 0: no limit (ZeroMQ's meaning)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+        want = f"an integer >= {least}"
+    if not ok:
+        raise ConfigError(f"{KV_EVENTS_FLAG}: {key}={json.dumps(value)} must be {want}")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     model_dir: Path
     served_model_name: str
@@ -103,6 +168,7 @@ class RuntimeConfig:
     decode_batch_buckets: tuple[int, ...] = ()  # () : powers of two up to max_num_seqs
     kv_len_buckets: tuple[int, ...] = ()  # () : 64 * powers of two up to max_model_len
     prefill_buckets: tuple[int, ...] = ()  # () : multiples of 64 up to 256, then doubling up to the chunk
+    kv_events: KVEventsConfig = KVEventsConfig()  # --kv-events-config
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
 
     # ---- continuous batching: the static menu of compiled shapes ----------------------------------

@@ -11,6 +11,10 @@ goes to the back of the free queue but keeps its hash: it can still be hit until
 (least recently freed first), which evicts it. The last prompt token is always computed, so a hit never
 covers the whole prompt. Invariant: every block other than scratch is either referenced (ref_count > 0) or in
 the free queue, never both.
+
+KV events (`record_events`): publishing a block under its hash records a `BlockStored` (one per commit, for
+the consecutive blocks it published), evicting one a `BlockRemoved`; `take_events()` hands them over once per
+engine step (engine/kv_events.py sends them in vLLM's format).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from spyre_runtime.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent, external_block_hash
 from spyre_runtime.executor.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK
 
 
@@ -36,7 +41,11 @@ class Allocation:
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, enable_prefix_caching: bool = True, block_size: int = BLOCK_SIZE
+        self,
+        num_blocks: int,
+        enable_prefix_caching: bool = True,
+        block_size: int = BLOCK_SIZE,
+        record_events: bool = False,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (one is scratch)")
@@ -47,6 +56,8 @@ class BlockManager:
         self.cached: dict[int, int] = {}  # content hash -> block id
         self.tables: dict[str, list[int]] = {}
         self._pending: dict[str, list[int]] = {}  # seq -> hashes of its shareable blocks, by block index
+        self._prompts: dict[str, list[int]] = {}  # seq -> its tokens at allocation (when recording events)
+        self.events: list[KVCacheEvent] | None = [] if record_events else None
 
     # ---- queries ---------------------------------------------------------------------------------
 
@@ -57,6 +68,11 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return len(self.blocks) - 1 - len(self.free_queue)
+
+    @property
+    def num_pool_blocks(self) -> int:
+        """Blocks sequences can hold (all but scratch)."""
+        return len(self.blocks) - 1
 
     def block_table(self, seq_id: str) -> tuple[int, ...]:
         return tuple(self.tables[seq_id])
@@ -103,17 +119,50 @@ class BlockManager:
             table.append(self._take_free())
         self.tables[seq_id] = table
         self._pending[seq_id] = hashes
+        if self.events is not None and hashes:
+            self._prompts[seq_id] = list(token_ids[: len(hashes) * self.block_size])
         return Allocation(tuple(table), len(hits) * self.block_size)
 
     def commit(self, seq_id: str, num_computed_tokens: int) -> None:
         """Publishes the sequence's shareable blocks whose KV is now computed (its first
         `num_computed_tokens` tokens), so later prompts can hit them."""
         hashes, table = self._pending.get(seq_id, []), self.tables[seq_id]
+        published = []
         for i in range(min(len(hashes), num_computed_tokens // self.block_size)):
             block = self.blocks[table[i]]
             if block.content_hash is None and hashes[i] not in self.cached:
                 block.content_hash = hashes[i]
                 self.cached[hashes[i]] = block.block_id
+                published.append(i)
+        if self.events is not None and published:
+            self._record_stored(seq_id, hashes, published)
+
+    def _record_stored(self, seq_id: str, hashes: list[int], published: list[int]) -> None:
+        """One BlockStored per run of consecutive block indices published by a commit."""
+        runs: list[list[int]] = []
+        for i in published:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        tokens = self._prompts[seq_id]
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self.events.append(
+                BlockStored(
+                    block_hashes=tuple(external_block_hash(h) for h in hashes[first:end]),
+                    parent_block_hash=external_block_hash(hashes[first - 1]) if first else None,
+                    token_ids=tuple(tokens[first * self.block_size : end * self.block_size]),
+                    block_size=self.block_size,
+                )
+            )
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (none when not recording)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def can_append(self, seq_id: str, num_tokens: int) -> bool:
         """Whether the sequence can grow to `num_tokens` tokens."""
@@ -132,6 +181,7 @@ class BlockManager:
     def free(self, seq_id: str) -> None:
         """Releases the sequence's blocks; shared prompt blocks stay cached until evicted."""
         self._pending.pop(seq_id, None)
+        self._prompts.pop(seq_id, None)
         for block_id in reversed(self.tables.pop(seq_id)):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -150,6 +200,8 @@ class BlockManager:
         if block.content_hash is not None:  # evict its cached content
             if self.cached.get(block.content_hash) == block_id:
                 del self.cached[block.content_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved((external_block_hash(block.content_hash),)))
             block.content_hash = None
         block.ref_count = 1
         return block_id

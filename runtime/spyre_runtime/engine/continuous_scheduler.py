@@ -59,12 +59,19 @@ class ContinuousScheduler:
         self.kv_buckets = config.kv_buckets
         self.interleave = config.cp_interleave_steps
         self.pieces = config.prefill_pieces
-        self.blocks = BlockManager(config.cb_num_blocks, enable_prefix_caching=config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            config.cb_num_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            record_events=config.kv_events.is_enabled,
+        )
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not yet computed, in admission order
         self.running: list[Request] = []  # in admission order
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache, in all
+        # vLLM's prefix-cache counters: tokens looked up and found, of requests admitted for the first time
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
 
     # ---- queue -----------------------------------------------------------------------------------
 
@@ -107,6 +114,14 @@ class ContinuousScheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Blocks held by sequences over the blocks of the pool (cached but free blocks count as free)."""
+        return self.blocks.num_used_blocks / self.blocks.num_pool_blocks
+
+    def take_kv_events(self) -> list:
+        return self.blocks.take_events()
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -154,6 +169,9 @@ class ContinuousScheduler:
             allocation = self.blocks.allocate(req.request_id, tokens)
             req.num_computed_tokens = allocation.num_cached_tokens
             self.num_cached_tokens += allocation.num_cached_tokens
+            if self.blocks.enable_prefix_caching and req.num_preemptions == 0:
+                self.num_prefix_queries += len(tokens)
+                self.num_prefix_hits += allocation.num_cached_tokens
             req.status = Status.RUNNING
             self.prefilling.append(req)
 

@@ -55,6 +55,7 @@ class StaticScheduler:
         self.running: list[Request] = []
         self._running_shape: Shape | None = None
         self._decode_index = 0
+        self.num_prefix_queries = self.num_prefix_hits = 0  # no prefix cache (vLLM's counters stay at 0)
 
     # ---- queue -----------------------------------------------------------------------------------
 
@@ -93,6 +94,15 @@ class StaticScheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Rows of the running batch still generating over the rows of its shape (0 with no batch)."""
+        shape = self._running_shape
+        return self.num_running / shape.batch_size if shape is not None else 0.0
+
+    def take_kv_events(self) -> list:
+        return []  # no prefix cache
 
     # ---- steps -----------------------------------------------------------------------------------
 
