@@ -14,7 +14,13 @@ from pathlib import Path
 
 from spyre_contract.tasks import check_task, is_pooling_task
 
-from spyre_runtime.config import ConfigError, check_known_configuration, check_memory, load_config
+from spyre_runtime.config import (
+    ConfigError,
+    check_known_configuration,
+    check_memory,
+    load_config,
+    parse_kv_events_config,
+)
 
 log = logging.getLogger("spyre_runtime")
 
@@ -138,6 +144,12 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
         "(default: $SPYRE_API_KEY, else no key)",
     )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's KV-cache events (continuous batching's prefix cache) on a ZeroMQ PUB socket, as JSON: "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": ""}\' (default: off)',
+    )
     _chat_flags(p)
 
 
@@ -197,6 +209,7 @@ def _config(args):
         config,
         memory_utilization=getattr(args, "memory_utilization", None) or 0.0,
         skip_warmup=bool(getattr(args, "skip_warmup", False)),
+        kv_events=parse_kv_events_config(getattr(args, "kv_events_config", None)),
     )
     for name, value in check_known_configuration(config).env.items():
         os.environ.setdefault(name, value)  # the registry's per-configuration overrides

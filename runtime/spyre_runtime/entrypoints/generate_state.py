@@ -9,19 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import suppress
 
 from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.engine.kv_events import publisher_for
 from spyre_runtime.engine.llm_engine import EngineThread, LLMEngine, RequestOutput
 from spyre_runtime.entrypoints.formatting import TokenText
 from spyre_runtime.entrypoints.state import EngineDied, ServingState
 from spyre_runtime.entrypoints.submission import Submission
 from spyre_runtime.entrypoints.validator import Choice, Limits, Validator
 from spyre_runtime.executor.graph_cache import warmup_with_cache
+from spyre_runtime.executor.kv_cache import BLOCK_SIZE
 from spyre_runtime.executor.model_executor import configure_threads
 from spyre_runtime.sampling.guided import GuideCompiler
 
+log = logging.getLogger(__name__)
 DEAD_ENGINE_EXIT_DELAY = 5.0  # seconds for in-flight requests to receive their error before exiting
 
 
@@ -34,6 +38,10 @@ class GenerateState(ServingState):
         self.token_text: TokenText | None = None
         self.streams: dict[str, asyncio.Queue] = {}
         self.startup_timings: dict[str, float] = {}
+        self.kv_events = publisher_for(config.kv_events)  # before the port is bound: a bad endpoint exits 2
+        if self.kv_events is not None and not (config.use_cb and config.enable_prefix_caching):
+            log.warning("--kv-events-config: no prefix cache (it needs continuous batching): no events")
+        self._prefix_counts = (0, 0)  # the scheduler's prefix-cache queries and hits, as last counted
 
     # runs on a background thread
     def load(self) -> None:
@@ -41,6 +49,8 @@ class GenerateState(ServingState):
         threads = configure_threads(self.config)
         self.engine = LLMEngine(self.config)
         self.startup_timings["load_seconds"] = time.monotonic() - t0
+        caching = self.config.use_cb and self.config.enable_prefix_caching
+        self.metrics.vllm.cache_config(BLOCK_SIZE, self.engine.executor.kv.num_blocks, caching)
         warm = warmup_with_cache(self.engine.executor, self.config)
         self.startup_timings["warmup_seconds"] = warm.seconds
         self.startup_timings["graphs_compiled"] = warm.num_compiled
@@ -77,6 +87,8 @@ class GenerateState(ServingState):
 
     def close(self) -> None:
         self.stop_engine()
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
         if self.engine is not None:
             with suppress(Exception):
                 self.engine.close(failed=self.engine_error is not None)  # stops the tensor-parallel ranks
@@ -97,6 +109,7 @@ class GenerateState(ServingState):
     # ---- engine thread -> event loop --------------------------------------------------------------
 
     def _emit(self, out: RequestOutput) -> None:
+        self._observe_tokens(out)
         if out.finished:
             self._observe_finished(out)
             self._observe_queue()
@@ -112,6 +125,7 @@ class GenerateState(ServingState):
         if not outputs:
             return
         for out in outputs:
+            self._observe_tokens(out)
             if out.finished:
                 self._observe_finished(out)
         if any(out.finished for out in outputs):
@@ -151,24 +165,55 @@ class GenerateState(ServingState):
         m.step_seconds.labels("mixed" if getattr(step, "mixed", False) else kind).observe(seconds)
         m.batch_occupancy.set(step.occupancy)
         self._observe_queue()
+        sched = self.engine.scheduler
+        queries, hits = sched.num_prefix_queries, sched.num_prefix_hits
+        m.vllm.prefix_cache_queries.inc(queries - self._prefix_counts[0])
+        m.vllm.prefix_cache_hits.inc(hits - self._prefix_counts[1])
+        self._prefix_counts = (queries, hits)
+        if self.kv_events is not None:
+            self.kv_events.publish(sched.take_kv_events())
 
     def _observe_queue(self) -> None:
         """Called on the engine thread, after a step or an abort."""
         sched = self.engine.scheduler
         self.metrics.queue_length.set(sched.num_waiting)
         self.metrics.running.set(sched.num_running)
+        self.observe_load()
+
+    def observe_load(self) -> None:
+        """The engine thread after a step, and the event loop before /metrics answers (the scheduler's
+        counts are read, never changed)."""
+        if self.engine is None:
+            return
+        sched, v = self.engine.scheduler, self.metrics.vllm
+        v.num_requests_waiting.set(sched.num_waiting)
+        v.num_requests_running.set(sched.num_running)
+        v.kv_cache_usage.set(sched.kv_cache_usage)
+
+    def _observe_tokens(self, out: RequestOutput) -> None:
+        """vLLM's token counters: generated tokens as they come, the prompt with the first of them."""
+        new = len(out.delta_token_ids)
+        self.metrics.vllm.generation_tokens.inc(new)
+        if new and new == len(out.token_ids):
+            self.metrics.vllm.prompt_tokens.inc(out.num_prompt_tokens)
 
     def _observe_finished(self, out: RequestOutput) -> None:
         m = self.metrics
         m.requests.labels(out.finish_reason or "unknown").inc()
         m.generated_tokens.inc(len(out.token_ids))
+        m.vllm.finished(out.finish_reason)
         t = out.timings
         if t is None:
             return
         if t.ttft_seconds is not None:
             m.ttft.observe(t.ttft_seconds)
+            m.vllm.ttft.observe(t.ttft_seconds)
         for gap in t.itl_seconds:
             m.itl.observe(gap)
+            m.vllm.itl.observe(gap)
+        m.vllm.e2e.observe(t.finished - t.arrival)
+        if t.queue_seconds is not None:
+            m.vllm.queue_time.observe(t.queue_seconds)
         self._perf_log(
             "request",
             {

@@ -1,4 +1,5 @@
-"""Prometheus metrics of one server, in a registry of its own."""
+"""Prometheus metrics of one server, in a registry of its own: our `spyre_*` metrics, and the subset of
+vLLM's that routers and autoscalers read (VllmMetrics), under vLLM's names, types, labels and meanings."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "", generate: bool = True) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("spyre_requests", "Finished requests by outcome", ["outcome"], registry=r)
@@ -35,3 +36,89 @@ class Metrics:
         self.warmup_seconds = Gauge(
             "spyre_warmup_seconds", "Time spent compiling and warming shapes", registry=r
         )
+        self.vllm = VllmMetrics(r, model_name, generate)
+
+
+# vLLM 0.27.1's buckets (vllm/v1/metrics/loggers.py), so histogram_quantile reads the same on both servers
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM's FinishReason, every one exposed
+ENGINE = "0"  # vLLM labels each engine core (data-parallel rank); we run one
+
+
+class VllmMetrics:
+    """vLLM's metrics that an endpoint picker (llm-d's router, the Gateway API Inference Extension) and
+    autoscalers (KEDA, HPA) read, with vLLM's labels (`model_name`, `engine`). Counters count tokens as
+    vLLM does: prompt tokens once a request's prefill is done (cached ones included), generated tokens as
+    they are produced; prefix-cache queries and hits in tokens, for requests admitted for the first time.
+    A pooling server (`generate=False`) has the subset that applies to it; each of its inputs is one
+    request, as in vLLM."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str, generate: bool = True) -> None:
+        self.registry = r
+        self._names, self._values = ["model_name", "engine"], [model_name, ENGINE]
+        self.num_requests_waiting = self._gauge("vllm:num_requests_waiting", "Requests queued, not scheduled")
+        self.num_requests_running = self._gauge("vllm:num_requests_running", "Requests in the running batch")
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens prefilled (cached ones too)")
+        success = Counter(
+            "vllm:request_success",
+            "Finished requests by finish reason",
+            [*self._names, "finished_reason"],
+            registry=r,
+        )
+        self.request_success = {reason: success.labels(*self._values, reason) for reason in FINISH_REASONS}
+        self.e2e = self._histogram(
+            "vllm:e2e_request_latency_seconds", "Arrival to finish", REQUEST_LATENCY_BUCKETS
+        )
+        if generate:
+            self._generate_metrics()
+
+    def _generate_metrics(self) -> None:
+        self.kv_cache_usage = self._gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage, 0 to 1: blocks held over blocks in the pool (static batching: rows in use over "
+            "the rows of the running shape)",
+        )
+        self.prefix_cache_queries = self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up")
+        self.prefix_cache_hits = self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the cache")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Tokens generated")
+        self.ttft = self._histogram(
+            "vllm:time_to_first_token_seconds", "Arrival to first token", TTFT_BUCKETS
+        )
+        self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between two tokens", ITL_BUCKETS)
+        self.queue_time = self._histogram(
+            "vllm:request_queue_time_seconds", "Arrival to first scheduled", REQUEST_LATENCY_BUCKETS
+        )
+
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(name, doc, self._names, registry=self.registry).labels(*self._values)
+
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(name, doc, self._names, registry=self.registry).labels(*self._values)
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, self._names, buckets=buckets, registry=self.registry).labels(
+            *self._values
+        )
+
+    def cache_config(self, block_size: int, num_gpu_blocks: int, enable_prefix_caching: bool) -> None:
+        """vLLM's info gauge (always 1) whose labels describe the KV cache; vLLM labels it with its
+        CacheConfig's fields and `engine`, no `model_name`. `num_gpu_blocks` counts the scratch block, as
+        vLLM's counts its null block."""
+        labels = {
+            "block_size": str(block_size),
+            "num_gpu_blocks": str(num_gpu_blocks),
+            "enable_prefix_caching": str(enable_prefix_caching),
+            "engine": ENGINE,
+        }
+        info = Gauge(
+            "vllm:cache_config_info", "The KV cache's configuration", list(labels), registry=self.registry
+        )
+        info.labels(**labels).set(1)
+
+    def finished(self, reason: str | None) -> None:
+        self.request_success[reason if reason in FINISH_REASONS else "error"].inc()

@@ -4,6 +4,7 @@ thread that batches the inputs of many requests into the warm-up shapes."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -28,6 +29,7 @@ class PoolingState(ServingState):
         self.scheduler = PoolingScheduler(config.shapes)
         self.engine: PoolingEngine | None = None
         self._in_flight = 0
+        self._rows_in_flight = 0  # inputs submitted to the engine and not answered (event loop only)
 
     def load(self) -> None:
         """Background thread: tokenizer, model, warm-up of every shape, engine thread."""
@@ -72,6 +74,27 @@ class PoolingState(ServingState):
         self.metrics.batch_occupancy.set(step.occupancy)
         self.metrics.queue_length.set(self.scheduler.num_waiting)
 
+    def observe_load(self) -> None:
+        """vLLM's gauges, counting each input as a request (as vLLM does): waiting in the scheduler, or in
+        a step (submitted, not answered, not waiting)."""
+        waiting = self.scheduler.num_waiting
+        self.metrics.vllm.num_requests_waiting.set(waiting)
+        self.metrics.vllm.num_requests_running.set(max(0, self._rows_in_flight - waiting))
+
+    def _settle_row(self, future: asyncio.Future, item: PoolItem, out) -> None:
+        """Event loop: one input answered (a late answer to a cancelled request is dropped)."""
+        if future.done():
+            return
+        self._rows_in_flight -= 1
+        v = self.metrics.vllm
+        if isinstance(out, BaseException):
+            v.finished("error")
+        else:
+            v.finished("stop")
+            v.prompt_tokens.inc(len(item.token_ids))
+            v.e2e.observe(time.monotonic() - item.arrival)
+        _settle(future, out)
+
     # ---- requests (event loop) --------------------------------------------------------------------
 
     @contextmanager
@@ -92,13 +115,14 @@ class PoolingState(ServingState):
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in rows]
 
-        def deliver_to(future: asyncio.Future):
+        def deliver_to(i: int):
             def deliver(out) -> None:
-                loop.call_soon_threadsafe(_settle, future, out)
+                loop.call_soon_threadsafe(self._settle_row, futures[i], items[i], out)
 
             return deliver
 
-        items = [PoolItem(ids, types, deliver_to(f)) for (ids, types), f in zip(rows, futures, strict=True)]
+        items = [PoolItem(ids, types, deliver_to(i)) for i, (ids, types) in enumerate(rows)]
+        self._rows_in_flight += len(items)
         self.engine.submit(items)
         self.metrics.queue_length.set(self.scheduler.num_waiting)
         try:
@@ -106,6 +130,9 @@ class PoolingState(ServingState):
         except asyncio.CancelledError:
             for item in items:
                 item.is_cancelled = True
+            unanswered = sum(f.cancelled() for f in futures)
+            self._rows_in_flight -= unanswered
+            self.metrics.vllm.request_success["abort"].inc(unanswered)
             raise
         except Exception as e:
             self.metrics.requests.labels("error").inc()

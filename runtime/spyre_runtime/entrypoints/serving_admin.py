@@ -27,6 +27,7 @@ async def health(request: Request):
 async def metrics(request: Request):
     state = serving_state(request)
     state.observe_warming()
+    state.observe_load()
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

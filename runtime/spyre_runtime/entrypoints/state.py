@@ -9,6 +9,8 @@ import logging
 from abc import ABC, abstractmethod
 from importlib.metadata import PackageNotFoundError, version
 
+from spyre_contract.tasks import is_pooling_task
+
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.entrypoints.errors import APIError
 from spyre_runtime.entrypoints.metrics import Metrics
@@ -41,7 +43,7 @@ class ServingState(ABC):
     def __init__(self, config: RuntimeConfig, api_key: str | None = None) -> None:
         self.config = config
         self.api_key = api_key
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.served_model_name, generate=not is_pooling_task(config.task))
         self.loop: asyncio.AbstractEventLoop | None = None
         self.is_ready = False
         self.is_draining = False
@@ -67,6 +69,11 @@ class ServingState(ABC):
     @abstractmethod
     def warming(self) -> dict | None:
         """Graphs (or shapes) compiled and warmed so far, once the model is loading; else None."""
+
+    @abstractmethod
+    def observe_load(self) -> None:
+        """vLLM's load gauges (requests waiting and running, KV-cache usage), brought up to date before
+        /metrics answers."""
 
     def describe(self) -> str:
         """What is served, for the log."""
