@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import msgpack
@@ -305,12 +306,11 @@ def test_a_request_sequence_publishes_vllms_events(tiny_model, tmp_path):
 
 
 def decoded_by_vllm(payloads: list[bytes], batches: list) -> None:
-    """vLLM's own decoder (msgspec over the structs of vllm/distributed/kv_events.py from vLLM's
-    environment, its imports of the rest of vLLM stubbed) reads every payload we published back to the
-    same values, field for field."""
+    """vLLM's own decoder (msgspec over the structs of vllm/distributed/kv_events.py, from vLLM's
+    environment or its wheel, its imports of the rest of vLLM stubbed) reads every payload we published back
+    to the same values, field for field."""
     source = vllm_source("distributed/kv_events.py")
-    if source is None:
-        return
+    python = VLLM_VENV / "bin/python" if (VLLM_VENV / ".vllm-ready").is_file() else Path(sys.executable)
     script = f"""
 import json, logging, sys, types, importlib.util
 for name in ["vllm", "vllm.config", "vllm.config.kv_events", "vllm.logger", "vllm.v1", "vllm.v1.core",
@@ -327,7 +327,7 @@ decoder = msgspec.msgpack.Decoder(kv.KVEventBatch)
 print(json.dumps([msgspec.to_builtins(decoder.decode(bytes.fromhex(line))) for line in sys.stdin]))
 """
     res = subprocess.run(
-        [str(VLLM_VENV / "bin/python"), "-c", script],
+        [str(python), "-c", script],
         input="\n".join(p.hex() for p in payloads),
         capture_output=True,
         text=True,

