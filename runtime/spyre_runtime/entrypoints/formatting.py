@@ -126,13 +126,13 @@ def finish_reason(reason: str | None, tools_called: bool) -> str | None:
     return "tool_calls" if tools_called and reason == "stop" else reason
 
 
-def chat_message(reply: Reply, parsed: ParsedOutput) -> dict:
+def chat_message(output: OutputParser, parsed: ParsedOutput) -> dict:
     message = {
         "role": "assistant",
         "content": parsed.content,
         "tool_calls": [call.as_dict() for call in parsed.calls],
     }
-    if reply.output.has_reasoning:
+    if output.has_reasoning:
         message["reasoning_content"] = parsed.reasoning
     return message
 
@@ -143,7 +143,7 @@ def _choice_entry(reply: Reply, index: int, choice: Choice, out: RequestOutput) 
     if reply.chat:
         parsed = reply.output.final(out.text)
         reason = finish_reason(reason, bool(parsed.calls))
-        entry = {"index": index, "message": chat_message(reply, parsed), "logprobs": None}
+        entry = {"index": index, "message": chat_message(reply.output, parsed), "logprobs": None}
         if body.logprobs:
             entry["logprobs"] = {"content": chat_logprobs(reply.token_text, out.logprobs, reply.as_ids)}
     else:

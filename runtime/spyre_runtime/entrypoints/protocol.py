@@ -30,8 +30,6 @@ UNSUPPORTED = {
     "functions": "functions is deprecated; use tools",
     "function_call": "function_call is deprecated; use tool_choice",
     "web_search_options": "web search is not supported",
-    "use_beam_search": "beam search is not supported",
-    "length_penalty": "length_penalty applies to beam search, which is not supported",
     "guided_grammar": "guided_grammar is not supported; use guided_json, guided_regex or guided_choice",
     "structured_outputs": "use response_format, guided_json, guided_regex or guided_choice",
     "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
@@ -96,6 +94,10 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = Field(default=None, max_length=10_000)
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=256)
     guided_whitespace_pattern: None = None
+    # vLLM's beam search: n beams (serving_beam.py)
+    use_beam_search: bool | None = None
+    length_penalty: float | None = Field(default=None, ge=-10.0, le=10.0)
+    early_stopping: bool | Literal["never"] | None = None
     # accepted and without effect on the output, as in OpenAI's API
     user: str | None = Field(default=None, max_length=1024)
     metadata: dict[str, str] | None = None

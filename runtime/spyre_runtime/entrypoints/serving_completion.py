@@ -7,21 +7,20 @@ at once: their slots are free by the next engine step."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response, StreamingResponse
 
-from spyre_runtime.engine.llm_engine import RequestOutput
 from spyre_runtime.entrypoints.chat_output import OutputParser
 from spyre_runtime.entrypoints.errors import APIError, bad_request
 from spyre_runtime.entrypoints.formatting import Reply, build_response, stream_events
 from spyre_runtime.entrypoints.generate_state import GenerateState
 from spyre_runtime.entrypoints.prompts import render_chat, tokenize
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
-from spyre_runtime.entrypoints.submission import Submission
+from spyre_runtime.entrypoints.serving_beam import beam_respond, check_beam
+from spyre_runtime.entrypoints.submission import collect
 from spyre_runtime.entrypoints.tools import ChatSettings, plan_tools
 from spyre_runtime.entrypoints.validator import Choice
 
@@ -44,14 +43,20 @@ async def completions(body: CompletionRequest, request: Request):
     ids = [tokenize(tokenizer, p, add_special) if isinstance(p, str) else list(p) for p in prompts]
     if body.echo and body.stream:
         raise bad_request("echo", "echo is not supported with stream")
+    beams = check_beam(body, state.config.use_cb, len(state.engine.outputs.eos_ids))
     choices: list[Choice] = []
+    limits = []
     for i, prompt_ids in enumerate(ids):
         if not prompt_ids:
             raise bad_request("prompt", "the prompt is empty")
         v.token_ids(prompt_ids, "prompt")
         params = v.sampling(body, len(prompt_ids), chat=False)
-        for c in v.choices(body, params, i):
-            choices.append(Choice(len(choices), i, c.params))
+        limits.append(params.max_tokens)
+        if beams is None:
+            for c in v.choices(body, params, i):
+                choices.append(Choice(len(choices), i, c.params))
+    if beams is not None:
+        return await beam_respond(state, request, body, ids, beams, limits)
     return await respond(state, request, body, ids, choices, chat=False)
 
 
@@ -62,6 +67,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     v.model(body.model)
     v.num_sequences(1, body)
     settings: ChatSettings = request.app.state.chat
+    beams = check_beam(body, state.config.use_cb, len(state.engine.outputs.eos_ids))
     plan = plan_tools(body, settings)
     tokenizer = state.engine.tokenizer
     ids = tokenize(tokenizer, render_chat(tokenizer, v, body), bool(body.add_special_tokens), "messages")
@@ -71,6 +77,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     ends = reasoning.end_markers if reasoning else ()
     params = v.sampling(body, len(ids), chat=True, tools=plan, reasoning_end=ends)
     output = OutputParser(plan, reasoning, include_reasoning=body.include_reasoning is not False)
+    if beams is not None:
+        return await beam_respond(state, request, body, [ids], beams, [params.max_tokens], output)
     return await respond(state, request, body, [ids], v.choices(body, params, 0), chat=True, output=output)
 
 
@@ -101,30 +109,3 @@ async def respond(
     if failed is not None:
         raise APIError(500, f"the request failed: {failed.error}", code="request_failed")
     return build_response(reply, finals)
-
-
-async def collect(request: Request, sub: Submission) -> dict[str, RequestOutput] | None:
-    """Waits for every sequence's final output, or returns None when the client hangs up first."""
-    finals: dict[str, RequestOutput] = {}
-    gone = asyncio.ensure_future(until_disconnected(request))
-    try:
-        while sub.pending:
-            get = asyncio.ensure_future(sub.next())
-            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if get not in done:
-                get.cancel()
-                return None
-            out = get.result()
-            if out.finished:
-                finals[out.request_id] = out
-        return finals
-    finally:
-        gone.cancel()
-
-
-async def until_disconnected(request: Request) -> None:
-    """Returns when the client hangs up (the body was read already, so the next message is the end)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

@@ -31,8 +31,8 @@ from spyre_runtime.entrypoints.responses_output import (
     usage,
 )
 from spyre_runtime.entrypoints.responses_protocol import ResponsesRequest
-from spyre_runtime.entrypoints.serving_completion import collect, generate_state
-from spyre_runtime.entrypoints.submission import Submission
+from spyre_runtime.entrypoints.serving_completion import generate_state
+from spyre_runtime.entrypoints.submission import Submission, collect
 from spyre_runtime.entrypoints.tools import ChatSettings, plan_tools
 
 MAX_STORED = 256

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from fastapi import Request
+
 from spyre_runtime.engine.llm_engine import EngineThread, RequestOutput
 from spyre_runtime.entrypoints.errors import APIError
 from spyre_runtime.entrypoints.state import EngineDied
@@ -54,3 +56,30 @@ class Submission:
         if item.finished:
             self.pending.discard(item.request_id)
         return item
+
+
+async def collect(request: Request, sub: Submission) -> dict[str, RequestOutput] | None:
+    """Waits for every sequence's final output, or returns None when the client hangs up first."""
+    finals: dict[str, RequestOutput] = {}
+    gone = asyncio.ensure_future(until_disconnected(request))
+    try:
+        while sub.pending:
+            get = asyncio.ensure_future(sub.next())
+            done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if get not in done:
+                get.cancel()
+                return None
+            out = get.result()
+            if out.finished:
+                finals[out.request_id] = out
+        return finals
+    finally:
+        gone.cancel()
+
+
+async def until_disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body was read already, so the next message is the end)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
