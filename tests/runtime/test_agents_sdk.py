@@ -7,12 +7,11 @@ its result back, and turn 2 (tool_choice reset to auto, as the SDK does after a 
 import asyncio
 from pathlib import Path
 
+import agents
 import pytest
 from spyre_runtime.models import prepare_smollm2
 
 from tests.runtime.serverproc import ServerProcess
-
-agents = pytest.importorskip("agents")
 
 pytestmark = pytest.mark.slow
 
