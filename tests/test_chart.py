@@ -121,6 +121,18 @@ def test_chart_rbac_is_the_tested_least_privilege_rbac():
     ]
 
 
+def test_inference_pool_value_reaches_the_operator_and_its_rbac():
+    assert "SPYRE_OPERATOR_INFERENCE_POOL" not in env_of(by_kind(render(), "Deployment")[0])
+    env = env_of(by_kind(render({"inferencePool": {"enabled": True}}), "Deployment")[0])
+    assert env["SPYRE_OPERATOR_INFERENCE_POOL"] == "1"
+    for docs, kind in ((render(), "ClusterRole"), (render({"watchNamespaces": ["x"]}), "Role")):
+        rules = [r for role in by_kind(docs, kind) for r in role["rules"]]
+        pools = [r for r in rules if r["apiGroups"] == ["inference.networking.k8s.io"]]
+        assert [(r["resources"], r["verbs"]) for r in pools] == [
+            (["inferencepools"], ["get", "list", "watch", "create", "patch", "delete"])
+        ]
+
+
 def test_ha_probes_pdb_metrics_and_no_fixed_user():
     docs = render({"metrics": {"serviceMonitor": True, "runtimePodAnnotations": True}})
     deployment = by_kind(docs, "Deployment")[0]

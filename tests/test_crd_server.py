@@ -18,7 +18,10 @@ from tests.operator.catalog import BASE, CATALOG
 pytestmark = pytest.mark.cluster
 
 SHIPPED_CRDS = sorted([*REPO.glob("crds/*.yaml"), *REPO.glob("charts/*/crds/*.yaml")])
+# the CRDs the test control plane installs besides ours (the InferencePool, written from its published v1 API)
+TEST_CRDS = sorted(REPO.glob("tests/cluster/crds/*.yaml"))
 MODELS = "/apis/spyre-serve.io/v1alpha1/namespaces/default/spyremodels"
+POOLS = "/apis/inference.networking.k8s.io/v1/namespaces/default/inferencepools"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def create(server: CRDServer, body: dict, dry_run: bool = True):
     return server.request("POST", MODELS + ("?dryRun=All" if dry_run else ""), body)
 
 
-@pytest.mark.parametrize("path", SHIPPED_CRDS, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", SHIPPED_CRDS + TEST_CRDS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_crd_we_ship_is_accepted_and_established(crd_server, path):
     for crd in yaml.safe_load_all(path.read_text()):
         conditions = crd_server.apply_crd(crd)
@@ -136,7 +139,8 @@ ACCEPTED = {
     **{
         f"example-{path.stem}": (doc["metadata"]["name"], doc["spec"])
         for path in sorted((REPO / "examples").glob("*.yaml"))
-        for doc in [yaml.safe_load(path.read_text())]
+        for doc in yaml.safe_load_all(path.read_text())
+        if doc["kind"] == "SpyreModel"
     },
     "continuous-with-bucket-ranges": (
         "cb",
@@ -178,6 +182,33 @@ ACCEPTED = {
             ],
         },
     ),
+    "inference-pool": (
+        "pooled",
+        {
+            **BASE,
+            "inferencePool": {
+                "targetPort": "http",
+                "appProtocol": "kubernetes.io/h2c",
+                "endpointPickerRef": {
+                    "group": "",
+                    "kind": "Service",
+                    "name": "router",
+                    "port": {"number": 9002},
+                    "failureMode": "FailOpen",
+                },
+            },
+        },
+    ),
+    "inference-pool-picker-of-another-kind": (
+        "picked",
+        {
+            **BASE,
+            "inferencePool": {
+                "targetPort": 8000,
+                "endpointPickerRef": {"group": "x.io", "kind": "Picker", "name": "Any.Name"},
+            },
+        },
+    ),
     "placement": (
         "placed",
         {
@@ -207,3 +238,77 @@ def test_what_the_operator_accepts_the_current_server_accepts(crd_server, spyrem
             "deviceClassName": "spyre-pf",
             "matchAttribute": "spyre.ibm.com/numaInfo",
         }
+
+
+@pytest.fixture(scope="module")
+def inferencepool_crd(crd_server):
+    (crd,) = [yaml.safe_load(path.read_text()) for path in TEST_CRDS if path.stem == "inferencepool"]
+    crd_server.apply_crd(crd)
+    return crd
+
+
+@pytest.mark.parametrize("name", ["pooled", "picked"])
+def test_the_inference_pool_the_operator_writes_is_stored_as_written(crd_server, inferencepool_crd, name):
+    """Against the published v1 API with its CEL rules (our CRD text of it): the pool the operator builds is
+    accepted, and the server's defaults add nothing but the picker's core group, which the operator leaves to
+    them (so drift is never a default)."""
+    from spyre_operator import gateway
+    from spyre_operator.admission import check_spec
+    from spyre_operator.gateway import build_inference_pool
+    from spyre_operator.settings import OperatorSettings
+
+    _, spec = ACCEPTED["inference-pool" if name == "pooled" else "inference-pool-picker-of-another-kind"]
+    meta = {"name": name, "namespace": "default", "uid": "u-1"}
+    pool = build_inference_pool(
+        {"metadata": meta}, check_spec(name, spec, OperatorSettings()), OperatorSettings()
+    )
+    pool["metadata"].pop("ownerReferences")  # no such SpyreModel on this server
+    answer = crd_server.request("POST", POOLS, pool)
+    assert answer.code == 201, answer
+    stored = answer.body["spec"]
+    assert stored == {**pool["spec"], "endpointPickerRef": {"group": "", **pool["spec"]["endpointPickerRef"]}}
+    assert gateway.pool_repair(answer.body, pool) is None
+    assert crd_server.request("DELETE", f"{POOLS}/{name}").code == 200
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "message"),
+    [
+        (
+            "service-picker-without-port",
+            {"endpointPickerRef": {"name": "epp"}},
+            "a Service endpoint picker needs its port",
+        ),
+        (
+            "same-port-twice",
+            {"targetPorts": [{"number": 8000}, {"number": 8000}]},
+            "every port number may appear once",
+        ),
+        (
+            "nine-ports",
+            {"targetPorts": [{"number": 8000 + i} for i in range(9)]},
+            "must have at most 8 items",
+        ),
+        ("no-picker", {"endpointPickerRef": None}, "spec.endpointPickerRef: Required value"),
+        ("h3", {"appProtocol": "h3"}, 'spec.appProtocol: Unsupported value: "h3"'),
+    ],
+)
+def test_the_inference_pool_crd_refuses_what_the_v1_api_refuses(
+    crd_server, inferencepool_crd, case, change, message
+):
+    spec = {
+        "selector": {"matchLabels": {"app": "x"}},
+        "targetPorts": [{"number": 8000}],
+        "endpointPickerRef": {"name": "epp", "port": {"number": 9002}},
+    }
+    spec.update(change)
+    spec = {k: v for k, v in spec.items() if v is not None}
+    body = {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {"name": case},
+        "spec": spec,
+    }
+    answer = crd_server.request("POST", POOLS + "?dryRun=All", body)
+    assert answer.code == 422, answer
+    assert message in answer.message

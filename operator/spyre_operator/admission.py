@@ -10,6 +10,7 @@ import time
 from kubernetes.client.rest import ApiException
 
 from spyre_operator import manifests
+from spyre_operator.gateway import check_inference_pool
 from spyre_operator.kube import Kube, api_message, is_quota
 from spyre_operator.model_spec import ModelSpec
 from spyre_operator.placement import DRAUnavailable, check_placement
@@ -26,6 +27,7 @@ def check_spec(name: str, raw: dict, settings: OperatorSettings) -> ModelSpec:
     the first rule the spec breaks."""
     spec = parse_spec(name, raw)
     check_placement(spec, settings)
+    check_inference_pool(spec, settings)
     check_fit(spec, settings)
     return spec
 

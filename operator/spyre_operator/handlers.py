@@ -10,9 +10,21 @@ from kubernetes import client
 
 from spyre_operator.metrics import OperatorMetrics
 from spyre_operator.reconcile import Reconciler
-from spyre_operator.settings import COMPILE_LABEL, GROUP, MODEL_LABEL, PLURAL, VERSION, OperatorSettings
+from spyre_operator.settings import (
+    COMPILE_LABEL,
+    GROUP,
+    MODEL_LABEL,
+    PLURAL,
+    POOL_GROUP,
+    POOL_PLURAL,
+    POOL_VERSION,
+    VERSION,
+    OperatorSettings,
+)
 from spyre_operator.watch import KnownModels, Resync, WatchCache, plain
 from spyre_operator.workqueue import WorkQueue
+
+POOLS = (POOL_GROUP, POOL_VERSION, POOL_PLURAL)
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -40,6 +52,7 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         settings.watching.label_selectors["services"] = MODEL_LABEL
         settings.watching.label_selectors["persistentvolumeclaims"] = MODEL_LABEL
         settings.watching.label_selectors["batch", "jobs"] = COMPILE_LABEL
+        settings.watching.label_selectors[POOL_GROUP, POOL_PLURAL] = MODEL_LABEL
         memo.queue.start()
         memo.resync.start()
 
@@ -70,6 +83,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.event(
         "", "v1", "persistentvolumeclaims", labels={MODEL_LABEL: kopf.PRESENT}, id="claim", registry=registry
     )
+    # watched from the moment its CRD is installed (kopf follows CRDs): a cluster without it is no error
+    @kopf.on.event(*POOLS, labels={MODEL_LABEL: kopf.PRESENT}, id="pool", registry=registry)
     async def owned_event(type, namespace, labels, memo, **_):
         if type not in ("MODIFIED", "DELETED"):
             return  # listed at start-up (checked anyway) or just created (by us, or after a deletion)

@@ -1,6 +1,6 @@
 """The operator's one door to the API server: create, read, list, patch and delete of the objects it owns
-(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate), the nodes it may read, which APIs the
-cluster serves, the SpyreModel and its status. Every call
+(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate, InferencePool), the nodes it may read, which
+APIs the cluster serves, the SpyreModel and its status. Every call
 carries the settings' timeout and answers plain dicts; a 404 on a read or a delete is an answer (None;
 nothing left to delete), not an error. And how a refused or failed call reaches the status: as a Problem
 with the API server's own message."""
@@ -12,7 +12,7 @@ import json
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from spyre_operator.settings import GROUP, PLURAL, VERSION
+from spyre_operator.settings import GROUP, PLURAL, POOL_GROUP, POOL_PLURAL, POOL_VERSION, VERSION
 from spyre_operator.status import Problem
 
 # the kinds the operator owns, as the client's method names spell them
@@ -23,6 +23,8 @@ _METHOD_NAMES = {
     "Job": "job",
     "ResourceClaimTemplate": "resource_claim_template",
 }
+# the custom resources the operator owns: (group, version, plural)
+_CUSTOM_KINDS = {"InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL)}
 
 
 class Kube:
@@ -34,8 +36,24 @@ class Kube:
         self.timeout = timeout
 
     def _method(self, verb: str, kind: str):
+        if kind in _CUSTOM_KINDS:
+            return self._custom_method(verb, *_CUSTOM_KINDS[kind])
         api = {"Job": self.batch, "ResourceClaimTemplate": self.resource}.get(kind, self.core)
         return getattr(api, f"{verb}_namespaced_{_METHOD_NAMES[kind]}")
+
+    def _custom_method(self, verb: str, group: str, version: str, plural: str):
+        """A custom resource's method, called as the built-in kinds' are: (namespace, body) to create and
+        list, (name, namespace, ...) otherwise; a list as a patch is a JSON patch."""
+        method = getattr(self.custom, f"{'get' if verb == 'read' else verb}_namespaced_custom_object")
+        if verb in ("create", "list"):
+            return lambda namespace, *rest, **kw: method(group, version, namespace, plural, *rest, **kw)
+
+        def call(name, namespace, *rest, **kw):
+            if rest and isinstance(rest[0], list):
+                kw["_content_type"] = "application/json-patch+json"
+            return method(group, version, namespace, plural, name, *rest, **kw)
+
+        return call
 
     # ---- owned objects -----------------------------------------------------------------------------
 

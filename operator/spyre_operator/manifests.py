@@ -13,6 +13,7 @@ from spyre_operator.settings import (
     CACHE_KEY_LABEL,
     COMPILE_LABEL,
     COMPONENT_LABEL,
+    ENGINE_TYPE_LABEL,
     GROUP,
     HASH_LABEL,
     KIND,
@@ -179,9 +180,11 @@ def _placement(pod_spec: dict, spec: ModelSpec, settings: OperatorSettings) -> N
 
 
 def spec_hash(model: dict) -> str:
-    """The model's spec as far as it shapes pods (replicas, suspend and the rollout budget aside): pods
-    whose template changed but whose spec hash did not were changed by the operator's own settings."""
-    spec = {k: v for k, v in (model.get("spec") or {}).items() if k not in ("replicas", "suspend", "rollout")}
+    """The model's spec as far as it shapes pods (replicas, suspend, the rollout budget and the InferencePool
+    aside): pods whose template changed but whose spec hash did not were changed by the operator's own
+    settings."""
+    aside = ("replicas", "suspend", "rollout", "inferencePool")
+    spec = {k: v for k, v in (model.get("spec") or {}).items() if k not in aside}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
@@ -204,6 +207,7 @@ def build_pod(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict:
                 HASH_LABEL: template_hash(pod_spec),
                 SPEC_LABEL: spec_hash(model),
                 COMPONENT_LABEL: "inference",
+                **ENGINE_TYPE_LABEL,
                 **MANAGED_BY,
             },
             "ownerReferences": [owner_reference(model)],

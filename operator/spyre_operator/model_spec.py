@@ -47,6 +47,32 @@ class Devices:
     match_attribute: str = "spyre.ibm.com/numaInfo"
 
 
+DEFAULT_PICKER_PORT = 9002  # the endpoint picker's port, as the Gateway API Inference Extension serves it
+
+
+@dataclass(frozen=True)
+class EndpointPicker:
+    """spec.inferencePool.endpointPickerRef: what the gateway asks which pod serves a request (InferencePool
+    v1's EndpointPickerRef). `name` None: the Service `<model>-epp`; `port` None only for other kinds."""
+
+    name: str | None = None
+    group: str = ""
+    kind: str = "Service"
+    port: int | None = DEFAULT_PICKER_PORT
+    failure_mode: str = "FailClose"
+
+
+@dataclass(frozen=True)
+class InferencePoolSpec:
+    """spec.inferencePool: an InferencePool (inference.networking.k8s.io/v1) of the model's serving pods.
+    `enabled` None: the operator's setting decides; `target_port` None: the runtime's port."""
+
+    enabled: bool | None = None
+    target_port: int | str | None = None
+    app_protocol: str = "http"
+    picker: EndpointPicker = field(default_factory=EndpointPicker)
+
+
 @dataclass(frozen=True)
 class Rollout:
     """How many pods above `replicas` may exist during a rollout, and how many of `replicas` may be
@@ -103,6 +129,7 @@ class ModelSpec:
     priority_class_name: str | None = None
     suspend: bool = False
     rollout: Rollout = field(default_factory=Rollout)
+    inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
 
     @property
     def pvc_claim(self) -> str | None:

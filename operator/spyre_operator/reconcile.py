@@ -1,9 +1,9 @@
 """The one idempotent reconcile the work queue runs per model key, read as a table of contents: observe (the
 watch's cached view of the model and its pods), admit the spec, then one step per owned kind (Service,
-graph-cache claim, compile Job, pods: each decides from what it observed and acts through `kube.Kube`),
-then the status and its Events, written once. Whatever fails while acting ends in the model's status (a
-condition naming the object and the API server's message) and one Event per distinct error, and the key is
-retried with back-off; nothing raises into kopf."""
+graph-cache claim, InferencePool, compile Job, pods: each decides from what it observed and acts through
+`kube.Kube`), then the status and its Events, written once. Whatever fails while acting ends in the model's
+status (a condition naming the object and the API server's message) and one Event per distinct error, and the
+key is retried with back-off; nothing raises into kopf."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from spyre_operator.card_claim import CardClaimStep
 from spyre_operator.claim import ClaimStep
 from spyre_operator.compile_job import CompileJobStep
 from spyre_operator.events import EventRecorder
+from spyre_operator.inference_pool import InferencePoolStep
 from spyre_operator.kube import Kube, api_message, problem_of
 from spyre_operator.metrics import OperatorMetrics
 from spyre_operator.model_spec import ModelSpec
@@ -27,7 +28,7 @@ from spyre_operator.report import Conflict, Reporter
 from spyre_operator.service import ServiceStep
 from spyre_operator.settings import OperatorSettings
 from spyre_operator.spec import InvalidSpec
-from spyre_operator.status import Problem
+from spyre_operator.status import PoolState, Problem
 from spyre_operator.watch import Key, WatchCache
 from spyre_operator.work import Pass
 from spyre_operator.workqueue import Result
@@ -52,6 +53,7 @@ class Reconciler:
         self.service = ServiceStep(settings, self.kube, events)
         self.claim = ClaimStep(settings, self.kube, events)
         self.card_claim = CardClaimStep(settings, self.kube, events)
+        self.inference_pool = InferencePoolStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
         self.pods = PodStep(settings, self.kube, events)
         self.report = Reporter(settings, self.kube, events, self.metrics)
@@ -65,7 +67,8 @@ class Reconciler:
         return result
 
     def _reconcile(self, key: Key, model: dict) -> Result:
-        """Admit the spec; the Service and the claims; the compile Job; the pods; the status and Events."""
+        """Admit the spec; the Service, the claims and the InferencePool; the compile Job; the pods; the
+        status and Events."""
         try:
             spec = self.admission.admit(key, model)
         except InvalidSpec as e:
@@ -73,6 +76,7 @@ class Reconciler:
             return Result()
         work = Pass()
         has_claim = self._ensure_service_and_claim(key, model, spec, work)
+        pool = self._ensure_inference_pool(key, model, spec, work)
         cache = None
         if spec.cache.precompile and not spec.suspend and has_claim:
             cache = self.compile_job.ensure(model, spec, work)
@@ -87,20 +91,30 @@ class Reconciler:
         else:
             work.waiting_reason = "WaitingForClaim"
             work.waiting = "the pods wait for their claims (graph cache, cards)"
-        self.report.progress(model, spec, thash, pods, cache, work)
+        self.report.progress(model, spec, thash, pods, cache, work, pool)
         return Result(failed=True) if work.problems else Result(after=work.after)
 
     def _ensure_service_and_claim(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> bool:
         """Checked once per generation and again when their watch reports a change. Pods do not depend on
         their Service (they are made even when it fails), only on their claim: True when it is there."""
         stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
-        if self.cache.owned_stamp(key) == stamp:
+        if self.cache.owned_stamp(key, "service-and-claim") == stamp:
             return True
         has_service = self.service.ensure(model, work)
         has_claim = self.claim.ensure(model, spec, work)
         if has_service and has_claim and not work.problems:
-            self.cache.set_owned_stamp(key, stamp)
+            self.cache.set_owned_stamp(key, "service-and-claim", stamp)
         return has_claim
+
+    def _ensure_inference_pool(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> PoolState | None:
+        """Checked once per generation and again when its watch reports a change; while the cluster does not
+        serve the InferencePool API, at every pass (asking the API server once per resync period). Pods do not
+        depend on it. The pool's state for the status; None when the model wants none."""
+        stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
+        is_checked = self.cache.owned_stamp(key, "InferencePool") == stamp
+        if not is_checked and self.inference_pool.ensure(key, model, spec, work):
+            self.cache.set_owned_stamp(key, "InferencePool", stamp)
+        return self.inference_pool.state(key)
 
     def _guarded(self, key: Key) -> Result:
         """The model (from the watch, else asked once), reconciled unless it is being deleted; a failure
@@ -136,3 +150,4 @@ class Reconciler:
         self.metrics.forget(key)
         self.admission.forget(key)
         self.pods.forget(key)
+        self.inference_pool.forget(key)

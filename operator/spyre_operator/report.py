@@ -21,7 +21,7 @@ from spyre_operator.observe import CacheState, PodHealth, observe_pods
 from spyre_operator.plan import PodView
 from spyre_operator.settings import GROUP, KIND, MODEL_LABEL, VERSION, OperatorSettings
 from spyre_operator.spec import InvalidSpec
-from spyre_operator.status import Problem, compute_status, merge_conditions, status_changed
+from spyre_operator.status import PoolState, Problem, compute_status, merge_conditions, status_changed
 from spyre_operator.work import Pass
 
 
@@ -46,11 +46,12 @@ class Reporter:
         pods: list[dict],
         cache: CacheState | None,
         work: Pass,
+        pool: PoolState | None = None,
     ) -> None:
         """The status of an admitted model, after its steps acted."""
         for problem in work.problems:
             self.metrics.api_errors.labels(problem.reason, "").inc()
-        self._write(model, self._status(model, pods, spec, thash, cache, work))
+        self._write(model, self._status(model, pods, spec, thash, cache, work, pool=pool))
 
     def invalid(self, model: dict, error: InvalidSpec, pods: list[dict]) -> None:
         """The status of a model whose spec was refused: Stalled, nothing rolled out."""
@@ -86,6 +87,7 @@ class Reporter:
         cache: CacheState | None = None,
         work: Pass | None = None,
         invalid: InvalidSpec | None = None,
+        pool: PoolState | None = None,
     ) -> dict:
         meta = model["metadata"]
         work = work or Pass()
@@ -115,6 +117,7 @@ class Reporter:
             waiting=work.waiting,
             waiting_reason=work.waiting_reason,
             warming=warmup_progress(pods, observed, self.settings.runtime_port) if spec else {},
+            inference_pool=pool,
         )
         pod_states, job_state = _states(observed, cache)
         self.metrics.observe_model((meta["namespace"], meta["name"]), status["phase"], pod_states, job_state)

@@ -23,6 +23,12 @@ SPEC_LABEL = f"{GROUP}/spec-hash"  # on pods: the model spec they were made for 
 ATTEMPT_ANNOTATION = f"{GROUP}/attempt"  # on compile Jobs: which attempt of the current cache key
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "spyre-operator"}
+# on serving pods: tells llm-d's endpoint picker which metric names they speak (the runtime exports vLLM's)
+ENGINE_TYPE_LABEL = {"llm-d.ai/engine-type": "vllm"}
+# the Gateway API Inference Extension's InferencePool: one per model that asks for it (spec.inferencePool)
+POOL_GROUP = "inference.networking.k8s.io"
+POOL_VERSION = "v1"
+POOL_PLURAL = "inferencepools"
 RESOURCE_NAME = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[a-z0-9A-Z_.-]+$"
 )
@@ -62,6 +68,7 @@ class OperatorSettings:
     shm_size: str = "8Gi"  # /dev/shm (memory) of tensor-parallel pods
     card_memory_gib: float = 128.0  # a Spyre card's memory, for the memory plan
     require_known_config: bool = False  # refuse models not in the known-configurations registry
+    inference_pool: bool = False  # an InferencePool per model whose spec.inferencePool does not say otherwise
 
 
 ENV = {
@@ -92,6 +99,7 @@ ENV = {
     "shm_size": "SPYRE_OPERATOR_SHM_SIZE",
     "card_memory_gib": "SPYRE_OPERATOR_CARD_MEMORY_GIB",
     "require_known_config": "SPYRE_OPERATOR_REQUIRE_KNOWN_CONFIG",
+    "inference_pool": "SPYRE_OPERATOR_INFERENCE_POOL",
 }
 
 
@@ -210,6 +218,7 @@ PARSE = {
     "leader_election": _boolean,
     "prometheus_annotations": _boolean,
     "require_known_config": _boolean,
+    "inference_pool": _boolean,
     "card_tiers": _card_tiers,
     "shm_size": _memory_size,
     "run_as_user": _id,

@@ -10,7 +10,17 @@ import re
 from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
 from spyre_contract.tasks import POOLING_TASKS, TASKS
 
-from spyre_operator.model_spec import SOURCE, GraphCache, InvalidSpec, ModelSpec, Rollout, StaticShape
+from spyre_operator.model_spec import (
+    DEFAULT_PICKER_PORT,
+    SOURCE,
+    EndpointPicker,
+    GraphCache,
+    InferencePoolSpec,
+    InvalidSpec,
+    ModelSpec,
+    Rollout,
+    StaticShape,
+)
 from spyre_operator.pod_fields import DNS_NAME, object_field, parse_pod_fields, string_field
 
 VALID_CARDS = (1, 2, 4, 8)
@@ -25,6 +35,10 @@ BUCKET_FIELDS = {
 }
 # The model's name becomes a Service name and a label value; pod names add "-<hash>-<random>".
 MAX_NAME = 63
+# InferencePool v1 (Gateway API Inference Extension): its protocols, failure modes and reference kinds
+APP_PROTOCOLS = ("http", "kubernetes.io/h2c")
+FAILURE_MODES = ("FailOpen", "FailClose")
+KIND = re.compile(r"^[a-zA-Z]([-a-zA-Z0-9]*[a-zA-Z0-9])?$")
 
 
 class UnknownConfiguration(InvalidSpec):
@@ -68,6 +82,7 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         **pod_fields,
         suspend=_bool(spec, "suspend"),
         rollout=_rollout(object_field(spec, "rollout")),
+        inference_pool=_inference_pool_section(spec),
     )
 
 
@@ -234,6 +249,63 @@ def _graph_cache_section(gc: dict) -> GraphCache:
         existing_claim=gc.get("existingClaim"),
         retention=retention,
     )
+
+
+def _inference_pool_section(spec: dict) -> InferencePoolSpec:
+    """spec.inferencePool: the model's InferencePool as the Gateway API Inference Extension's v1 API takes it
+    (the section present means enabled, unless it says otherwise). Whether the target port is the runtime's
+    is the operator's to say (gateway.check_inference_pool)."""
+    if spec.get("inferencePool") is None:
+        return InferencePoolSpec()
+    pool = object_field(spec, "inferencePool")
+    enabled = pool.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise InvalidSpec("inferencePool.enabled", f"must be true or false, got {enabled!r}")
+    port = pool.get("targetPort")
+    is_number = isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535
+    if port is not None and not is_number and port != "http":
+        raise InvalidSpec(
+            "inferencePool.targetPort",
+            f"must be the runtime's port: its number (1-65535) or its name http, got {port!r}",
+        )
+    protocol = pool.get("appProtocol", "http")
+    if protocol not in APP_PROTOCOLS:
+        raise InvalidSpec("inferencePool.appProtocol", f"must be http or kubernetes.io/h2c, got {protocol!r}")
+    return InferencePoolSpec(enabled, port, protocol, _endpoint_picker(pool.get("endpointPickerRef")))
+
+
+def _endpoint_picker(ref) -> EndpointPicker:
+    """spec.inferencePool.endpointPickerRef: a Service by default, whose name must then be a Service's."""
+    at = "inferencePool.endpointPickerRef"
+    if ref is None:
+        return EndpointPicker()
+    if not isinstance(ref, dict):
+        raise InvalidSpec(at, f"must be an object with a name, got {ref!r}")
+    name = ref.get("name")
+    if not isinstance(name, str) or not name or len(name) > 253:
+        raise InvalidSpec(f"{at}.name", f"is required: the endpoint picker's name, got {name!r}")
+    group = ref.get("group", "")
+    if not isinstance(group, str) or (group and (len(group) > 253 or not DNS_NAME.match(group))):
+        raise InvalidSpec(f"{at}.group", f"must be an API group (a DNS name) or empty, got {group!r}")
+    kind = ref.get("kind", "Service")
+    if not isinstance(kind, str) or len(kind) > 63 or not KIND.match(kind):
+        raise InvalidSpec(f"{at}.kind", f"must be a resource kind like Service, got {kind!r}")
+    if group == "" and kind == "Service" and (len(name) > MAX_NAME or not DNS_LABEL.match(name)):
+        raise InvalidSpec(
+            f"{at}.name",
+            f"{name!r} is not a Service name (a DNS label: lower-case letters, digits and '-', at most 63)",
+        )
+    port = ref.get("port")
+    if port is None:
+        number = DEFAULT_PICKER_PORT if (group, kind) == ("", "Service") else None
+    elif not isinstance(port, dict):
+        raise InvalidSpec(f"{at}.port", f"must be an object with a number, got {port!r}")
+    else:
+        number = _int(f"{at}.port.number", port.get("number"), minimum=1, maximum=65535)
+    failure_mode = ref.get("failureMode", "FailClose")
+    if failure_mode not in FAILURE_MODES:
+        raise InvalidSpec(f"{at}.failureMode", f"must be FailOpen or FailClose, got {failure_mode!r}")
+    return EndpointPicker(name, group, kind, number, failure_mode)
 
 
 # ---- fields --------------------------------------------------------------------------------------

@@ -25,6 +25,16 @@ class Problem:
     is_stalled: bool = True
 
 
+@dataclass(frozen=True)
+class PoolState:
+    """The model's InferencePool as the last check left it: there as specified, or why not (condition
+    InferencePoolReady)."""
+
+    is_ready: bool
+    reason: str
+    message: str
+
+
 def now_iso() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -33,9 +43,14 @@ def condition(type_: str, status: bool, reason: str, message: str) -> dict:
     return {"type": type_, "status": "True" if status else "False", "reason": reason, "message": message}
 
 
-def compute_status(**kwargs) -> dict:
-    """Everything but lastTransitionTime, which `merge_conditions` carries over from the old status."""
+def compute_status(inference_pool: PoolState | None = None, **kwargs) -> dict:
+    """Everything but lastTransitionTime, which `merge_conditions` carries over from the old status. A model
+    that wants an InferencePool has the condition InferencePoolReady; it does not make the model unready (the
+    model serves through its Service either way)."""
     status = _compute_status(**kwargs)
+    if inference_pool is not None:
+        pool = inference_pool
+        status["conditions"].append(condition("InferencePoolReady", pool.is_ready, pool.reason, pool.message))
     for c in status["conditions"]:
         c["observedGeneration"] = kwargs["generation"]
     return status

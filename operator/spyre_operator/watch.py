@@ -23,14 +23,15 @@ def plain(body) -> dict:
 
 class WatchCache:
     """What kopf's watches delivered, as an informer keeps it: each model's latest body, its pods' latest
-    bodies, and whether its Service and claim were checked for the model's current generation (their own
-    watch events clear that). The reconcile decides from it and reads the API server only before acting."""
+    bodies, and which of its owned objects (by kind: the Service and claim, the InferencePool) were checked
+    for the model's current generation (their own watch events clear that). The reconcile decides from it
+    and reads the API server only before acting."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._models: dict[Key, dict] = {}
         self._pods: dict[Key, dict[str, dict]] = {}
-        self._owned: dict[Key, tuple] = {}
+        self._owned: dict[Key, dict[str, tuple]] = {}  # key -> {what was checked: the model's stamp}
 
     def model(self, key: Key) -> dict | None:
         with self._lock:
@@ -60,13 +61,13 @@ class WatchCache:
             if not pods:
                 self._pods.pop(key, None)
 
-    def owned_stamp(self, key: Key) -> tuple | None:
+    def owned_stamp(self, key: Key, what: str) -> tuple | None:
         with self._lock:
-            return self._owned.get(key)
+            return self._owned.get(key, {}).get(what)
 
-    def set_owned_stamp(self, key: Key, stamp: tuple) -> None:
+    def set_owned_stamp(self, key: Key, what: str, stamp: tuple) -> None:
         with self._lock:
-            self._owned[key] = stamp
+            self._owned.setdefault(key, {})[what] = stamp
 
     def owned_changed(self, key: Key) -> None:
         with self._lock:

@@ -346,6 +346,65 @@ CATALOG = [
         at_create="spec.model.source in body should match",
         schema=True,
     ),
+    # the InferencePool (Gateway API Inference Extension v1): the runtime's port, a picker that can be reached
+    Row(
+        "pool-port-unknown",
+        {"inferencePool": {"targetPort": 9000}},
+        "spec.inferencePool.targetPort: 9000 is not a port of the model's pods: the runtime serves on 8000",
+    ),
+    Row(
+        "pool-port-out-of-range",
+        {"inferencePool": {"targetPort": 70000}},
+        "spec.inferencePool.targetPort: must be the runtime's port: its number (1-65535) or its name http",
+        at_create="spec.inferencePool.targetPort: Invalid value: 70000: must be the runtime's port",
+    ),
+    Row(
+        "pool-port-name-unknown",
+        {"inferencePool": {"targetPort": "grpc"}},
+        "spec.inferencePool.targetPort: must be the runtime's port",
+        at_create='spec.inferencePool.targetPort: Invalid value: "grpc": must be the runtime\'s port',
+    ),
+    Row(
+        "pool-app-protocol",
+        {"inferencePool": {"appProtocol": "grpc"}},
+        "spec.inferencePool.appProtocol: must be http or kubernetes.io/h2c",
+        at_create='spec.inferencePool.appProtocol: Unsupported value: "grpc"',
+        schema=True,
+    ),
+    Row(
+        "pool-enabled-string",
+        {"inferencePool": {"enabled": "yes"}},
+        "spec.inferencePool.enabled: must be true or false",
+        at_create="spec.inferencePool.enabled in body must be of type boolean",
+        schema=True,
+    ),
+    Row(
+        "picker-without-name",
+        {"inferencePool": {"endpointPickerRef": {"port": {"number": 9002}}}},
+        "spec.inferencePool.endpointPickerRef.name: is required",
+        at_create="spec.inferencePool.endpointPickerRef.name: Required value",
+        schema=True,
+    ),
+    Row(
+        "picker-port-out-of-range",
+        {"inferencePool": {"endpointPickerRef": {"name": "epp", "port": {"number": 70000}}}},
+        "spec.inferencePool.endpointPickerRef.port.number: must be at most 65535, got 70000",
+        at_create="endpointPickerRef.port.number in body should be less than or equal to 65535",
+        schema=True,
+    ),
+    Row(
+        "picker-failure-mode",
+        {"inferencePool": {"endpointPickerRef": {"name": "epp", "failureMode": "FailSometimes"}}},
+        "spec.inferencePool.endpointPickerRef.failureMode: must be FailOpen or FailClose",
+        at_create='spec.inferencePool.endpointPickerRef.failureMode: Unsupported value: "FailSometimes"',
+        schema=True,
+    ),
+    Row(
+        "picker-not-a-service-name",
+        {"inferencePool": {"endpointPickerRef": {"name": "My EPP"}}},
+        "spec.inferencePool.endpointPickerRef.name: 'My EPP' is not a Service name",
+        at_create="spec.inferencePool.endpointPickerRef.name: Invalid value: 'My EPP' is not a Service name",
+    ),
     # the image: a reference the kubelet parses (else InvalidImageName, and the pod never starts)
     Row(
         "image-empty",

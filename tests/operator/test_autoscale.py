@@ -1,20 +1,29 @@
-"""Autoscaling through an existing engine, not a home-made one: the real HorizontalPodAutoscaler controller of
+"""Behind a gateway, with an autoscaler, on the real control plane.
+
+Autoscaling through an existing engine, not a home-made one: the real HorizontalPodAutoscaler controller of
 the control plane's kube-controller-manager drives a SpyreModel through its /scale subresource, on an external
 metric (a queue length, as KEDA's Prometheus trigger on `vllm:num_requests_waiting` would report it) served by
 a test-only external metrics API behind a real APIService (tests/cluster/external_metrics.py). The operator
-follows the replica count and never writes spec.replicas itself; scaled to zero, the model keeps its Service
-and its graph-cache claim."""
+follows the replica count and never writes spec.replicas itself; scaled to zero, the model keeps its Service,
+its graph-cache claim and its InferencePool.
+
+The InferencePool per model (Gateway API Inference Extension v1), with the CRD written from its published API
+(tests/cluster/crds/inferencepool.yaml) installed for a test and removed after it (the session's control plane
+is shared and has none): made, owned, repaired after drift, removed when turned off, garbage-collected with
+the model; without the CRD, skipped with a condition and one Event, and made once the CRD is installed."""
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
+import yaml
 from kubernetes import client, watch
 
 from tests.cluster.external_metrics import ExternalMetrics
-from tests.conftest import wait_for
+from tests.conftest import REPO, wait_for
 from tests.operator.conftest import GROUP, PLURAL, VERSION
 
 pytestmark = pytest.mark.cluster
@@ -129,3 +138,156 @@ def test_scaled_to_zero_keeps_the_service_and_the_cache_claim(operator, ns):
         GROUP, VERSION, ns.name, PLURAL, "z", {"spec": {"replicas": 1}}
     )
     ns.wait_ready("z", 1)
+
+
+# ---- the InferencePool -------------------------------------------------------------------------------
+
+POOL_CRD = "inferencepools.inference.networking.k8s.io"
+POOL_API = ("inference.networking.k8s.io", "v1")
+
+
+def without_empty_defaults(schema):
+    """The 1.20 API server reads an empty string default (endpointPickerRef.group: "") as null and refuses the
+    CRD; the operator writes that field itself, so the test control plane goes without the default."""
+    if isinstance(schema, dict):
+        return {k: without_empty_defaults(v) for k, v in schema.items() if not (k == "default" and v == "")}
+    if isinstance(schema, list):
+        return [without_empty_defaults(v) for v in schema]
+    return schema
+
+
+def install_pool_crd(cluster) -> None:
+    crd = yaml.safe_load((REPO / "tests/cluster/crds/inferencepool.yaml").read_text())
+    path = cluster.workdir / "inferencepool-crd.json"
+    path.write_text(json.dumps(without_empty_defaults(crd)))
+    # the 1.20 API server does not know x-kubernetes-validations: kubectl's own validation would refuse them
+    cluster.kubectl("apply", "--validate=false", "-f", str(path))
+    cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", f"crd/{POOL_CRD}")
+
+
+def uninstall_pool_crd(cluster) -> None:
+    cluster.kubectl("delete", "crd", POOL_CRD, "--ignore-not-found", "--timeout=90s", check=False)
+    wait_for(lambda: not pool_crd_installed(cluster), timeout=90, what="the InferencePool CRD removed")
+
+
+def pool_crd_installed(cluster) -> bool:
+    return POOL_CRD in cluster.kubectl("get", "crd", "-o", "name").stdout
+
+
+@pytest.fixture()
+def pool_crd(cluster):
+    """The InferencePool CRD for one test; the shared control plane is left without it, as it was found."""
+    assert not pool_crd_installed(cluster)
+    install_pool_crd(cluster)
+    try:
+        yield POOL_CRD
+    finally:
+        uninstall_pool_crd(cluster)
+
+
+def pool(ns, name: str) -> dict | None:
+    try:
+        return ns.custom.get_namespaced_custom_object(*POOL_API, ns.name, "inferencepools", name)
+    except client.ApiException as e:
+        if e.status == 404:
+            return None
+        raise
+
+
+def pool_condition(ns, name: str) -> dict:
+    return ns.condition(name, "InferencePoolReady")
+
+
+def events_of(ns, name: str, reason: str) -> list:
+    return [e for e in ns.events(name) if e.reason == reason]
+
+
+def test_without_the_crd_the_model_serves_says_why_once_and_gets_its_pool_once_it_is_installed(
+    cluster, operator, ns
+):
+    assert not pool_crd_installed(cluster)
+    ns.apply_model("g", {**SPEC, "inferencePool": {}})
+    ns.wait_ready("g", 1)  # the model serves through its Service
+    cond = wait_for(
+        lambda: (c := pool_condition(ns, "g")).get("reason") == "InferencePoolUnavailable" and c,
+        what="InferencePoolReady False, InferencePoolUnavailable",
+    )
+    assert (
+        cond["status"] == "False" and "install the Gateway API Inference Extension's CRDs" in cond["message"]
+    )
+    assert (
+        ns.condition("g", "Ready")["status"] == "True" and ns.condition("g", "Stalled")["status"] == "False"
+    )
+    wait_for(lambda: events_of(ns, "g", "InferencePoolUnavailable"), what="an InferencePoolUnavailable Event")
+    errors = operator.metric("spyre_operator_reconciles_total", 'result="error"')
+    version = ns.model("g")["metadata"]["resourceVersion"]
+    time.sleep(8)  # more than two resync periods (3 s): asked again, no retry loop, nothing rewritten
+    assert len(events_of(ns, "g", "InferencePoolUnavailable")) == 1
+    assert operator.metric("spyre_operator_reconciles_total", 'result="error"') == errors
+    assert ns.model("g")["metadata"]["resourceVersion"] == version
+    install_pool_crd(cluster)
+    try:
+        made = wait_for(
+            lambda: pool(ns, "g"), timeout=60, what="the InferencePool made once the CRD is there"
+        )
+        assert made["spec"]["selector"]["matchLabels"] == {
+            "spyre-serve.io/model": "g",
+            "app.kubernetes.io/component": "inference",
+        }
+        assert made["metadata"]["ownerReferences"][0]["uid"] == ns.model("g")["metadata"]["uid"]
+        wait_for(lambda: pool_condition(ns, "g").get("status") == "True", what="InferencePoolReady True")
+        assert pool_condition(ns, "g")["reason"] == "Reconciled"
+        assert events_of(ns, "g", "InferencePoolCreated")
+    finally:
+        uninstall_pool_crd(cluster)
+
+
+def test_the_pool_is_made_repaired_kept_at_zero_removed_when_off_and_collected_with_the_model(
+    cluster, operator, ns, pool_crd
+):
+    picker = {"name": "router", "port": {"number": 9002}, "failureMode": "FailOpen"}
+    ns.apply_model("p", {**SPEC, "replicas": 2, "inferencePool": {"endpointPickerRef": picker}})
+    ns.apply_model("q", {**SPEC, "inferencePool": {}})
+    ns.wait_ready("p", 2)
+    made = wait_for(lambda: pool(ns, "p"), what="the InferencePool of p")
+    spec = made["spec"]
+    assert spec["targetPorts"] == [{"number": 8000}] and spec["appProtocol"] == "http"
+    assert spec["endpointPickerRef"] == {"kind": "Service", **picker}
+    owner = made["metadata"]["ownerReferences"][0]
+    assert (owner["kind"], owner["name"], owner["controller"]) == ("SpyreModel", "p", True)
+    # exactly the model's serving pods, which tell the endpoint picker they speak vLLM's metric names
+    selector = ",".join(f"{k}={v}" for k, v in spec["selector"]["matchLabels"].items())
+    selected = ns.core.list_namespaced_pod(ns.name, label_selector=selector).items
+    assert sorted(p.metadata.name for p in selected) == sorted(p.metadata.name for p in ns.pods("p"))
+    assert all(p.metadata.labels["llm-d.ai/engine-type"] == "vllm" for p in selected)
+
+    # drift: someone points the pool elsewhere; the operator restores what it owns
+    drift = [
+        {"op": "replace", "path": "/spec/selector", "value": {"matchLabels": {"app": "other"}}},
+        {"op": "replace", "path": "/spec/targetPorts", "value": [{"number": 9000}]},
+    ]
+    ns.custom.patch_namespaced_custom_object(
+        *POOL_API, ns.name, "inferencepools", "p", drift, _content_type="application/json-patch+json"
+    )
+    wait_for(lambda: pool(ns, "p")["spec"] == spec, timeout=30, what="the InferencePool repaired")
+    assert wait_for(
+        lambda: events_of(ns, "p", "InferencePoolRepaired"), what="an InferencePoolRepaired Event"
+    )
+
+    # scaled to zero: the pool stays as it is
+    ns.custom.patch_namespaced_custom_object_scale(
+        GROUP, VERSION, ns.name, PLURAL, "p", {"spec": {"replicas": 0}}
+    )
+    wait_for(lambda: not ns.pods("p"), timeout=60, what="the pods of p removed")
+    wait_for(lambda: ns.condition("p", "Ready").get("reason") == "ScaledToZero", what="p scaled to zero")
+    assert pool(ns, "p")["spec"] == spec and pool_condition(ns, "p")["status"] == "True"
+
+    # turned off: the operator removes it, and the condition goes
+    ns.patch_spec("p", {"inferencePool": {"enabled": False}})
+    wait_for(lambda: pool(ns, "p") is None, what="the InferencePool of p removed")
+    wait_for(lambda: not pool_condition(ns, "p"), what="the InferencePoolReady condition gone")
+
+    # the model deleted: its pool is garbage-collected with it
+    wait_for(lambda: pool(ns, "q"), what="the InferencePool of q")
+    ns.custom.delete_namespaced_custom_object(GROUP, VERSION, ns.name, PLURAL, "q")
+    wait_for(lambda: pool(ns, "q") is None, timeout=120, what="the InferencePool of q garbage-collected")

@@ -71,6 +71,7 @@ EXPECTED = {
     "persistentvolumeclaims": {"get", "list", "watch", "create", "patch"},
     "events": {"create"},
     "resourceclaimtemplates.resource.k8s.io": {"list", "create", "delete"},
+    "inferencepools.inference.networking.k8s.io": {"get", "list", "watch", "create", "patch", "delete"},
     "nodes": {"get"},
     "customresourcedefinitions.apiextensions.k8s.io": {"get", "list", "watch"},
 }

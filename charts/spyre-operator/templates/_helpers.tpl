@@ -56,4 +56,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [resource.k8s.io]
   resources: [resourceclaimtemplates]
   verbs: [list, create, delete]
+# an InferencePool per model that asks for one (spec.inferencePool): made, watched and repaired, removed
+# when the spec turns it off
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
+  verbs: [get, list, watch, create, patch, delete]
 {{- end -}}
