@@ -13,6 +13,8 @@ import logging
 import time
 from contextlib import suppress
 
+from fastapi import Request
+
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.kv_events import publisher_for
 from spyre_runtime.engine.llm_engine import EngineThread, LLMEngine, RequestOutput
@@ -235,3 +237,8 @@ class GenerateState(ServingState):
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             f.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+
+def generate_state(request: Request) -> GenerateState:
+    """The app's state (`app.state.serving`), as a route of this task reads it."""
+    return request.app.state.serving

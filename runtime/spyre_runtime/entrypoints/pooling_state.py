@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from fastapi import Request
 
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.pooling import PoolingEngine, PoolingScheduler, PoolItem
@@ -146,3 +147,8 @@ def _settle(future: asyncio.Future, out) -> None:
         future.set_exception(out)
     else:
         future.set_result(out)
+
+
+def pooling_state(request: Request) -> PoolingState:
+    """The app's state (`app.state.serving`), as a route of this task reads it."""
+    return request.app.state.serving

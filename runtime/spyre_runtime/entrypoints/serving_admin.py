@@ -8,13 +8,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from spyre_runtime.entrypoints.errors import APIError
-from spyre_runtime.entrypoints.state import ServingState, runtime_version
+from spyre_runtime.entrypoints.state import runtime_version, serving_state
 
 router = APIRouter()
-
-
-def serving_state(request: Request) -> ServingState:
-    return request.app.state.serving
 
 
 @router.get("/health")

@@ -16,7 +16,7 @@ from fastapi.responses import Response, StreamingResponse
 from spyre_runtime.entrypoints.chat_output import OutputParser
 from spyre_runtime.entrypoints.errors import APIError, bad_request
 from spyre_runtime.entrypoints.formatting import Reply, build_response, stream_events
-from spyre_runtime.entrypoints.generate_state import GenerateState
+from spyre_runtime.entrypoints.generate_state import GenerateState, generate_state
 from spyre_runtime.entrypoints.prompts import render_chat, tokenize
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from spyre_runtime.entrypoints.serving_beam import beam_respond, check_beam
@@ -25,10 +25,6 @@ from spyre_runtime.entrypoints.tools import ChatSettings, plan_tools
 from spyre_runtime.entrypoints.validator import Choice
 
 router = APIRouter()
-
-
-def generate_state(request: Request) -> GenerateState:
-    return request.app.state.serving
 
 
 @router.post("/v1/completions")

@@ -22,14 +22,10 @@ from spyre_runtime.entrypoints.pooling_protocol import (
     RerankRequest,
     ScoreRequest,
 )
-from spyre_runtime.entrypoints.pooling_state import PoolingState
+from spyre_runtime.entrypoints.pooling_state import PoolingState, pooling_state
 from spyre_runtime.executor.pooling_model import shapes_str
 
 router = APIRouter()
-
-
-def pooling_state(request: Request) -> PoolingState:
-    return request.app.state.serving
 
 
 class Inputs:

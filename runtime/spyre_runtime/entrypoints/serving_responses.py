@@ -19,6 +19,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from spyre_runtime.entrypoints.chat_output import OutputParser
 from spyre_runtime.entrypoints.errors import APIError
+from spyre_runtime.entrypoints.generate_state import generate_state
 from spyre_runtime.entrypoints.prompts import render_chat, tokenize
 from spyre_runtime.entrypoints.responses_input import chat_request, rename
 from spyre_runtime.entrypoints.responses_output import (
@@ -31,7 +32,6 @@ from spyre_runtime.entrypoints.responses_output import (
     usage,
 )
 from spyre_runtime.entrypoints.responses_protocol import ResponsesRequest
-from spyre_runtime.entrypoints.serving_completion import generate_state
 from spyre_runtime.entrypoints.submission import Submission, collect
 from spyre_runtime.entrypoints.tools import ChatSettings, plan_tools
 

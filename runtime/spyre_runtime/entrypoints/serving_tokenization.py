@@ -6,15 +6,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from spyre_runtime.entrypoints.errors import bad_request
-from spyre_runtime.entrypoints.generate_state import GenerateState
+from spyre_runtime.entrypoints.generate_state import generate_state
 from spyre_runtime.entrypoints.prompts import render_chat, tokenize
 from spyre_runtime.entrypoints.protocol import DetokenizeRequest, TokenizeRequest
 
 router = APIRouter()
-
-
-def generate_state(request: Request) -> GenerateState:
-    return request.app.state.serving
 
 
 @router.post("/tokenize")

@@ -9,6 +9,7 @@ import logging
 from abc import ABC, abstractmethod
 from importlib.metadata import PackageNotFoundError, version
 
+from fastapi import Request
 from spyre_contract.tasks import is_pooling_task
 
 from spyre_runtime.config import RuntimeConfig
@@ -145,3 +146,8 @@ class ServingState(ABC):
             log.error("exiting: the engine failed: %s", self.engine_error)
             return ENGINE_DIED_EXIT_CODE
         return 0
+
+
+def serving_state(request: Request) -> ServingState:
+    """The app's state (`app.state.serving`), as a route of this task reads it."""
+    return request.app.state.serving
