@@ -11,14 +11,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.runtime.serverproc import ServerProcess
-
-ENV = {
-    "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
-    "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "256",
-    "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "128",
-    "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2",
-}
 TIME = {
     "type": "object",
     "properties": {"utc": {"type": "boolean"}, "offset": {"type": "integer", "minimum": -12, "maximum": 12}},
@@ -31,12 +23,8 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("responses") / "server.log"
-    args = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    srv = ServerProcess(tiny_model, ENV, log, extra_args=args)
-    with srv.serving():
-        yield srv
+def server(tool_server):
+    return tool_server
 
 
 @pytest.fixture(scope="module")

@@ -12,14 +12,6 @@ import jsonschema
 import openai
 import pytest
 
-from tests.runtime.serverproc import ServerProcess
-
-ENV = {
-    "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
-    "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "256",
-    "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "128",
-    "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2",
-}
 WEATHER = {
     "type": "object",
     "properties": {
@@ -48,12 +40,8 @@ MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("tools") / "server.log"
-    args = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    srv = ServerProcess(tiny_model, ENV, log, extra_args=args)
-    with srv.serving():
-        yield srv
+def server(tool_server):
+    return tool_server
 
 
 @pytest.fixture(scope="module")
