@@ -75,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny-model", help="write a seeded random-weight tiny model folder")
     tiny.add_argument("dir")
-    tiny.add_argument(
-        "--arch", default="llama", choices=["llama", "granite", "bert-reranker", "roberta-reranker"]
-    )
+    from spyre_runtime.models import TINY_ARCHES
+
+    tiny.add_argument("--arch", default="llama", choices=TINY_ARCHES)
     tiny.add_argument("--seed", type=int, default=0)
     return parser
 

