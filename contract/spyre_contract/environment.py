@@ -18,6 +18,9 @@ PROMPT_LEN_MULTIPLE = 64
 CB_DEFAULT_MAX_MODEL_LEN = 512
 CB_DEFAULT_MAX_NUM_SEQS = 4
 CB_DEFAULT_CHUNK = 256
+# prompt tokens a mixed step carries while requests are decoding (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS;
+# 0: the whole --max-num-batched-tokens): bench/README.md run 20 measured the default
+CB_DEFAULT_MIXED_PREFILL_TOKENS = 64
 ENV_PREFIX = "SENDNN_INFERENCE_"
 ALIAS_PREFIX = "VLLM_SPYRE_"
 
@@ -215,6 +218,7 @@ class EnvironmentSettings:
     update_thread_config: bool = True
     num_cpus: int = 0
     cp_interleave_steps: bool = True
+    mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -271,6 +275,7 @@ def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlag
         update_thread_config=env.bool("UPDATE_THREAD_CONFIG", True),
         num_cpus=env.int("NUM_CPUS", 0, minimum=0),
         cp_interleave_steps=env.bool("CP_INTERLEAVE_STEPS", True),
+        mixed_prefill_tokens=env.int("CB_MIXED_PREFILL_TOKENS", CB_DEFAULT_MIXED_PREFILL_TOKENS, minimum=0),
         deprecated_env=tuple(env.deprecated_used),
     )
     if use_cb:

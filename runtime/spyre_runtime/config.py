@@ -17,6 +17,7 @@ from spyre_contract import (
     CB_DEFAULT_CHUNK,
     CB_DEFAULT_MAX_MODEL_LEN,
     CB_DEFAULT_MAX_NUM_SEQS,
+    CB_DEFAULT_MIXED_PREFILL_TOKENS,
     ENV_PREFIX,
     PROMPT_LEN_MULTIPLE,
     ContractError,
@@ -161,6 +162,8 @@ class RuntimeConfig:
     update_thread_config: bool = True
     num_cpus: int = 0
     cp_interleave_steps: bool = True
+    # continuous batching: prompt tokens a mixed step carries beside running decodes (0: the whole chunk)
+    mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
     shutdown_grace_seconds: float = 30.0
     max_num_batched_tokens: int = CB_DEFAULT_CHUNK  # continuous batching: prefill chunk, a multiple of 64
     enable_prefix_caching: bool = True

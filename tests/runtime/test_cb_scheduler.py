@@ -14,7 +14,15 @@ from spyre_runtime.sampling.params import SamplingParams
 
 
 def config(**kw) -> RuntimeConfig:
-    base = {"max_model_len": 256, "max_num_seqs": 4, "max_num_batched_tokens": 64, "use_cb": True}
+    # the golden tables below spend the whole chunk beside decodes (mixed_prefill_tokens 0); the decode-first
+    # budget has tables of its own
+    base = {
+        "max_model_len": 256,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 64,
+        "use_cb": True,
+        "mixed_prefill_tokens": 0,
+    }
     return RuntimeConfig(model_dir=Path("unused"), served_model_name="t", **(base | kw))
 
 
@@ -216,3 +224,27 @@ def test_a_mixed_step_prefills_pieces_of_at_most_four_prompts_within_the_token_b
         ("b1", 0, 14, False),
     ]
     assert step.chunk_size == 64 and step.requests == (step.chunks[0].request,)
+
+
+def test_decode_first_budget_bounds_the_prompt_tokens_beside_running_decodes():
+    """With requests decoding, a mixed step carries at most `mixed_prefill_tokens` prompt tokens (a running
+    stream's gap stays near a decode step); with nothing decoding a step takes the whole chunk."""
+    s = ContinuousScheduler(config(mixed_prefill_tokens=16))
+    a, b = req("a", 100, 10), req("b", 40, 3)
+    rows = drive(s, {0: [a], 2: [b]}, 9)
+    assert [row[1:4] for row in rows] == [
+        ("prefill", ("a",), 64),  # nothing decodes: the whole chunk
+        ("prefill", ("a",), 36),  # a's last 36 tokens, still nothing decoding
+        ("mixed", ("a", "b"), 17),  # a decodes: b gets 16 prompt tokens beside it
+        ("mixed", ("a", "b"), 17),
+        ("mixed", ("a", "b"), 9),  # b's last 8 tokens
+        ("decode", ("a", "b"), 2),
+        ("decode", ("a", "b"), 2),
+        ("decode", ("a",), 1),  # b finished (3 tokens)
+        ("decode", ("a",), 1),
+    ]
+
+
+@pytest.mark.parametrize(("budget", "expected"), [(0, 64), (16, 16), (500, 64)])
+def test_decode_first_budget_is_capped_by_the_chunk(budget, expected):
+    assert ContinuousScheduler(config(mixed_prefill_tokens=budget)).mixed_budget == expected

@@ -66,6 +66,14 @@ def test_flags_win_over_environment():
         ),
         ({"SENDNN_INFERENCE_USE_CB": "maybe"}, "SENDNN_INFERENCE_USE_CB='maybe' is not a boolean"),
         ({"VLLM_SPYRE_MAX_LOAD_PROCESSES": "-1"}, "VLLM_SPYRE_MAX_LOAD_PROCESSES='-1' must be >= 0"),
+        (
+            {"SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": "-8"},
+            "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS='-8' must be >= 0",
+        ),
+        (
+            {"SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": "half"},
+            "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS='half' is not an integer",
+        ),
         ({"TORCH_SENDNN_CACHE_ENABLE": "1"}, "TORCH_SENDNN_CACHE_ENABLE=1 needs TORCH_SENDNN_CACHE_DIR"),
     ],
 )

@@ -20,7 +20,10 @@ A step is a decode of every running request, prefill chunks, or both at once:
   piece. Every piece's tokens but its last one make the chunk (the last ones go to `prefill_pieces` places
   of their own, see the executor), which runs at its own length rounded up to 8 tokens on CPU backends (one
   graph with a dynamic token dimension, `config.dynamic_chunks`) or at the smallest chunk bucket that holds
-  it (sendnn: one graph per bucket); a mixed step runs at the largest batch bucket.
+  it (sendnn: one graph per bucket); a mixed step runs at the largest batch bucket. Decode first: while
+  requests are decoding, a step carries at most `mixed_prefill_tokens` prompt tokens
+  (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS), so a running stream's gap between two tokens stays near a
+  decode step's length when prompts arrive; with nothing decoding a step carries the whole chunk.
 - Without it, a prompt's chunks (at most `max_num_batched_tokens` tokens, the smallest bucket that fits) run
   alone, back to back, one prompt at a time.
 - A decode step runs at the smallest (batch, KV length) bucket holding every running request.
@@ -59,6 +62,9 @@ class ContinuousScheduler:
         self.kv_buckets = config.kv_buckets
         self.interleave = config.cp_interleave_steps
         self.pieces = config.prefill_pieces
+        # the prompt tokens a mixed step carries while requests are decoding: a decode row's gap between two
+        # tokens is the step's length, so this bounds a running stream's stall (ITL) when a prompt arrives
+        self.mixed_budget = min(self.chunk_tokens, config.mixed_prefill_tokens or self.chunk_tokens)
         self.blocks = BlockManager(
             config.cb_num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
@@ -139,7 +145,7 @@ class ContinuousScheduler:
         self._admit(self.max_num_seqs)
         if not self.prefilling:
             return decode
-        chunks = self._next_pieces()
+        chunks = self._next_pieces(self.mixed_budget if decode else self.chunk_tokens)
         mixed = {
             "chunks": chunks,
             "batch_size": max(self.batch_buckets),
@@ -175,9 +181,10 @@ class ContinuousScheduler:
             req.status = Status.RUNNING
             self.prefilling.append(req)
 
-    def _next_pieces(self) -> tuple[PrefillChunk, ...]:
-        """Up to `pieces` prompts' next tokens, in admission order, within the step's token budget."""
-        budget, sizes = self.chunk_tokens, []
+    def _next_pieces(self, budget: int) -> tuple[PrefillChunk, ...]:
+        """Up to `pieces` prompts' next tokens, in admission order, within the step's token budget: the whole
+        chunk when nothing decodes, `mixed_budget` beside decode rows."""
+        sizes = []
         for req in self.prefilling[: self.pieces]:
             n = min(budget, req.num_tokens - req.num_computed_tokens)
             if n == 0:

