@@ -79,6 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny.add_argument("--arch", default="llama", choices=TINY_ARCHES)
     tiny.add_argument("--seed", type=int, default=0)
+
+    fetch = sub.add_parser(
+        "fetch-model", help="download hf:// or s3:// into DIR, verified, published atomically (loader Job)"
+    )
+    fetch.add_argument("--source", required=True, help="hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX")
+    fetch.add_argument("--into", required=True, help="the model folder to publish (staged in DIR.partial)")
+    fetch.add_argument(
+        "--endpoint", default=None, help="S3 or hub endpoint (default AWS_ENDPOINT_URL, HF_ENDPOINT)"
+    )
     return parser
 
 
@@ -350,6 +359,12 @@ def cmd_tiny(args) -> int:
     return 0
 
 
+def cmd_fetch_model(args) -> int:
+    from spyre_runtime.sources.fetch import main as fetch_main
+
+    return fetch_main(args.source, args.into, args.endpoint)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -359,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         "compile": cmd_compile,
         "prepare-model": cmd_prepare,
         "tiny-model": cmd_tiny,
+        "fetch-model": cmd_fetch_model,
     }
     try:
         return commands[args.command](args)
