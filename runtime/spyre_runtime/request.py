@@ -19,6 +19,18 @@ class Status(enum.Enum):
 
 
 @dataclass(eq=False)
+class ImageInput:
+    """A request's images as the model's processor made them (entrypoints/images.py). The executor runs
+    the vision tower once, at its first prefill step, and keeps the features (executor/vision.py)."""
+
+    pixel_values: torch.Tensor  # [num_images, tiles, channels, height, width] (tiles padded per image)
+    image_sizes: torch.Tensor  # [num_images, 2]: each image's (height, width) before processing
+    index: torch.Tensor  # [num_prompt_tokens]: the feature row a prompt position takes, -1 for text
+    digest: int  # of the images' pixels: salts the prefix cache's block hashes
+    features: torch.Tensor | None = None  # [image tokens, hidden] once the tower ran
+
+
+@dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -39,6 +51,8 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not EOS)
     num_computed_tokens: int = 0  # continuous batching: tokens whose KV is in the cache
     num_preemptions: int = 0
+    state_slot: int = 0  # continuous batching, hybrid models: its Mamba state slot (0: none; state_slots.py)
+    images: ImageInput | None = None  # an image-text model's images, placed at its image tokens
 
     def __post_init__(self) -> None:
         if self.generator is None and self.sampling.seed is not None and not self.sampling.is_greedy:

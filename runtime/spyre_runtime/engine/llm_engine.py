@@ -21,7 +21,7 @@ from spyre_runtime.engine.outputs import OutputProcessor, RequestOutput, eos_tok
 from spyre_runtime.engine.static_scheduler import StaticScheduler, check_admissible
 from spyre_runtime.executor.graph_cache import warmup_with_cache
 from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
-from spyre_runtime.request import Request
+from spyre_runtime.request import ImageInput, Request
 from spyre_runtime.sampling.params import SamplingParams, TokenLogprob
 from spyre_runtime.sampling.sampler import token_logprobs
 
@@ -49,11 +49,16 @@ class LLMEngine:
         return f"req-{next(self._ids)}"
 
     def add_request(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        images: ImageInput | None = None,
     ) -> Request:
-        """Raises ValueError (nothing is queued) when the request can never run."""
+        """Raises ValueError (nothing is queued) when the request can never run. `images`: an image-text
+        model's images (entrypoints/images.py)."""
         sampling = dataclasses.replace(sampling, eos_token_ids=tuple(sorted(self.outputs.eos_ids)))
-        req = Request(request_id or self.new_request_id(), list(prompt_token_ids), sampling)
+        req = Request(request_id or self.new_request_id(), list(prompt_token_ids), sampling, images=images)
         check_admissible(self.scheduler, req)
         if sampling.guide is not None:
             req.guide = sampling.guide.new_guide()
@@ -197,8 +202,10 @@ class EngineThread:
         self._commands.put(("wake", None))
         self.thread.join(timeout=30)
 
-    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str) -> None:
-        self._commands.put(("add", (prompt_token_ids, sampling, request_id)))
+    def submit(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, images=None
+    ) -> None:
+        self._commands.put(("add", (prompt_token_ids, sampling, request_id, images)))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -221,9 +228,11 @@ class EngineThread:
             except queue.Empty:
                 return
 
-    def _add(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str) -> None:
+    def _add(
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, images=None
+    ) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, sampling, request_id)
+            self.engine.add_request(prompt_token_ids, sampling, request_id, images)
         except ValueError as e:  # the server checks first; a request that still cannot run fails alone
             req = Request(request_id, list(prompt_token_ids), sampling)
             self.engine.fail(req, e)

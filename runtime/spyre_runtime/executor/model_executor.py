@@ -28,7 +28,8 @@ from spyre_runtime.executor.compiler import (
 from spyre_runtime.executor.kv_cache import KVCachePool, blocks_for
 from spyre_runtime.executor.loader import configure_threads as configure_threads  # re-exported
 from spyre_runtime.executor.loader import load_model, model_dims, pack_weights, prime_rotary
-from spyre_runtime.executor.step_inputs import StepInputs
+from spyre_runtime.executor.step_inputs import StepInputs, TokenSpan
+from spyre_runtime.executor.vision import split_vision
 from spyre_runtime.executor.warmup import WarmupProgress, graphs_to_warm, warm_continuous, warm_static
 from spyre_runtime.executor.workers import WorkerGroup
 from spyre_runtime.sampling.sampler import SamplerOutput, sample
@@ -48,6 +49,7 @@ class ModelExecutor:
         tp = config.tensor_parallel_size > 1
         self.workers = WorkerGroup(config, type(self)) if tp and rank == 0 else None
         self.model, self.dtype = load_model(config, model)
+        self.model, self.vision = split_vision(self.model, config.tensor_parallel_size)  # vision.py
         if tp:
             # every rank has loaded (and left its load slot) before rank 0 may take a slot to compile
             torch.distributed.barrier()
@@ -126,8 +128,11 @@ class ModelExecutor:
         )
         return logits[0] if mixed else logits[:, -1, :]
 
-    def _run(self, *args, live_rows: int | None = None) -> torch.Tensor:
-        """`live_rows`: a decode step whose first n rows only are live (linear.live_rows)."""
+    def _run(self, *args, live_rows: int | None = None, spans: tuple[TokenSpan, ...] = ()) -> torch.Tensor:
+        """`live_rows`: a decode step whose first n rows only are live (linear.live_rows). An image-text
+        model's language model takes embeddings, with image features at the image tokens of `spans`."""
+        if self.vision is not None:
+            args = (self.vision.embed(args[0], spans), *args[1:])
         if self.workers is not None:
             self.workers.send("run", (args, live_rows))
         return self.run_local(*args, live_rows=live_rows)
@@ -166,17 +171,19 @@ class ModelExecutor:
                 [r.output_token_ids[-1] for r in reqs],
                 step.decode_index,
             )
-        return sample(self._run(*args), reqs)
+        return sample(self._run(*args, spans=self.inputs.spans(step)), reqs)
 
     def execute_continuous(self, step: ContinuousStep) -> SamplerOutput:
         if step.mixed:
-            logits = self._run(*self.inputs.mixed(step))  # [the pieces' last tokens (P), decode rows]
+            # [the pieces' last tokens (P), decode rows]
+            logits = self._run(*self.inputs.mixed(step), spans=self.inputs.spans(step))
             P = self.config.prefill_pieces
             ends = [p for p, chunk in enumerate(step.chunks) if chunk.is_last]
             logits = logits[[P + r for r in range(len(step.decode))] + ends]
         elif step.chunks:
             (chunk,) = step.chunks
-            logits = self._run(*self.inputs.chunk(chunk, self.inputs.prefill_kv_len))
+            args = self.inputs.chunk(chunk, self.inputs.prefill_kv_len)
+            logits = self._run(*args, spans=self.inputs.spans(step))
         else:
             logits = self._run(*self.inputs.batch_decode(step), live_rows=len(step.decode))
         # a chunk that does not end its prompt has no request: nothing is sampled for it

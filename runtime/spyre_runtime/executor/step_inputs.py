@@ -5,11 +5,25 @@ Dummy and pad positions write the scratch block and see one finite key; their ou
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from spyre_runtime.config import RuntimeConfig, Shape
 from spyre_runtime.executor.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK, blocks_for
-from spyre_runtime.steps import ContinuousStep, PrefillChunk
+from spyre_runtime.request import Request
+from spyre_runtime.steps import ContinuousStep, PrefillChunk, StaticStep
+
+
+class TokenSpan(NamedTuple):
+    """Tokens [start, start + length) of `request`'s sequence sit in row `row` of the step's input, from
+    column `col` on (where an image-text model puts their image features: executor/vision.py)."""
+
+    row: int
+    col: int
+    request: Request
+    start: int
+    length: int
 
 
 class StepInputs:
@@ -19,6 +33,31 @@ class StepInputs:
         self.prefill_pieces = config.prefill_pieces
         self.prefill_kv_len = max(config.kv_buckets)  # chunks see up to the longest KV bucket
         self.decode_table_width = blocks_for(config.max_model_len)  # blocks of the longest sequence
+
+    def spans(self, step: StaticStep | ContinuousStep) -> tuple[TokenSpan, ...]:
+        """Where each prompt token of the step sits in the layouts below (none for decode tokens)."""
+        if isinstance(step, StaticStep):
+            if not step.is_prefill:
+                return ()
+            P = step.shape.prompt_len
+            return tuple(
+                TokenSpan(r, P - q.num_prompt_tokens, q, 0, q.num_prompt_tokens)
+                for r, q in enumerate(step.requests)
+            )
+        if not step.mixed:
+            return tuple(
+                TokenSpan(0, c.chunk_size - len(c.token_ids), c.request, c.start, len(c.token_ids))
+                for c in step.chunks
+            )
+        out, body = [], 0
+        for p, c in enumerate(step.chunks):  # the layout of `mixed`: bodies in order, last tokens at C + p
+            n = len(c.token_ids)
+            out += [
+                TokenSpan(0, body, c.request, c.start, n - 1),
+                TokenSpan(0, c.chunk_size + p, c.request, c.start + n - 1, 1),
+            ]
+            body += n - 1
+        return tuple(out)
 
     # ---- static shapes ---------------------------------------------------------------------------
 
