@@ -18,6 +18,9 @@ A decode step with live rows fewer than its graph's rows (one stream decoding in
 with `live_rows(n)`: the op then multiplies only the first n rows and returns zeros for the others, which
 are dummy rows whose outputs are dropped (zeros stay finite through every layer: norms, residuals);
 the paged decode attention (kv_cache.paged_decode) reads the same hint and attends for the live rows only.
+A mixed step (one row: the chunk region, then the decode tokens of its graph's batch bucket) says
+`live_rows(tokens, decode_rows)`: its dead decode tokens are the last ones, so the GEMMs take the first
+`tokens` and the paged decode attends for the first `decode_rows` of its decode rows.
 """
 
 from __future__ import annotations
@@ -33,22 +36,30 @@ from spyre_runtime.executor.ops import opaque_op
 
 _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the weight packed for oneDNN
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
+_live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 
 
 @contextlib.contextmanager
-def live_rows(n: int | None) -> Iterator[None]:
-    """Within: the packed linear layers' inputs have `n` live rows first, the rest are dummies."""
-    global _live
-    before, _live = _live, n
+def live_rows(n: int | None, decode_rows: int | None = None) -> Iterator[None]:
+    """Within: the packed linear layers' inputs have `n` live rows first, the rest are dummies; the paged
+    decode's first `decode_rows` rows are live (default: `n`, a decode step's rows are its inputs' rows)."""
+    global _live, _live_decode
+    before = _live, _live_decode
+    _live, _live_decode = n, n if decode_rows is None else decode_rows
     try:
         yield
     finally:
-        _live = before
+        _live, _live_decode = before
 
 
 def live_row_count() -> int | None:
     """The current step's live rows (`live_rows`), or None when every row is live."""
     return _live
+
+
+def live_decode_row_count() -> int | None:
+    """The current step's live decode rows (`live_rows`), or None when every decode row is live."""
+    return _live_decode
 
 
 def _fake_linear(x, weight, bias):
