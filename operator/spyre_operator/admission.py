@@ -26,6 +26,12 @@ def check_spec(name: str, raw: dict, settings: OperatorSettings) -> ModelSpec:
     """Everything the operator can tell from the spec and its own settings alone; raises InvalidSpec naming
     the first rule the spec breaks."""
     spec = parse_spec(name, raw)
+    if spec.model_source.scheme == "file" and not settings.allow_host_path:
+        raise InvalidSpec(
+            "model.source",
+            f"{spec.source}: file:// models (a hostPath on the node) are turned off; an admin turns them on "
+            "with SPYRE_OPERATOR_ALLOW_HOST_PATH=1 (chart value allowHostPathModels)",
+        )
     check_placement(spec, settings)
     check_inference_pool(spec, settings)
     check_fit(spec, settings)

@@ -12,7 +12,9 @@ from spyre_operator.metrics import OperatorMetrics
 from spyre_operator.reconcile import Reconciler
 from spyre_operator.settings import (
     COMPILE_LABEL,
+    FETCH_LABEL,
     GROUP,
+    MANAGED_BY,
     MODEL_LABEL,
     PLURAL,
     POOL_GROUP,
@@ -51,7 +53,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         settings.watching.label_selectors["pods"] = MODEL_LABEL
         settings.watching.label_selectors["services"] = MODEL_LABEL
         settings.watching.label_selectors["persistentvolumeclaims"] = MODEL_LABEL
-        settings.watching.label_selectors["batch", "jobs"] = COMPILE_LABEL
+        # compile and loader Jobs (both carry the managed-by label)
+        managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+        settings.watching.label_selectors["batch", "jobs"] = managed
         settings.watching.label_selectors[POOL_GROUP, POOL_PLURAL] = MODEL_LABEL
         memo.queue.start()
         memo.resync.start()
@@ -92,9 +96,10 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.cache.owned_changed(key)  # drifted or deleted by someone: check it again
         memo.queue.add(key)
 
-    @kopf.on.event("batch", "v1", "jobs", labels={COMPILE_LABEL: kopf.PRESENT}, id="job", registry=registry)
+    @kopf.on.event("batch", "v1", "jobs", id="job", registry=registry)
     async def job_event(namespace, labels, memo, **_):
-        memo.queue.add((namespace, labels[COMPILE_LABEL]))
+        if model := labels.get(COMPILE_LABEL) or labels.get(FETCH_LABEL):  # a compile or loader Job
+            memo.queue.add((namespace, model))
 
     @kopf.on.cleanup(registry=registry)
     def stop(memo, **_):

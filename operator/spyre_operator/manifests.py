@@ -7,6 +7,7 @@ import json
 
 from spyre_operator import placement
 from spyre_operator.model_spec import ModelSpec
+from spyre_operator.model_volumes import CACHE_VOLUME, CONTAINER_SECURITY, model_storage
 from spyre_operator.runtime_contract import CACHE_MOUNT, engine_args, runtime_args, runtime_env
 from spyre_operator.settings import (
     ATTEMPT_ANNOTATION,
@@ -24,7 +25,6 @@ from spyre_operator.settings import (
     OperatorSettings,
 )
 
-MODEL_MOUNT = "/models"
 PROBE_PERIOD = 10
 
 
@@ -77,36 +77,26 @@ def startup_failure_threshold(spec: ModelSpec, settings: OperatorSettings) -> in
 
 
 def _storage(
-    name: str, spec: ModelSpec, settings: OperatorSettings | None = None
-) -> tuple[list[dict], list[dict]]:
-    """(volumeMounts, volumes): shared memory (sized for tensor-parallel pods), /tmp, the model claim and
-    the graph cache."""
+    name: str, spec: ModelSpec, settings: OperatorSettings, is_serving: bool = True
+) -> tuple[list[dict], list[dict], list[dict]]:
+    """(volumeMounts, volumes, initContainers): shared memory (sized for tensor-parallel serving pods), /tmp,
+    the model (model_volumes.py: by source scheme) and the graph cache."""
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "tmp", "mountPath": "/tmp"}]
     shm = {"medium": "Memory"}
-    if spec.cards > 1 and settings is not None:  # ranks exchange tensors through shared memory
+    if spec.cards > 1 and is_serving:  # ranks exchange tensors through shared memory
         shm["sizeLimit"] = settings.shm_size
     volumes = [
         {"name": "dshm", "emptyDir": shm},
         {"name": "tmp", "emptyDir": {}},
     ]
-    if spec.pvc_claim:
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
-        volumes.append(
-            {"name": "model", "persistentVolumeClaim": {"claimName": spec.pvc_claim, "readOnly": True}}
-        )
+    model_mounts, model_volumes, init = model_storage(spec, settings)
+    mounts += model_mounts
+    volumes += model_volumes
     claim = cache_claim_name(name, spec)
     if claim:
-        mounts.append({"name": "graph-cache", "mountPath": CACHE_MOUNT})
-        volumes.append({"name": "graph-cache", "persistentVolumeClaim": {"claimName": claim}})
-    return mounts, volumes
-
-
-CONTAINER_SECURITY = {
-    "allowPrivilegeEscalation": False,
-    "capabilities": {"drop": ["ALL"]},
-    "runAsNonRoot": True,
-    "readOnlyRootFilesystem": True,  # the runtime writes only to /tmp, /dev/shm and the cache volume
-}
+        mounts.append({"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT})
+        volumes.append({"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": claim}})
+    return mounts, volumes, init
 
 
 def pod_security(settings: OperatorSettings) -> dict:
@@ -129,7 +119,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
     probe = {"httpGet": {"path": "/health", "port": port}}
     resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
     claims = placement.request_cards(resources, name, spec, settings)
-    mounts, volumes = _storage(name, spec, settings)
+    mounts, volumes, init = _storage(name, spec, settings)
     container = {
         "name": "runtime",
         "image": spec.image or settings.runtime_image,
@@ -151,6 +141,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         "securityContext": dict(CONTAINER_SECURITY),
     }
     pod_spec = {
+        **({"initContainers": init} if init else {}),
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Always",
@@ -332,7 +323,7 @@ def build_compile_job(
     """A Job that runs `spyre-runtime compile` into the shared cache. It requests no cards: inductor
     compiles on CPU and sendnn uses its card-less compile-only backend."""
     name = model["metadata"]["name"]
-    mounts, volumes = _storage(name, spec)
+    mounts, volumes, init = _storage(name, spec, settings, is_serving=False)
     resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
     labels = {COMPILE_LABEL: name, CACHE_KEY_LABEL: key, COMPONENT_LABEL: "compile", **MANAGED_BY}
     container = {
@@ -347,6 +338,7 @@ def build_compile_job(
         "securityContext": dict(CONTAINER_SECURITY),
     }
     pod_spec = {
+        **({"initContainers": init} if init else {}),
         "containers": [container],
         "volumes": volumes,
         "restartPolicy": "Never",

@@ -4,10 +4,11 @@ InvalidSpec, the error that names the field a spec breaks a rule with."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
-SOURCE = re.compile(r"^(pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)/(?P<path>.*)|file://(?P<file>/.+))$")
+from spyre_operator.model_source import Source, parse_source
+
+MODEL_MOUNT = "/models"  # where a pod finds the model: the claim's root, an image's files, the cache folder
 
 
 class InvalidSpec(ValueError):
@@ -102,6 +103,8 @@ def _scaled(value: int | str, replicas: int, up: bool) -> int:
 class ModelSpec:
     source: str
     served_model_name: str
+    secret_ref: str | None = None  # spec.model.secretRef: the loader's credentials (hf, s3)
+    endpoint: str | None = None  # spec.model.endpoint: the hub's or object store's URL (hf, s3)
     architecture: str | None = None  # config.json's architectures[0], for the registry
     model_config: dict | None = None  # config.json's dimensions, for the memory plan
     require_known_config: bool = False
@@ -132,16 +135,24 @@ class ModelSpec:
     inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
 
     @property
+    def model_source(self) -> Source:
+        return parse_source(self.source)
+
+    @property
     def pvc_claim(self) -> str | None:
-        m = SOURCE.match(self.source)
-        return m.group("claim") if m else None
+        source = self.model_source
+        return source.claim if source.scheme == "pvc" else None
 
     @property
     def model_path_in_pod(self) -> str:
-        m = SOURCE.match(self.source)
-        if m.group("claim"):
-            return "/models/" + m.group("path").strip("/")
-        return m.group("file")
+        """A claim's folder under the claim's mount, a node's folder where it is on the node; an image's
+        files and the model cache's folder are mounted at the model mount itself."""
+        source = self.model_source
+        if source.scheme == "pvc":
+            return f"{MODEL_MOUNT}/" + source.path.strip("/")
+        if source.scheme == "file":
+            return source.path
+        return MODEL_MOUNT
 
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}

@@ -225,3 +225,75 @@ def observe_job(
         attempt,
         max_attempts,
     )
+
+
+@dataclass(frozen=True)
+class ModelCacheState:
+    """The loader Job of the current fetch key (hf://, s3://), as observed: downloading (bytes so far, from
+    its pod's progress annotation), cached, or failed for good (the loader's last words)."""
+
+    key: str
+    is_ready: bool
+    is_failed: bool
+    reason: str  # Downloading | Cached | DownloadFailed
+    message: str
+
+
+def observe_loader(job: dict | None, pods: list[dict], key: str, progress_annotation: str) -> ModelCacheState:
+    """Reads a loader Job and its pods (None: not created yet). Failed means the Job failed, or a pod
+    exited with the loader's permanent code 2 (a cluster without pod failure policies would retry it)."""
+    if job is None:
+        return ModelCacheState(
+            key, False, False, "Downloading", f"creating the loader Job for fetch key {key}"
+        )
+    name = job["metadata"]["name"]
+    status = job.get("status") or {}
+    mine = sorted(
+        (p for p in pods if (p["metadata"].get("labels") or {}).get("job-name") == name),
+        key=lambda p: p["metadata"].get("creationTimestamp") or "",
+    )
+    done, total = _progress(mine, progress_annotation)
+    if status.get("succeeded"):
+        size = f": {total} bytes" if total else ""
+        return ModelCacheState(key, True, False, "Cached", f"loader Job {name} cached the model{size}")
+    failed = {c.get("type"): c for c in status.get("conditions") or []}.get("Failed", {})
+    permanent = next((w for p in mine if (w := _exit_words(p, permanent_only=True))), None)
+    if failed.get("status") == "True" or permanent is not None:
+        words = permanent or next((w for p in reversed(mine) if (w := _exit_words(p))), None)
+        why = words or failed.get("message") or failed.get("reason") or "the loader failed"
+        return ModelCacheState(
+            key,
+            False,
+            True,
+            "DownloadFailed",
+            f"loader Job {name} failed: {why} (fix the cause, then delete the Job to download again)",
+        )
+    so_far = f"{done} of {total} bytes" if total else "starting"
+    for pod in mine[-1:]:
+        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+            waiting = (cs.get("state") or {}).get("waiting") or {}
+            if waiting.get("reason") in STUCK_REASONS:
+                so_far = f"loader pod cannot start ({waiting['reason']}: {waiting.get('message', '')})"
+    return ModelCacheState(key, False, False, "Downloading", f"{so_far} (loader Job {name})")
+
+
+def _progress(pods: list[dict], annotation: str) -> tuple[int, int]:
+    """The latest pod's "<done>/<total>" bytes, as the loader writes them."""
+    for pod in reversed(pods):
+        value = (pod["metadata"].get("annotations") or {}).get(annotation, "")
+        done, _, total = value.partition("/")
+        if done.isdigit() and total.isdigit():
+            return int(done), int(total)
+    return 0, 0
+
+
+def _exit_words(pod: dict, permanent_only: bool = False) -> str | None:
+    """The last line of a failed loader container's termination message, with its exit code."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        terminated = (cs.get("state") or {}).get("terminated") or {}
+        code = terminated.get("exitCode", 0)
+        if code == 0 or (permanent_only and code != 2):
+            continue
+        words = _last_line(terminated.get("message"))
+        return f"exit code {code}" + (f": {words}" if words else "")
+    return None

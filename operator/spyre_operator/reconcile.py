@@ -22,6 +22,7 @@ from spyre_operator.events import EventRecorder
 from spyre_operator.inference_pool import InferencePoolStep
 from spyre_operator.kube import Kube, api_message, problem_of
 from spyre_operator.metrics import OperatorMetrics
+from spyre_operator.model_cache import ModelCacheStep
 from spyre_operator.model_spec import ModelSpec
 from spyre_operator.pods import PodStep
 from spyre_operator.report import Conflict, Reporter
@@ -54,6 +55,7 @@ class Reconciler:
         self.claim = ClaimStep(settings, self.kube, events)
         self.card_claim = CardClaimStep(settings, self.kube, events)
         self.inference_pool = InferencePoolStep(settings, self.kube, events)
+        self.model_cache = ModelCacheStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
         self.pods = PodStep(settings, self.kube, events)
         self.report = Reporter(settings, self.kube, events, self.metrics)
@@ -67,8 +69,8 @@ class Reconciler:
         return result
 
     def _reconcile(self, key: Key, model: dict) -> Result:
-        """Admit the spec; the Service, the claims and the InferencePool; the compile Job; the pods; the
-        status and Events."""
+        """Admit the spec; the Service, the claims and the InferencePool; the model cache's loader Job; the
+        compile Job; the pods; the status and Events. The compile Job and the pods wait for the model."""
         try:
             spec = self.admission.admit(key, model)
         except InvalidSpec as e:
@@ -77,21 +79,26 @@ class Reconciler:
         work = Pass()
         has_claim = self._ensure_service_and_claim(key, model, spec, work)
         pool = self._ensure_inference_pool(key, model, spec, work)
+        model_cache = self.model_cache.ensure(model, spec, work) if has_claim and not spec.suspend else None
+        has_model = model_cache is None or model_cache.is_ready
         cache = None
-        if spec.cache.precompile and not spec.suspend and has_claim:
+        if spec.cache.precompile and not spec.suspend and has_claim and has_model:
             cache = self.compile_job.ensure(model, spec, work)
         thash = manifests.template_hash(manifests.pod_template(key[1], spec, self.settings))
         pods = self.cache.pods(key)
         has_claim = has_claim and self.card_claim.ensure(model, spec, pods, work)
         if has_claim:
-            pods, acted = self.pods.ensure(key, model, spec, thash, pods, cache, work)
+            gate = (
+                cache if has_model else model_cache
+            )  # the new template waits for its model, then its graphs
+            pods, acted = self.pods.ensure(key, model, spec, thash, pods, gate, work)
             if acted and not work.problems:
                 # the watch reports the pods just made or removed, and that pass writes the status
                 return Result(after=work.after)
         else:
             work.waiting_reason = "WaitingForClaim"
             work.waiting = "the pods wait for their claims (graph cache, cards)"
-        self.report.progress(model, spec, thash, pods, cache, work, pool)
+        self.report.progress(model, spec, thash, pods, cache, work, pool, model_cache)
         return Result(failed=True) if work.problems else Result(after=work.after)
 
     def _ensure_service_and_claim(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> bool:
@@ -151,3 +158,4 @@ class Reconciler:
         self.admission.forget(key)
         self.pods.forget(key)
         self.inference_pool.forget(key)
+        self.model_cache.forget(key)

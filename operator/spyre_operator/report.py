@@ -17,7 +17,7 @@ from spyre_operator.events import EventRecorder
 from spyre_operator.kube import Kube
 from spyre_operator.metrics import OperatorMetrics
 from spyre_operator.model_spec import ModelSpec
-from spyre_operator.observe import CacheState, PodHealth, observe_pods
+from spyre_operator.observe import CacheState, ModelCacheState, PodHealth, observe_pods
 from spyre_operator.plan import PodView
 from spyre_operator.settings import GROUP, KIND, MODEL_LABEL, VERSION, OperatorSettings
 from spyre_operator.spec import InvalidSpec
@@ -47,11 +47,13 @@ class Reporter:
         cache: CacheState | None,
         work: Pass,
         pool: PoolState | None = None,
+        model_cache: ModelCacheState | None = None,
     ) -> None:
         """The status of an admitted model, after its steps acted."""
         for problem in work.problems:
             self.metrics.api_errors.labels(problem.reason, "").inc()
-        self._write(model, self._status(model, pods, spec, thash, cache, work, pool=pool))
+        status = self._status(model, pods, spec, thash, cache, work, pool=pool, model_cache=model_cache)
+        self._write(model, status)
 
     def invalid(self, model: dict, error: InvalidSpec, pods: list[dict]) -> None:
         """The status of a model whose spec was refused: Stalled, nothing rolled out."""
@@ -88,6 +90,7 @@ class Reporter:
         work: Pass | None = None,
         invalid: InvalidSpec | None = None,
         pool: PoolState | None = None,
+        model_cache: ModelCacheState | None = None,
     ) -> dict:
         meta = model["metadata"]
         work = work or Pass()
@@ -113,6 +116,7 @@ class Reporter:
             invalid_reason=invalid.reason if invalid else "InvalidSpec",
             suspended=bool(spec and spec.suspend),
             cache=cache,
+            model_cache=model_cache,
             problems=tuple(work.problems),
             waiting=work.waiting,
             waiting_reason=work.waiting_reason,

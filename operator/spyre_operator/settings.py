@@ -21,6 +21,10 @@ COMPILE_LABEL = f"{GROUP}/compile-for"  # on compile Jobs and their pods (not MO
 CACHE_KEY_LABEL = f"{GROUP}/cache-key"
 SPEC_LABEL = f"{GROUP}/spec-hash"  # on pods: the model spec they were made for (operator settings aside)
 ATTEMPT_ANNOTATION = f"{GROUP}/attempt"  # on compile Jobs: which attempt of the current cache key
+FETCH_LABEL = f"{GROUP}/fetch-for"  # on loader Jobs and their pods (not MODEL_LABEL: not replicas)
+PROGRESS_ANNOTATION = (
+    f"{GROUP}/model-progress"  # on a loader pod: "<done>/<total>" bytes, written by the loader
+)
 COMPONENT_LABEL = "app.kubernetes.io/component"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "spyre-operator"}
 # on serving pods: tells llm-d's endpoint picker which metric names they speak (the runtime exports vLLM's)
@@ -69,6 +73,13 @@ class OperatorSettings:
     card_memory_gib: float = 128.0  # a Spyre card's memory, for the memory plan
     require_known_config: bool = False  # refuse models not in the known-configurations registry
     inference_pool: bool = False  # an InferencePool per model whose spec.inferencePool does not say otherwise
+    oci_mode: str = (
+        "modelcar"  # oci:// models: "modelcar" (an init container copies the files) or "image-volume"
+    )
+    allow_host_path: bool = False  # file:// models (a hostPath on the node): an admin's choice
+    loader_retries: int = (
+        2  # the loader Job's backoffLimit: transient failures retried with Kubernetes' back-off
+    )
 
 
 ENV = {
@@ -100,7 +111,11 @@ ENV = {
     "card_memory_gib": "SPYRE_OPERATOR_CARD_MEMORY_GIB",
     "require_known_config": "SPYRE_OPERATOR_REQUIRE_KNOWN_CONFIG",
     "inference_pool": "SPYRE_OPERATOR_INFERENCE_POOL",
+    "oci_mode": "SPYRE_OPERATOR_OCI_MODE",
+    "allow_host_path": "SPYRE_OPERATOR_ALLOW_HOST_PATH",
+    "loader_retries": "SPYRE_OPERATOR_LOADER_RETRIES",
 }
+OCI_MODES = ("modelcar", "image-volume")
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:
@@ -162,6 +177,18 @@ def _boolean(value: str, source: str) -> bool:
     return value.strip().lower() in ("1", "true", "on")
 
 
+def _oci_mode(value: str, source: str) -> str:
+    if value not in OCI_MODES:
+        raise SettingsError(f"{source}={value!r} must be one of {', '.join(OCI_MODES)}")
+    return value
+
+
+def _count(value: str, source: str) -> int:
+    if not value.strip().isdigit():
+        raise SettingsError(f"{source}={value!r} is not a count (0 or more)")
+    return int(value)
+
+
 def _card_tiers(value: str, source: str) -> tuple[int, ...]:
     try:
         tiers = tuple(int(t) for t in value.split(",") if t.strip())
@@ -219,6 +246,9 @@ PARSE = {
     "prometheus_annotations": _boolean,
     "require_known_config": _boolean,
     "inference_pool": _boolean,
+    "allow_host_path": _boolean,
+    "oci_mode": _oci_mode,
+    "loader_retries": _count,
     "card_tiers": _card_tiers,
     "shm_size": _memory_size,
     "run_as_user": _id,

@@ -10,9 +10,9 @@ import re
 from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
 from spyre_contract.tasks import POOLING_TASKS, TASKS
 
+from spyre_operator.model_source import SourceError, parse_source
 from spyre_operator.model_spec import (
     DEFAULT_PICKER_PORT,
-    SOURCE,
     EndpointPicker,
     GraphCache,
     InferencePoolSpec,
@@ -95,8 +95,17 @@ def _model_section(name: str, spec: dict) -> dict:
     if not isinstance(model, dict) or not model.get("source"):
         raise InvalidSpec("model.source", "is required")
     source = model["source"]
-    if not isinstance(source, str) or not SOURCE.match(source):
-        raise InvalidSpec("model.source", f"must be pvc://CLAIM/PATH or file:///PATH, got {source!r}")
+    try:
+        parsed = parse_source(source)
+    except SourceError as e:
+        raise InvalidSpec("model.source", str(e)) from None
+    access = _source_access(model, parsed.scheme)
+    if parsed.is_downloaded and not object_field(spec, "graphCache").get("enabled", True):
+        raise InvalidSpec(
+            "graphCache.enabled",
+            f"{parsed.scheme}:// models are downloaded into the graph-cache claim (its models/ folder): "
+            "the graph cache must be enabled",
+        )
     architecture = string_field(model, "architecture")
     model_config = model.get("config")
     if model_config is not None and not isinstance(model_config, dict):
@@ -106,10 +115,28 @@ def _model_section(name: str, spec: dict) -> dict:
         raise InvalidSpec("model.servedModelName", f"must be a non-empty string, got {served!r}")
     return {
         "source": source,
+        **access,
         "served_model_name": served or name,
         "architecture": architecture,
         "model_config": model_config,
     }
+
+
+ENDPOINT = re.compile(r"^https?://[^\s/?#@]+(/[^\s]*)?$")
+
+
+def _source_access(model: dict, scheme: str) -> dict:
+    """spec.model.secretRef and spec.model.endpoint: the loader's credentials (a Secret's name) and the
+    hub's or object store's URL; only the downloaded schemes (hf, s3) use them."""
+    secret_ref, endpoint = model.get("secretRef"), model.get("endpoint")
+    for key, value in (("secretRef", secret_ref), ("endpoint", endpoint)):
+        if value is not None and scheme not in ("hf", "s3"):
+            raise InvalidSpec(f"model.{key}", f"applies to hf:// and s3:// sources only, not {scheme}://")
+    if secret_ref is not None and (not isinstance(secret_ref, str) or not DNS_NAME.match(secret_ref)):
+        raise InvalidSpec("model.secretRef", f"must be a Secret's name (a DNS name), got {secret_ref!r}")
+    if endpoint is not None and (not isinstance(endpoint, str) or not ENDPOINT.match(endpoint)):
+        raise InvalidSpec("model.endpoint", f"must be an http:// or https:// URL, got {endpoint!r}")
+    return {"secret_ref": secret_ref, "endpoint": endpoint}
 
 
 def _engine_fields(spec: dict) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
-from spyre_operator.observe import CacheState, PodHealth, lacks_cards, waits_for_claim
+from spyre_operator.observe import CacheState, ModelCacheState, PodHealth, lacks_cards, waits_for_claim
 from spyre_operator.plan import PodView
 
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Progressing", "Degraded")
@@ -70,6 +70,7 @@ def _compute_status(
     invalid_reason: str = "InvalidSpec",
     suspended: bool = False,
     cache: CacheState | None = None,
+    model_cache: ModelCacheState | None = None,
     problems: tuple[Problem, ...] = (),
     waiting: str = "",
     waiting_reason: str = "WaitingForCapacity",
@@ -102,8 +103,12 @@ def _compute_status(
     )
     if cache is not None and not cache.is_ready and not is_rolled_out:
         progressing = condition("Progressing", True, "WaitingForCache", cache.message)
+    if model_cache is not None and not model_cache.is_ready and not is_rolled_out:
+        progressing = condition("Progressing", True, "WaitingForModel", model_cache.message)
     # what needs a human first, then what the operator is retrying
     seen = _all_problems(problems, pods, health, cache)
+    if model_cache is not None and model_cache.is_failed:
+        seen.append(Problem(model_cache.reason, model_cache.message))
     stalled = next((p for p in seen if p.is_stalled), None)
     worst = stalled or (seen[0] if seen else None)
     is_done = is_rolled_out or (replicas == 0 and not problems)
@@ -120,7 +125,15 @@ def _compute_status(
     if cache is not None:
         base["cacheKey"] = cache.key
         conditions.append(condition("CacheReady", cache.is_ready, cache.reason, cache.message))
+    if model_cache is not None:
+        conditions.append(model_cached(model_cache))
     return {**base, "phase": phase, "conditions": conditions}
+
+
+def model_cached(state: ModelCacheState) -> dict:
+    """ModelCached (hf://, s3://): True `Cached` once the loader Job succeeded; False `Downloading` with the
+    bytes so far, or `DownloadFailed` with the loader's last words."""
+    return condition("ModelCached", state.is_ready, state.reason, state.message)
 
 
 @dataclass(frozen=True)

@@ -70,7 +70,11 @@ def test_every_setting_has_a_parse_rule():
     ("changes", "field", "rule"),
     [
         ({"model": {}}, "model.source", "is required"),
-        ({"model": {"source": "s3://bucket/x"}}, "model.source", "must be pvc://CLAIM/PATH or file:///PATH"),
+        (
+            {"model": {"source": "http://hub/model"}},
+            "model.source",
+            "must be one of pvc://CLAIM/PATH, file:///PATH",
+        ),
         ({"cards": 3}, "cards", "must be one of 1, 2, 4, 8"),
         ({"replicas": -1}, "replicas", "must be at least 0"),
         ({"backend": "cuda"}, "backend", "must be one of sendnn, inductor, eager"),

@@ -40,9 +40,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [spyre-serve.io]
   resources: [spyremodels/finalizers]
   verbs: [update]
+# get and patch: the operator grants them to the model loader's pods (its progress annotation), so it holds them
 - apiGroups: [""]
   resources: [pods]
-  verbs: [list, watch, create, delete]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [batch]
   resources: [jobs]
   verbs: [list, watch, create, delete]
@@ -51,6 +52,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   verbs: [get, list, watch, create, patch]
 - apiGroups: [""]
   resources: [events]
+  verbs: [create]
+# the model loader of hf:// and s3:// models: a ServiceAccount, Role and RoleBinding per model, owned by it
+- apiGroups: [""]
+  resources: [serviceaccounts]
+  verbs: [create]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
   verbs: [create]
 # cards by DRA (spec.devices): one ResourceClaimTemplate per request, removed once no pod claims from it
 - apiGroups: [resource.k8s.io]
