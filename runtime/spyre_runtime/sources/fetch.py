@@ -94,6 +94,12 @@ def with_retries(what: str, tries: int, action: Callable[[], object]):
     raise AssertionError("unreachable")
 
 
+def _write_all(out, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[out.write(view) :]
+
+
 def fetch_file(store: Store, staging: Staging, file: RemoteFile, progress: Progress, uri: str) -> None:
     """Brings one file in DIR.partial to its full size (resuming from what is on disk) and verifies it."""
     path = staging.path(file)
@@ -102,34 +108,32 @@ def fetch_file(store: Store, staging: Staging, file: RemoteFile, progress: Progr
         progress.rewind(staging.bytes_on_disk(file))
         path.unlink()
     hasher = Hasher(file)
-    with open(path, "ab+") as out:
-        out.seek(0)
+    with open(path, "ab+", buffering=0) as out:  # unbuffered: ENOSPC surfaces at write(), not at close()
+        out.seek(0)  # the prefix a former run wrote feeds the hash first; appends still go to the end
         while chunk := out.read(1 << 20):
             hasher.update(chunk)
-        cause = None
+        start, cause = out.tell(), None
         try:
-            if out.tell() < file.size:
-                for chunk in store.open(file, out.tell()):
-                    out.write(chunk)
+            if start < file.size:
+                for chunk in store.open(file, start):
+                    _write_all(out, chunk)
                     hasher.update(chunk)
                     progress.advance(len(chunk))
+            os.fsync(out.fileno())
         except FetchError as e:
             if not e.transient:
                 raise
             cause = e
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                out.truncate(0)
-                need = file.size
-                raise FetchError(
-                    f"not enough space on {volume_of(path)}: need {human(need)}, have "
-                    f"{human(free_bytes(path.parent))} (ENOSPC writing {file.name})",
-                    transient=False,
-                ) from e
-            raise
-        out.flush()
-        os.fsync(out.fileno())
-        got = out.tell()
+            if e.errno != errno.ENOSPC:
+                raise
+            have = free_bytes(path.parent)
+            raise FetchError(
+                f"not enough space on {volume_of(path)}: need {human(file.size - start)}, have {human(have)} "
+                f"(ENOSPC writing {file.name})",
+                transient=False,
+            ) from e
+        got = out.seek(0, os.SEEK_END)
     if got != file.size:
         detail = f"truncated transfer: {cause}" if cause else "truncated transfer"
         if got > file.size:

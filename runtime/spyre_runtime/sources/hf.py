@@ -13,7 +13,6 @@ from spyre_runtime.sources.errors import FetchError
 from spyre_runtime.sources.remote import Listing, RemoteFile
 from spyre_runtime.sources.uri import HfSource
 
-_CHUNK = 1 << 20
 DEFAULT_ENDPOINT = "https://huggingface.co"
 
 
@@ -65,7 +64,7 @@ class HfStore:
                     f"{self.source.uri}: file {file.name}: the server ignored the Range request",
                     transient=True,
                 )
-            yield from response.iter_bytes(_CHUNK)
+            yield from response.iter_bytes()  # as they arrive: a cut transfer keeps what came
 
 
 class _HfErrors:

@@ -13,7 +13,7 @@ from spyre_runtime.sources.errors import FetchError
 from spyre_runtime.sources.remote import Listing, RemoteFile
 from spyre_runtime.sources.uri import S3Source
 
-_CHUNK = 1 << 20
+_CHUNK = 256 << 10  # what a cut transfer can lose of its last read
 _ACCESS = {
     "AccessDenied",
     "InvalidAccessKeyId",
