@@ -13,7 +13,7 @@ import pytest
 import torch
 from spyre_runtime.config import ConfigError, RuntimeConfig, load_config
 from spyre_runtime.executor.loader import resolve_dtype
-from spyre_runtime.executor.model_executor import ModelExecutor
+from spyre_runtime.executor.model_executor import ModelExecutor, mixed_live_rows
 from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
 
 
@@ -204,6 +204,25 @@ def test_a_mixed_step_equals_its_decode_and_its_chunks_run_apart(tiny_model):
     for row, expected in zip((0, 1, 4), apart, strict=True):
         torch.testing.assert_close(mixed[row], expected, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(mixed[0], mixed[1])
+    # the dead decode rows are the step's last tokens: told so (mixed_live_rows), the GEMMs and the paged
+    # decode skip them, and the live rows' logits are the same
+    for (k, v), (k0, v0) in zip(ex.kv.layers, saved, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    step = dataclasses.replace(decode, chunks=(c, b), mixed=True, pieces=4)
+    args = ex.inputs.mixed(step)
+    args[0][0, -3:] = 9  # dummy rows that are not the (zero) padding embedding: computed, they are not zero
+    assert mixed_live_rows(args[0], step) == (args[0].shape[1] - 3, 1)
+    assert ex.packed  # the GEMMs run in the packed op that reads the hint
+    skipped = ex.run_local(*args, live_rows=mixed_live_rows(args[0], step))
+    for (k, v), (k0, v0) in zip(ex.kv.layers, saved, strict=True):
+        k.copy_(k0)
+        v.copy_(v0)
+    computed = ex.run_local(*args)
+    torch.testing.assert_close(skipped[:5], mixed[:5], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(computed[:5], mixed[:5], atol=1e-5, rtol=1e-5)
+    # the dead rows skipped: their blocks add nothing to the residual stream (only the embedding is left)
+    assert skipped[5:].isfinite().all() and not torch.allclose(skipped[5:], computed[5:])
 
 
 def test_paged_prefill_attends_each_piece_to_its_own_slots_causally():

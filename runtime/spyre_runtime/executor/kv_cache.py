@@ -37,7 +37,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from spyre_runtime.executor.linear import live_row_count
+from spyre_runtime.executor.linear import live_decode_row_count
 from spyre_runtime.executor.ops import opaque_op
 
 ATTN_NAME = "spyre_serve_paged"
@@ -146,8 +146,8 @@ def paged_decode(
     so the compiled graph keeps one static shape while a step reads only live blocks; in a step whose first
     n rows only are live (linear.live_rows), the other rows read nothing and come out zero. The query heads
     that share a KV head are that head's queries (FMS's and torch's GQA order: head i uses KV head i //
-    group)."""
-    live = live_row_count()
+    group). In a mixed step the hint is the live decode rows of its decode part (linear.live_rows)."""
+    live = live_decode_row_count()
     if live is None or live >= query.shape[0]:
         return _attend_live_blocks(
             query, key_cache, value_cache, _decode_layout(block_table, seq_lens), scale

@@ -128,7 +128,9 @@ class ModelExecutor:
         )
         return logits[0] if mixed else logits[:, -1, :]
 
-    def _run(self, *args, live_rows: int | None = None, spans: tuple[TokenSpan, ...] = ()) -> torch.Tensor:
+    def _run(
+        self, *args, live_rows: int | tuple[int, int] | None = None, spans: tuple[TokenSpan, ...] = ()
+    ) -> torch.Tensor:
         """`live_rows`: a decode step whose first n rows only are live (linear.live_rows). An image-text
         model's language model takes embeddings, with image features at the image tokens of `spans`."""
         if self.vision is not None:
@@ -137,8 +139,9 @@ class ModelExecutor:
             self.workers.send("run", (args, live_rows))
         return self.run_local(*args, live_rows=live_rows)
 
-    def run_local(self, *args, live_rows: int | None = None) -> torch.Tensor:
-        with torch.inference_mode(), linear.live_rows(live_rows), kv_cache.step_layouts():
+    def run_local(self, *args, live_rows: int | tuple[int, int] | None = None) -> torch.Tensor:
+        live = live_rows if isinstance(live_rows, tuple) else (live_rows,)
+        with torch.inference_mode(), linear.live_rows(*live), kv_cache.step_layouts():
             if self.is_warm and self.config.backend != "eager":
                 with torch.compiler.set_stance("fail_on_recompile"):
                     return self._step_fn(*args)
@@ -176,7 +179,8 @@ class ModelExecutor:
     def execute_continuous(self, step: ContinuousStep) -> SamplerOutput:
         if step.mixed:
             # [the pieces' last tokens (P), decode rows]
-            logits = self._run(*self.inputs.mixed(step), spans=self.inputs.spans(step))
+            args = self.inputs.mixed(step)
+            logits = self._run(*args, live_rows=mixed_live_rows(args[0], step), spans=self.inputs.spans(step))
             P = self.config.prefill_pieces
             ends = [p for p, chunk in enumerate(step.chunks) if chunk.is_last]
             logits = logits[[P + r for r in range(len(step.decode))] + ends]
@@ -247,3 +251,10 @@ class ModelExecutor:
             self.workers.send("warm")
         log.info("Warmup finished in %.2f s", self.warmup_seconds)
         return self.warmup_seconds
+
+
+def mixed_live_rows(input_ids: torch.Tensor, step: ContinuousStep) -> tuple[int, int] | None:
+    """A mixed step's live tokens and live decode rows (linear.live_rows): its graph's decode rows are the
+    largest batch bucket's, and the dead ones (beyond the step's decode rows) are its last tokens."""
+    dead = step.batch_size - len(step.decode)
+    return (input_ids.shape[1] - dead, len(step.decode)) if dead > 0 else None
