@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,8 @@ import pytest
 from spyre_runtime.config import load_config
 from spyre_runtime.sources.errors import FetchError
 from spyre_runtime.sources.fetch import check_space, fetch_model
+from spyre_runtime.sources.remote import Listing
+from spyre_runtime.sources.staging import Staging
 from spyre_runtime.sources.uri import HfSource, S3Source, parse_source
 
 from tests.cluster.hfhub import HfHub
@@ -120,7 +123,7 @@ def test_bad_uri_exits_2_naming_it(tmp_path):
 
 def test_s3_fetch_verifies_publishes_and_serves(s3, s3_env, tiny_model, tmp_path):
     into = tmp_path / "cache" / "tiny"
-    res = fetch("s3://models/llama/tiny", into, s3_env)
+    res = fetch("s3://models/llama/tiny", into, s3.credentials, "--endpoint", s3.endpoint)
     assert res.returncode == 0, res.stderr
     assert same_files(tiny_model, into) and not into.with_name("tiny.partial").exists()
     manifest = json.loads((into / ".spyre-model.json").read_text())
@@ -286,6 +289,38 @@ def test_space_check_counts_bytes_still_to_fetch(tmp_path):
     assert err.value.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    "manifest, message",
+    [
+        (None, "exists and has no valid .spyre-model.json"),
+        ({"source": "hf://org/other", "files": []}, "holds 'hf://org/other', not 'hf://org/tiny'"),
+    ],
+)
+def test_never_overwrites_a_folder_it_did_not_publish(manifest, message, tmp_path):
+    into = tmp_path / "tiny"
+    into.mkdir()
+    if manifest is not None:
+        (into / ".spyre-model.json").write_text(json.dumps(manifest))
+    with pytest.raises(FetchError, match=re.escape(message)) as err:  # before any request: no endpoint
+        fetch_model("hf://org/tiny", into, env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert err.value.exit_code == 2
+
+
+def test_one_loader_per_folder(clean_hub, tmp_path):
+    into = tmp_path / "tiny"
+    holder = Staging(into, "hf://org/tiny")
+    holder.prepare(Listing(revision="main", commit=None))
+    try:
+        res = fetch("hf://org/tiny", into, {"HF_ENDPOINT": clean_hub.endpoint})
+        assert (
+            res.returncode == 1
+            and last_line(res) == f"hf://org/tiny: another loader is fetching into {into}.partial"
+        )
+    finally:
+        holder.unlock()
+    assert fetch("hf://org/tiny", into, {"HF_ENDPOINT": clean_hub.endpoint}).returncode == 0
+
+
 @pytest.mark.cluster
 def test_progress_annotation_on_own_pod(cluster, kube, clean_hub, tmp_path):
     from kubernetes import client
@@ -296,7 +331,10 @@ def test_progress_annotation_on_own_pod(cluster, kube, clean_hub, tmp_path):
     ns = "fetch-model-progress"
     core.create_namespace({"metadata": {"name": ns}})
     try:
-        wait_for(lambda: core.read_namespaced_service_account("default", ns), what="default service account")
+        wait_for(
+            lambda: core.read_namespaced_service_account("default", ns).secrets,
+            what="the default service account's token (pods need it in 1.20)",
+        )
         spec = {"containers": [{"name": "loader", "image": "quay.io/spyre-serve/runtime:0.1.0"}]}
         core.create_namespaced_pod(ns, {"metadata": {"name": "loader"}, "spec": spec})
         pod_env = {

@@ -182,6 +182,8 @@ def fetch_model(
     tries = tries_from_env(env)
     staging = Staging(into, uri)
     if (manifest := staging.cached()) is not None:
+        if (pod := PodAnnotator.from_env(env)) is not None:
+            pod.patch(manifest["total_bytes"], manifest["total_bytes"])
         print(
             f"cached: {staging.into} ({manifest['total_bytes']} bytes, {manifest['num_files']} files)",
             flush=True,
@@ -190,15 +192,18 @@ def fetch_model(
     started = time.monotonic()
     store = open_store(uri, endpoint, env)
     listing = with_retries(uri, tries, store.listing)
-    staging.prepare(listing)
-    todo = [f for f in listing.files if not staging.is_verified(f)]
-    on_disk = sum(min(staging.bytes_on_disk(f), f.size) for f in listing.files)
-    check_space(staging.partial, sum(f.size - min(staging.bytes_on_disk(f), f.size) for f in todo), free)
-    progress = Progress(listing.total_bytes, on_disk, pod=PodAnnotator.from_env(env))
-    for file in todo:
-        with_retries(uri, tries, lambda file=file: fetch_file(store, staging, file, progress, uri))
-    manifest = manifest_of(uri, listing)
-    staging.publish(listing, manifest)
+    try:
+        staging.prepare(listing)
+        todo = [f for f in listing.files if not staging.is_verified(f)]
+        on_disk = sum(min(staging.bytes_on_disk(f), f.size) for f in listing.files)
+        check_space(staging.partial, sum(f.size - min(staging.bytes_on_disk(f), f.size) for f in todo), free)
+        progress = Progress(listing.total_bytes, on_disk, pod=PodAnnotator.from_env(env))
+        for file in todo:
+            with_retries(uri, tries, lambda file=file: fetch_file(store, staging, file, progress, uri))
+        manifest = manifest_of(uri, listing)
+        staging.publish(listing, manifest)
+    finally:
+        staging.unlock()
     progress.report()
     progress.emit(
         {

@@ -9,6 +9,7 @@ size on disk."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -45,6 +46,7 @@ class Staging:
         self.source = source
         self._verified: dict[str, dict] = {}
         self._key: dict = {}
+        self._lock_fd: int | None = None
 
     # ---- the published folder ----------------------------------------------------------------
 
@@ -82,6 +84,7 @@ class Staging:
         """Creates DIR.partial, keeps what a former run of the same source and commit verified or
         left half-written, and removes everything else."""
         self.partial.mkdir(parents=True, exist_ok=True)
+        self._lock()
         self._key = {"source": self.source, "commit": listing.commit}
         state = _read_json(self.partial / STATE) or {}
         same = {k: state.get(k) for k in self._key} == self._key
@@ -99,6 +102,24 @@ class Staging:
             for file in listing.files:
                 with contextlib.suppress(FileNotFoundError):
                     self.path(file).unlink()
+
+    def _lock(self) -> None:
+        """One loader per DIR.partial: a second one (an overlapping Job pod) fails transiently and,
+        retried, finds DIR published. The lock lives as long as the process."""
+        fd = os.open(self.partial, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise FetchError(
+                f"{self.source}: another loader is fetching into {self.partial}", transient=True
+            ) from None
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def path(self, file: RemoteFile) -> Path:
         rel = PurePosixPath(file.name)
