@@ -13,9 +13,15 @@ status back to the API server. The mappings, in one place:
 - env: `value`, `valueFrom.fieldRef` for metadata.name, metadata.namespace, status.podIP, spec.nodeName, and
   `valueFrom.secretKeyRef` / `configMapKeyRef`.
 - volumes: a PersistentVolumeClaim is one directory per claim (`<root>/pvc/<namespace>/<claim>`), shared by
-  all pods that mount it; emptyDir is a fresh directory per pod; configMap and secret are written as files.
-  A process cannot mount, so every env value and arg that starts with a container mountPath is rewritten to
-  the local directory (longest mount path first).
+  all pods that mount it; emptyDir is a fresh directory per pod; configMap and secret are written as files;
+  an image volume (`image: {reference}`) is the local folder `image_folders` gives for that reference, as the
+  image's `/models` folder (a model image's files); a mount's `subPath` is that folder of the volume (made
+  when missing, as the kubelet does). A process cannot mount, so every env value and arg that starts with a
+  container mountPath is rewritten to the local directory (longest mount path first).
+- init containers (the modelcar pattern) run in order before the first container, each to completion: the
+  command's first word from the venv's bin/ or the system's PATH, its mounts rewritten likewise, and paths
+  under `/models` (a model image's files) rewritten to its image's folder in `image_folders`; one that fails
+  fails the pod (phase Failed, reason Init:Error, its log's tail as the message).
 - service account: the API server address and the pod's service-account token go into a kubeconfig the
   process finds through KUBECONFIG (in-cluster config would read fixed paths under /var/run/secrets).
 - status: Pending -> Running -> Succeeded/Failed; `Ready` follows the readinessProbe (HTTP GET on the pod IP);
@@ -82,6 +88,7 @@ class RunningPod:
     env: dict[str, str] = field(default_factory=dict)
     probe: dict | None = None
     log: Path | None = None
+    volumes: dict[str, Path] = field(default_factory=dict)
 
 
 class PodRunner:
@@ -94,8 +101,10 @@ class PodRunner:
         nodes: list[str],
         root: Path,
         period: float = 0.5,
+        image_folders: dict[str, Path] | None = None,
     ) -> None:
         self.core = client.CoreV1Api(api_client)
+        self.image_folders = dict(image_folders or {})  # image reference -> the folder of its /models
         self.kubeconfig = kubeconfig
         self.server = server
         self.ca_file = ca_file
@@ -221,6 +230,12 @@ class PodRunner:
         except ValueError as e:
             self._report(pod, rp, phase="Failed", reason="RunnerError", message=str(e))
             return None
+        if failure := self._run_init_containers(pod, rp):
+            rp.phase = "Failed"
+            rp.last_exit = {"exitCode": 1, "reason": "Init:Error", "message": failure, "finishedAt": _now()}
+            self._report(pod, rp, phase="Failed", reason="Init:Error", message=failure)
+            self.pods[rp.uid] = rp
+            return None
         c = pod.spec.containers[0]
         if c.readiness_probe and c.readiness_probe.http_get:
             hg = c.readiness_probe.http_get
@@ -252,6 +267,15 @@ class PodRunner:
                 local[v.name].mkdir(parents=True, exist_ok=True)
                 for k, val in (cm.data or {}).items():
                     (local[v.name] / k).write_text(val)
+            elif v.image is not None:
+                folder = self.image_folders.get(v.image.reference)
+                if folder is None:
+                    raise ValueError(f"image volume {v.name}: no local folder for {v.image.reference}")
+                local[v.name] = rp.workdir / "image" / v.name
+                local[v.name].mkdir(parents=True, exist_ok=True)
+                with contextlib.suppress(FileExistsError):
+                    (local[v.name] / "models").symlink_to(Path(folder).resolve())
+                continue
             elif v.secret:
                 local[v.name] = rp.workdir / "secret" / v.name
                 sec = self.core.read_namespaced_secret(v.secret.secret_name, rp.namespace)
@@ -263,19 +287,26 @@ class PodRunner:
             local[v.name].mkdir(parents=True, exist_ok=True)
         return local
 
+    @staticmethod
+    def _mounts(container, volumes: dict[str, Path]) -> list[tuple[str, Path]]:
+        """(mountPath, local folder), longest path first; a subPath is that folder of the volume."""
+        mounts = []
+        for m in container.volume_mounts or []:
+            if m.name not in volumes:
+                continue
+            local = volumes[m.name] / m.sub_path if m.sub_path else volumes[m.name]
+            local.mkdir(parents=True, exist_ok=True)
+            mounts.append((m.mount_path, local))
+        return sorted(mounts, key=lambda x: -len(x[0]))
+
     def _process_spec(self, pod, rp: RunningPod) -> tuple[list[str], dict[str, str]]:
         c = pod.spec.containers[0]
         volumes = self._volumes(pod, rp)
-        mounts = sorted(
-            ((m.mount_path, volumes[m.name]) for m in c.volume_mounts or [] if m.name in volumes),
-            key=lambda x: -len(x[0]),
-        )
+        rp.volumes = volumes
+        mounts = self._mounts(c, volumes)
 
         def rewrite(value: str) -> str:
-            for mount_path, local in mounts:
-                if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
-                    return str(local) + value[len(mount_path.rstrip("/")) :]
-            return value
+            return _rewrite(value, mounts)
 
         fields = {
             "metadata.name": rp.name,
@@ -308,6 +339,34 @@ class PodRunner:
             **env,
         }
         return [str(binary), *args], full_env
+
+    def _run_init_containers(self, pod, rp: RunningPod) -> str:
+        """Runs each init container to completion; what the failing one said ("" when all succeeded)."""
+        for c in pod.spec.init_containers or []:
+            mounts = self._mounts(c, rp.volumes)
+            if c.image in self.image_folders:  # the model image's own files
+                mounts = sorted(
+                    [*mounts, ("/models", Path(self.image_folders[c.image]))], key=lambda x: -len(x[0])
+                )
+            argv = [_rewrite(a, mounts) for a in list(c.command or []) + list(c.args or [])]
+            if not argv:
+                return f"init container {c.name} has no command"
+            binary = VENV_BIN / argv[0] if (VENV_BIN / argv[0]).exists() else shutil.which(argv[0])
+            if binary is None:
+                return f"init container {c.name}: {argv[0]} is not in {VENV_BIN} or on PATH"
+            log = rp.workdir / f"init-{c.name}.log"
+            with log.open("wb") as out:
+                code = subprocess.run(
+                    [str(binary), *argv[1:]],
+                    cwd=rp.workdir,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    timeout=300,
+                ).returncode
+            if code != 0:
+                tail = log.read_text(errors="replace").splitlines()[-5:]
+                return f"init container {c.name} exited with {code}: " + " ".join(tail)
+        return ""
 
     def _service_account_kubeconfig(self, pod, rp: RunningPod) -> Path | None:
         if pod.spec.automount_service_account_token is False:
@@ -443,6 +502,14 @@ class PodRunner:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(rp.proc.pid, signal.SIGKILL)
             rp.proc.wait(timeout=10)
+
+
+def _rewrite(value: str, mounts: list[tuple[str, Path]]) -> str:
+    """A container path as the local folder it is mounted from (longest mount path first)."""
+    for mount_path, local in mounts:
+        if value == mount_path or value.startswith(mount_path.rstrip("/") + "/"):
+            return str(local) + value[len(mount_path.rstrip("/")) :]
+    return value
 
 
 def _expand(value: str, env: dict[str, str]) -> str:

@@ -85,6 +85,17 @@ def reviewed(kube, user: str, verb: str, resource: str, sub: str, namespace: str
         ("update", "inferencepools.inference.networking.k8s.io/status", False),
         ("patch", "inferencepools.inference.networking.k8s.io/status", False),
         ("create", "httproutes.gateway.networking.k8s.io", False),
+        # the model loader's identity (hf://, s3://): made per model; what it grants, the operator holds
+        ("create", "serviceaccounts", True),
+        ("create", "roles.rbac.authorization.k8s.io", True),
+        ("create", "rolebindings.rbac.authorization.k8s.io", True),
+        ("patch", "pods", True),
+        ("get", "pods", True),
+        ("delete", "serviceaccounts", False),
+        ("patch", "roles.rbac.authorization.k8s.io", False),
+        ("create", "clusterroles.rbac.authorization.k8s.io", False),
+        ("escalate", "roles.rbac.authorization.k8s.io", False),
+        ("bind", "roles.rbac.authorization.k8s.io", False),
     ],
 )
 def test_operator_service_account_is_least_privilege(cluster, kube, operator_rbac, verb, resource, allowed):
