@@ -368,3 +368,37 @@ def test_model_settings():
         load_settings({"SPYRE_OPERATOR_OCI_MODE": "sidecar"})
     with pytest.raises(SettingsError, match="SPYRE_OPERATOR_LOADER_RETRIES='-1'"):
         load_settings({"SPYRE_OPERATOR_LOADER_RETRIES": "-1"})
+
+
+@pytest.mark.parametrize("scheme", ["s3", "hf", "oci"])
+def test_the_examples_are_admitted(scheme):
+    import yaml
+
+    from tests.conftest import REPO
+
+    docs = yaml.safe_load_all((REPO / f"examples/model-from-{scheme}.yaml").read_text())
+    (model,) = [d for d in docs if d["kind"] == "SpyreModel"]
+    spec = check_spec(model["metadata"]["name"], model["spec"], OperatorSettings())
+    assert spec.model_source.scheme == scheme and spec.model_path_in_pod == "/models"
+
+
+def test_rendered_objects_validate_against_the_published_schemas():
+    """What the 1.20 test control plane cannot check: the image volume (1.31+), its subPath and the loader
+    Job's pod failure policy, against Kubernetes' own schemas (kubernetes-validate)."""
+    import kubernetes_validate
+    from spyre_operator.manifests import build_pod
+
+    oci, s3 = spec_of("oci://quay.io/org/tiny:1"), spec_of("s3://bucket/tiny", secretRef="creds")
+    objects = [
+        build_pod(MODEL, oci, OperatorSettings(oci_mode="image-volume")),
+        build_pod(MODEL, oci, OperatorSettings(oci_mode="modelcar")),
+        build_pod(MODEL, s3, OperatorSettings()),
+        build_loader_job(MODEL, s3, OperatorSettings(), fetch_key(s3)),
+        *build_loader_access(MODEL),
+    ]
+    for body in objects:
+        body["metadata"].setdefault("name", "tiny-x")
+        for version in ("1.33.0", kubernetes_validate.latest_version()):
+            kubernetes_validate.validate(body, version, strict=True)
+    with pytest.raises(kubernetes_validate.ValidationError):  # 1.30 has no image volumes
+        kubernetes_validate.validate(objects[0], "1.30.0", strict=True)
