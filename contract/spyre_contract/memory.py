@@ -37,7 +37,9 @@ class ModelDims:
 
     @classmethod
     def from_config(cls, config: Mapping) -> ModelDims:
-        """HF config.json names (llama, granite, mistral, bert, roberta, ...)."""
+        """HF config.json names (llama, granite, mistral, bert, roberta, ...); an image-text model's
+        (llava_next) from its text_config (its vision tower is not counted: a few percent of the weights)."""
+        config = config.get("text_config") or config
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])

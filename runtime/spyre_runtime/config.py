@@ -31,6 +31,7 @@ from spyre_contract import (
     read_environment,
     round_up,
 )
+from spyre_contract.architectures import check_decoder_config
 from spyre_contract.memory import (
     DEFAULT_CARD_MEMORY_GIB,
     DTYPE_BYTES,
@@ -283,6 +284,8 @@ def check_known_configuration(config: RuntimeConfig, environ: Mapping[str, str] 
         model_config = json.loads((config.model_dir / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise ConfigError(f"model directory {config.model_dir}: cannot read config.json ({e})") from None
+    if not is_pooling_task(config.task):  # an architecture we cannot serve stops start-up here, in one line
+        check_decoder_config(model_config, config.max_model_len)
     verdict = check_known_config(
         (model_config.get("architectures") or ["unknown"])[0],
         task=config.task,

@@ -59,6 +59,11 @@ class Request:
             self.generator = make_generator(self.sampling.seed)
 
     @property
+    def cache_salt(self) -> int:
+        """Salts the prefix cache's block hashes: two prompts share blocks only with the same images."""
+        return self.images.digest if self.images is not None else 0
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

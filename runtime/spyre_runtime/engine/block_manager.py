@@ -77,12 +77,13 @@ class BlockManager:
     def block_table(self, seq_id: str) -> tuple[int, ...]:
         return tuple(self.tables[seq_id])
 
-    def _hashes(self, token_ids: list[int]) -> list[int]:
-        """Chained hashes of the full blocks that may be shared (never the block holding the last token)."""
+    def _hashes(self, token_ids: list[int], salt: int = 0) -> list[int]:
+        """Chained hashes of the full blocks that may be shared (never the block holding the last token).
+        `salt` starts the chain: what the tokens alone do not say (a request's images)."""
         if not self.enable_prefix_caching:
             return []
         shareable = (len(token_ids) - 1) // self.block_size
-        hashes, prev = [], 0
+        hashes, prev = [], salt
         for i in range(shareable):
             prev = hash((prev, tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])))
             hashes.append(prev)
@@ -97,19 +98,19 @@ class BlockManager:
             hits.append(block_id)
         return hits
 
-    def can_allocate(self, token_ids: list[int]) -> bool:
-        hits = self._hits(self._hashes(token_ids))
+    def can_allocate(self, token_ids: list[int], salt: int = 0) -> bool:
+        hits = self._hits(self._hashes(token_ids, salt))
         in_use = sum(self.blocks[b].ref_count > 0 for b in hits)
         return blocks_for_size(len(token_ids), self.block_size) - in_use <= self.num_free_blocks
 
     # ---- changes ---------------------------------------------------------------------------------
 
-    def allocate(self, seq_id: str, token_ids: list[int]) -> Allocation:
+    def allocate(self, seq_id: str, token_ids: list[int], salt: int = 0) -> Allocation:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already has blocks")
-        if not self.can_allocate(token_ids):
+        if not self.can_allocate(token_ids, salt):
             raise MemoryError(f"not enough free KV blocks for {len(token_ids)} tokens")
-        hashes = self._hashes(token_ids)
+        hashes = self._hashes(token_ids, salt)
         hits = self._hits(hashes)
         table = []
         for block_id in hits:

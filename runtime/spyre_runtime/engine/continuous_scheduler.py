@@ -169,10 +169,10 @@ class ContinuousScheduler:
             req = self.waiting[0]
             tokens = req.all_token_ids()
             # room for the sequence and its first decode token, so admitting never forces a preemption
-            if not self.blocks.can_allocate([*tokens, 0]):
+            if not self.blocks.can_allocate([*tokens, 0], req.cache_salt):
                 return
             self.waiting.popleft()
-            allocation = self.blocks.allocate(req.request_id, tokens)
+            allocation = self.blocks.allocate(req.request_id, tokens, req.cache_salt)
             req.num_computed_tokens = allocation.num_cached_tokens
             self.num_cached_tokens += allocation.num_cached_tokens
             if self.blocks.enable_prefix_caching and req.num_preemptions == 0:

@@ -19,6 +19,7 @@ from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.kv_events import publisher_for
 from spyre_runtime.engine.llm_engine import EngineThread, LLMEngine, RequestOutput
 from spyre_runtime.entrypoints.formatting import TokenText
+from spyre_runtime.entrypoints.images import ImageLimits, ImagePrompter
 from spyre_runtime.entrypoints.state import EngineDied, ServingState
 from spyre_runtime.entrypoints.submission import Submission
 from spyre_runtime.entrypoints.validator import Choice, Limits, Validator
@@ -44,6 +45,8 @@ class GenerateState(ServingState):
         if self.kv_events is not None and not (config.use_cb and config.enable_prefix_caching):
             log.warning("--kv-events-config: no prefix cache (it needs continuous batching): no events")
         self._prefix_counts = (0, 0)  # the scheduler's prefix-cache queries and hits, as last counted
+        self.image_limits = ImageLimits.from_env()  # before the port is bound: a bad value exits 2
+        self.images: ImagePrompter | None = None  # an image-text model's processor (images.py)
 
     # runs on a background thread
     def load(self) -> None:
@@ -59,6 +62,8 @@ class GenerateState(ServingState):
         self.metrics.warmup_seconds.set(warm.seconds)
         self.validator = self._validator(self.engine)
         self.token_text = TokenText(self.engine.tokenizer)
+        if self.engine.executor.vision is not None:
+            self.images = ImagePrompter(self.config.model_dir, self.image_limits)
         self.engine.on_step = self._observe_step
         self.worker = EngineThread(self.engine, self._emit, self._engine_died, self._emit_step)
         self.worker.start()
@@ -102,8 +107,8 @@ class GenerateState(ServingState):
         self.require_ready()
         return self.validator
 
-    def submit(self, rid: str, choices: list[Choice], prompts: list[list[int]]) -> Submission:
-        sub = Submission(self.streams, self.worker, rid, choices, prompts)
+    def submit(self, rid: str, choices: list[Choice], prompts: list[list[int]], images=None) -> Submission:
+        sub = Submission(self.streams, self.worker, rid, choices, prompts, images)
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         sub.submit()
         return sub

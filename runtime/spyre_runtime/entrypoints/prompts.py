@@ -3,9 +3,13 @@ the completion routes and the tokenizer routes, so /tokenize counts exactly what
 
 from __future__ import annotations
 
+import asyncio
+
 from spyre_runtime.entrypoints.errors import bad_request
+from spyre_runtime.entrypoints.images import MAX_IMAGES_VAR, ImagePrompter, decode_image
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest, TokenizeRequest
 from spyre_runtime.entrypoints.validator import Validator
+from spyre_runtime.request import ImageInput
 
 RESERVED_TEMPLATE_KWARGS = {
     "conversation",
@@ -24,9 +28,12 @@ def tokenize(tokenizer, text: str, add_special_tokens: bool, param: str = "promp
         raise bad_request(param, f"could not be tokenized: {e}") from None
 
 
-def render_chat(tokenizer, v: Validator, body: ChatCompletionRequest | TokenizeRequest) -> str:
-    """The chat template's text (vLLM's rule: the template adds the special tokens it wants)."""
-    messages = v.messages(body)
+def render_chat(
+    tokenizer, v: Validator, body: ChatCompletionRequest | TokenizeRequest, images: bool = False
+) -> str:
+    """The chat template's text (vLLM's rule: the template adds the special tokens it wants). `images`:
+    image_url parts are allowed (an image-text model) and rendered as the template places images."""
+    messages = v.messages(body, images)
     add_generation = body.add_generation_prompt is not False
     if body.continue_final_message:
         if body.add_generation_prompt:
@@ -59,3 +66,34 @@ def render_chat(tokenizer, v: Validator, body: ChatCompletionRequest | TokenizeR
     if not isinstance(text, str):
         raise bad_request("chat_template", "the template did not render to text")
     return text
+
+
+async def chat_prompt(
+    tokenizer, v: Validator, body: ChatCompletionRequest, prompter: ImagePrompter | None
+) -> tuple[list[int], ImageInput | None]:
+    """A chat's token ids and, when its messages hold image_url parts, its images: decoded and checked,
+    then through the model's processor, which expands each image token as the model expects (off the event
+    loop). A text-only model (`prompter` None) refuses image parts."""
+    text = render_chat(tokenizer, v, body, images=prompter is not None)
+    add_special = bool(body.add_special_tokens)
+    urls = [
+        (f"messages.{i}.content.{j}.image_url", part.image_url.url)
+        for i, m in enumerate(body.messages)
+        if isinstance(m.content, list)
+        for j, part in enumerate(m.content)
+        if part.type == "image_url" and part.image_url is not None
+    ]
+    if not urls:
+        return tokenize(tokenizer, text, add_special, "messages"), None
+    limit = prompter.limits.max_images
+    if len(urls) > limit:
+        raise bad_request(urls[limit][0], f"at most {limit} images per request ({MAX_IMAGES_VAR})")
+
+    def process():
+        images = [decode_image(url, param, prompter.limits) for param, url in urls]
+        try:
+            return prompter.process(text, images, add_special)
+        except Exception as e:
+            raise bad_request("messages", f"the images could not be processed: {e}") from None
+
+    return await asyncio.to_thread(process)

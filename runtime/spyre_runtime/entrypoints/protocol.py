@@ -114,12 +114,18 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = Field(default=None, ge=1, le=MAX_SEQUENCES)
 
 
+class ImageURL(StrictModel):
+    url: str  # a data: URL (entrypoints/images.py)
+    detail: Literal["auto", "low", "high"] | None = None
+
+
 class ContentPart(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
     type: str
     text: str | None = None
-    # other part types (image_url, input_audio, file) are refused in Validator.messages
+    image_url: ImageURL | None = None  # an image-text model's input (entrypoints/images.py)
+    # other part types (input_audio, file) are refused in Validator.messages
 
 
 class ToolFunction(StrictModel):

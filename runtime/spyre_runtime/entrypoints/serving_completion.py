@@ -17,12 +17,13 @@ from spyre_runtime.entrypoints.chat_output import OutputParser
 from spyre_runtime.entrypoints.errors import APIError, bad_request
 from spyre_runtime.entrypoints.formatting import Reply, build_response, stream_events
 from spyre_runtime.entrypoints.generate_state import GenerateState, generate_state
-from spyre_runtime.entrypoints.prompts import render_chat, tokenize
+from spyre_runtime.entrypoints.prompts import chat_prompt, tokenize
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
 from spyre_runtime.entrypoints.serving_beam import beam_respond, check_beam
 from spyre_runtime.entrypoints.submission import collect
 from spyre_runtime.entrypoints.tools import ChatSettings, plan_tools
 from spyre_runtime.entrypoints.validator import Choice
+from spyre_runtime.request import ImageInput
 
 router = APIRouter()
 
@@ -66,16 +67,19 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     beams = check_beam(body, state.config.use_cb, len(state.engine.outputs.eos_ids))
     plan = plan_tools(body, settings)
     tokenizer = state.engine.tokenizer
-    ids = tokenize(tokenizer, render_chat(tokenizer, v, body), bool(body.add_special_tokens), "messages")
+    ids, images = await chat_prompt(tokenizer, v, body, state.images)  # images: an image-text model's
     if not ids:
         raise bad_request("messages", "the rendered prompt is empty")
+    if images is not None and beams is not None:
+        raise bad_request("use_beam_search", "is not supported with images")
     reasoning = settings.new_reasoning_parser()
     ends = reasoning.end_markers if reasoning else ()
     params = v.sampling(body, len(ids), chat=True, tools=plan, reasoning_end=ends)
     output = OutputParser(plan, reasoning, include_reasoning=body.include_reasoning is not False)
     if beams is not None:
         return await beam_respond(state, request, body, [ids], beams, [params.max_tokens], output)
-    return await respond(state, request, body, [ids], v.choices(body, params, 0), chat=True, output=output)
+    choices = v.choices(body, params, 0)
+    return await respond(state, request, body, [ids], choices, chat=True, output=output, images=images)
 
 
 async def respond(
@@ -86,10 +90,11 @@ async def respond(
     choices: list[Choice],
     chat: bool,
     output: OutputParser | None = None,
+    images: ImageInput | None = None,
 ):
     """Submits the request's sequences and answers: a stream of events, or the whole body at the end."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    sub = state.submit(rid, choices, prompts)
+    sub = state.submit(rid, choices, prompts, images)
     model = state.config.served_model_name
     reply = Reply(sub, body, int(time.time()), model, chat, state.token_text, output or OutputParser())
     if body.stream:

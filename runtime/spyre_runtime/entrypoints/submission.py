@@ -11,6 +11,7 @@ from spyre_runtime.engine.llm_engine import EngineThread, RequestOutput
 from spyre_runtime.entrypoints.errors import APIError
 from spyre_runtime.entrypoints.state import EngineDied
 from spyre_runtime.entrypoints.validator import Choice
+from spyre_runtime.request import ImageInput
 
 
 class Submission:
@@ -25,12 +26,14 @@ class Submission:
         rid: str,
         choices: list[Choice],
         prompts: list[list[int]],
+        images: ImageInput | None = None,
     ) -> None:
         self.streams = streams
         self.worker = worker
         self.rid = rid
         self.choices = choices
         self.prompts = prompts
+        self.images = images  # an image-text model's images, of every choice of the one prompt
         self.queue: asyncio.Queue = asyncio.Queue()
         self.engine_ids = [f"{rid}-{c.index}" for c in choices]
         self.choice_of = dict(zip(self.engine_ids, choices, strict=True))
@@ -39,7 +42,7 @@ class Submission:
     def submit(self) -> None:
         for eid, choice in zip(self.engine_ids, self.choices, strict=True):
             self.streams[eid] = self.queue
-            self.worker.submit(self.prompts[choice.prompt_index], choice.params, eid)
+            self.worker.submit(self.prompts[choice.prompt_index], choice.params, eid, self.images)
 
     def close(self) -> None:
         """Aborts what is still running (the client went away) and forgets the queue."""

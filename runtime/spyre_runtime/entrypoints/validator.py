@@ -77,20 +77,30 @@ class Validator:
             raise bad_request("prompt", "the prompt is empty")
         return prompts
 
-    def messages(self, body: ChatCompletionRequest | TokenizeRequest) -> list[dict]:
-        """Messages as plain dicts for the chat template; only text content parts; an assistant's tool calls
-        with their arguments as objects; a tool result names the call it answers."""
+    def messages(self, body: ChatCompletionRequest | TokenizeRequest, images: bool = False) -> list[dict]:
+        """Messages as plain dicts for the chat template; text content parts, and with `images` (an
+        image-text model) image_url parts, which leave the message's parts a list with {"type": "image"}
+        where each image goes (as HF processors' templates read them); an assistant's tool calls with their
+        arguments as objects; a tool result names the call it answers."""
         out = []
         for i, m in enumerate(body.messages or ()):
             msg = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
-                    if part.type != "text" or part.text is None:
+                    is_image = images and part.type == "image_url" and part.image_url is not None
+                    if not is_image and (part.type != "text" or part.text is None):
+                        kinds = "text and image_url" if images else "text: images need an image-text model"
                         raise bad_request(
                             f"messages.{i}.content.{j}",
-                            f"content parts of type {part.type!r} are not supported (only text)",
+                            f"content parts of type {part.type!r} are not supported (only {kinds})",
                         )
-                msg["content"] = "".join(part.text for part in m.content)
+                if any(part.type == "image_url" for part in m.content):
+                    msg["content"] = [
+                        {"type": "image"} if p.type == "image_url" else {"type": "text", "text": p.text}
+                        for p in m.content
+                    ]
+                else:
+                    msg["content"] = "".join(part.text for part in m.content)
             elif m.content is None:
                 msg["content"] = ""
             if m.tool_calls:

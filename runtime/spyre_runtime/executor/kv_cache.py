@@ -35,12 +35,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
 
+from spyre_runtime.executor.attention import attend, window_mask
 from spyre_runtime.executor.linear import live_decode_row_count
 from spyre_runtime.executor.ops import opaque_op
 
-ATTN_NAME = "spyre_serve_paged"
+# no "paged" nor "sdpa" in it: FMS's granite_swa blocks swap such names for their own sink ops
+ATTN_NAME = "spyre_serve_kv"
 BLOCK_SIZE = 64
 SCRATCH_BLOCK = 0
 
@@ -85,6 +86,9 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
 def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
     # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd] (or the caches, see _store) -> [B, L, h, hd]
     scale = query.shape[-1] ** -0.5 if scale_factor is None else scale_factor
+    # a sliding-window layer sees its last `window` tokens (0: all); a layer with attention sinks
+    # (granite_swa) adds one learned logit per head to each softmax's denominator
+    window, sinks = int(attn_kwargs.get("sliding_window") or 0), attn_kwargs.get("sinks")
     if attn_kwargs.get("mixed"):
         region = attn_kwargs["token_piece"].shape[0]  # symbolic with dynamic chunks
         static = attn_kwargs.get("static_decode")
@@ -97,27 +101,47 @@ def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **at
             attn_kwargs["token_piece"],
             attn_kwargs["token_pos"],
             scale,
+            sinks,
+            window,
         )
         decode = _decode_op(attn_kwargs)(
-            query[0, region:], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
+            query[0, region:],
+            keys,
+            values,
+            attn_kwargs["block_table"],
+            attn_kwargs["seq_lens"],
+            scale,
+            sinks,
+            window,
         )
         return torch.cat([prefill, decode])[None]
     if attn_kwargs.get("seq_lens") is not None:
         out = _decode_op(attn_kwargs)(
-            query[:, 0], keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale
+            query[:, 0],
+            keys,
+            values,
+            attn_kwargs["block_table"],
+            attn_kwargs["seq_lens"],
+            scale,
+            sinks,
+            window,
         )
         return out[:, None]
-    return _sdpa(query, keys, values, attn_kwargs["mask"], nheads, kvheads, scale)
+    mask = attn_kwargs["mask"]
+    if window:
+        mask = window_mask(mask, window)
+    return _sdpa(query, keys, values, mask, nheads, kvheads, scale, sinks)
 
 
-def _sdpa(query, keys, values, mask, nheads, kvheads, scale):
+def _sdpa(query, keys, values, mask, nheads, kvheads, scale, sinks=None):
     # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd]; mask: [B, L, K] -> [B, L, h, hd]
-    out = F.scaled_dot_product_attention(
+    out = attend(
         query.transpose(1, 2),
         keys.transpose(1, 2),
         values.transpose(1, 2),
-        attn_mask=mask.unsqueeze(1),
-        scale=scale,
+        mask.unsqueeze(1),
+        scale,
+        None if sinks is None else sinks.view(1, -1, 1, 1),
         enable_gqa=nheads != kvheads,
     )
     return out.transpose(1, 2).contiguous()
@@ -129,7 +153,7 @@ def _fake_attention(query, *_):
 
 @opaque_op(
     "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
-    "float scale) -> Tensor",
+    "float scale, Tensor? sinks, int window) -> Tensor",
     _fake_attention,
 )
 def paged_decode(
@@ -139,8 +163,11 @@ def paged_decode(
     block_table: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
-    """One token per row against the row's own first seq_lens[r] cached tokens.
+    """One token per row against the row's own first seq_lens[r] cached tokens (with `window`, its last
+    `window` of them: the blocks before every row's window are not read).
     query: [B, h, hd]; caches: [num_blocks, BLOCK_SIZE, kvh, hd]; block_table: [B, nb]; seq_lens: [B] ->
     [B, h, hd]. Opaque to the compiler: the keys gathered follow this step's longest row (a Python int here),
     so the compiled graph keeps one static shape while a step reads only live blocks; in a step whose first
@@ -149,35 +176,39 @@ def paged_decode(
     group). In a mixed step the hint is the live decode rows of its decode part (linear.live_rows)."""
     live = live_decode_row_count()
     if live is None or live >= query.shape[0]:
-        return _attend_live_blocks(
-            query, key_cache, value_cache, _decode_layout(block_table, seq_lens), scale
-        )
+        layout = _decode_layout(block_table, seq_lens, window=window)
+        return _attend_live_blocks(query, key_cache, value_cache, layout, scale, sinks)
     out = torch.zeros_like(query)  # dummy rows (linear.live_rows): zeros, nothing read
     if live:
-        layout = _decode_layout(block_table, seq_lens, live)
-        out[:live] = _attend_live_blocks(query[:live], key_cache, value_cache, layout, scale)
+        layout = _decode_layout(block_table, seq_lens, live, window)
+        out[:live] = _attend_live_blocks(query[:live], key_cache, value_cache, layout, scale, sinks)
     return out
 
 
-def _decode_layout(block_table, seq_lens, live=None):
+def _decode_layout(block_table, seq_lens, live=None, window=0):
     """What every layer of a decode step reads the same way: the blocks (flat) of the live rows up to the
     longest one's length, that length, and the mask past each row's length. Computed by the step's first
     layer (see `step_layouts`)."""
-    cached = _layouts.get(("decode", live)) if _layouts is not None else None
+    cached = _layouts.get(("decode", live, window)) if _layouts is not None else None
     if cached is not None:
         return cached
     if live is not None:
         block_table, seq_lens = block_table[:live], seq_lens[:live]
     length = int(seq_lens.max())
-    blocks = block_table[:, : -(-length // BLOCK_SIZE)].flatten()
-    mask = (torch.arange(length) < seq_lens[:, None])[:, None, None]  # [B, 1, 1, L]
-    layout = (blocks, length, mask)
+    # with a window: from the first block any row's window reaches (earlier ones may be freed: scratch)
+    first = max(0, int(seq_lens.min()) - window) // BLOCK_SIZE if window else 0
+    blocks = block_table[:, first : -(-length // BLOCK_SIZE)].flatten()
+    slots = torch.arange(first * BLOCK_SIZE, length)
+    mask = slots < seq_lens[:, None]
+    if window:
+        mask &= slots >= seq_lens[:, None] - window
+    layout = (blocks, length - first * BLOCK_SIZE, mask[:, None, None])  # mask: [B, 1, 1, L]
     if _layouts is not None:
-        _layouts[("decode", live)] = layout
+        _layouts[("decode", live, window)] = layout
     return layout
 
 
-def _attend_live_blocks(query, key_cache, value_cache, layout, scale):
+def _attend_live_blocks(query, key_cache, value_cache, layout, scale, sinks=None):
     """Row r's query heads against its first seq_lens[r] slots (`layout`: see _decode_layout). The query
     heads that share a KV head are that head's query length (no GQA expansion)."""
     blocks, length, mask = layout
@@ -186,24 +217,27 @@ def _attend_live_blocks(query, key_cache, value_cache, layout, scale):
     # index_select: about 2x faster than key_cache[table]
     keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
     values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        query.view(rows, kvheads, nheads // kvheads, head_dim), keys, values, attn_mask=mask, scale=scale
-    )
+    grouped = query.view(rows, kvheads, nheads // kvheads, head_dim)
+    sinks = None if sinks is None else sinks.view(1, kvheads, -1, 1)
+    out = attend(grouped, keys, values, mask, scale, sinks)  # the group's heads as its query length
     return out.reshape(rows, nheads, head_dim)
 
 
-def static_paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale):
+def static_paged_decode(query, key_cache, value_cache, block_table, seq_lens, scale, sinks=None, window=0):
     """What `paged_decode` computes, in plain tensor ops of static shape (every row gathers the whole width
     of its block table, masked past its length): for device compilers (sendnn) that lower the graph
     themselves and cannot call back into Python."""
     length = block_table.shape[1] * BLOCK_SIZE
-    mask = (torch.arange(length) < seq_lens[:, None])[:, None, None]
-    return _attend_live_blocks(query, key_cache, value_cache, (block_table.flatten(), length, mask), scale)
+    slots = torch.arange(length)
+    mask = (slots < seq_lens[:, None]) & (slots >= seq_lens[:, None] - window if window else True)
+    layout = (block_table.flatten(), length, mask[:, None, None])
+    return _attend_live_blocks(query, key_cache, value_cache, layout, scale, sinks)
 
 
 @opaque_op(
     "paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor piece_tables, "
-    "Tensor piece_lens, Tensor token_piece, Tensor token_pos, float scale) -> Tensor",
+    "Tensor piece_lens, Tensor token_piece, Tensor token_pos, float scale, Tensor? sinks, int window) "
+    "-> Tensor",
     _fake_attention,
 )
 def paged_prefill(
@@ -215,6 +249,8 @@ def paged_prefill(
     token_piece: torch.Tensor,
     token_pos: torch.Tensor,
     scale: float,
+    sinks: torch.Tensor | None = None,
+    window: int = 0,
 ) -> torch.Tensor:
     """The chunk region of a mixed step: pieces of several prompts, each token against its own request's
     cached tokens up to its position (their K/V, this step's included, are already in the cache).
@@ -222,23 +258,24 @@ def paged_prefill(
     [T] -> [T, h, hd], zeros for padding tokens. Opaque to the compiler: each piece reads only the blocks it
     uses, and the pieces' lengths and layout change from step to step under one graph."""
     out = torch.zeros_like(query)
-    for rows, first, table, visible in _prefill_layout(piece_tables, piece_lens, token_piece, token_pos):
+    layout = _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window)
+    for rows, first, table, visible in layout:
         if first is not None:  # the piece's blocks are consecutive: a view of the cache, nothing gathered
             keys, values = key_cache[first : first + table], value_cache[first : first + table]
         else:
             keys, values = key_cache.index_select(0, table), value_cache.index_select(0, table)
         length = visible.shape[1] if visible is not None else rows.shape[0]
-        piece = _attend_piece(query.index_select(0, rows), keys, values, length, visible, scale)
+        piece = _attend_piece(query.index_select(0, rows), keys, values, length, visible, scale, sinks)
         out.index_copy_(0, rows, piece)
     return out
 
 
-def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos):
+def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window=0):
     """Per piece, what every layer of a mixed step reads the same way: its tokens in the region (in
     position order), its blocks (the first one and their count when consecutive, else the table), and what
     each token sees; `visible` is None when the piece is its prompt's start (causal from slot 0: attention
     skips the masked half instead of reading a mask). Computed by the step's first layer (`step_layouts`)."""
-    cached = _layouts.get("prefill") if _layouts is not None else None
+    cached = _layouts.get(("prefill", window)) if _layouts is not None else None
     if cached is not None:
         return cached
     layout = []
@@ -253,36 +290,50 @@ def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos):
         blocks = piece_tables[p, :nb]
         first = int(blocks[0])
         consecutive = bool((blocks == torch.arange(first, first + nb)).all())
-        if rows.shape[0] == length and bool((positions == torch.arange(length)).all()):
+        slots = torch.arange(length)
+        if rows.shape[0] == length and bool((positions == slots).all()) and not 0 < window < length:
             visible = None
         else:
-            visible = torch.arange(length) <= positions[:, None]  # causal, [n, length]
+            visible = slots <= positions[:, None]  # causal, [n, length]
+            if window:
+                visible &= slots > positions[:, None] - window
         layout.append((rows, first if consecutive else None, nb if consecutive else blocks, visible))
     if _layouts is not None:
-        _layouts["prefill"] = layout
+        _layouts[("prefill", window)] = layout
     return layout
 
 
 def static_paged_prefill(
-    query, key_cache, value_cache, piece_tables, piece_lens, token_piece, token_pos, scale
+    query,
+    key_cache,
+    value_cache,
+    piece_tables,
+    piece_lens,
+    token_piece,
+    token_pos,
+    scale,
+    sinks=None,
+    window=0,
 ):
     """What `paged_prefill` computes, in plain tensor ops of static shape: every token against every piece's
     whole block table, the piece's own result kept (device compilers, see `static_paged_decode`)."""
     length = piece_tables.shape[1] * BLOCK_SIZE
     keys = torch.arange(length)
     causal = keys <= token_pos[:, None]  # [T, length]
+    if window:
+        causal &= keys > token_pos[:, None] - window
     first = keys == 0  # every other token sees one key: a finite row, discarded
     out = torch.zeros_like(query)
     for p in range(piece_tables.shape[0]):
         mine = token_piece == p
         visible = (causal & mine[:, None]) | first
         table = piece_tables[p]
-        o = _attend_piece(query, key_cache[table], value_cache[table], length, visible, scale)
+        o = _attend_piece(query, key_cache[table], value_cache[table], length, visible, scale, sinks)
         out = torch.where(mine[:, None, None], o, out)
     return out
 
 
-def _attend_piece(query, keys, values, length, visible, scale):
+def _attend_piece(query, keys, values, length, visible, scale, sinks=None):
     """Query tokens [n, h, hd] against the first `length` slots of the piece's blocks `keys`, `values`
     [nb, BLOCK_SIZE, kvh, hd] under `visible` [n, length], or causally from slot 0 when it is None (token i
     sees slots 0..i; n == length). GQA: query head i uses KV head i // group. -> [n, h, hd]."""
@@ -290,13 +341,14 @@ def _attend_piece(query, keys, values, length, visible, scale):
     kvheads = keys.shape[2]
     keys = keys.reshape(-1, kvheads, head_dim)[:length].transpose(0, 1)
     values = values.reshape(-1, kvheads, head_dim)[:length].transpose(0, 1)
-    out = F.scaled_dot_product_attention(
+    out = attend(
         query.transpose(0, 1)[None],
         keys[None],
         values[None],
-        attn_mask=None if visible is None else visible[None, None],
+        None if visible is None else visible[None, None],
+        scale,
+        None if sinks is None else sinks.view(1, -1, 1, 1),
         is_causal=visible is None,
-        scale=scale,
         enable_gqa=nheads != kvheads,
     )
     return out[0].transpose(0, 1)

@@ -1,0 +1,179 @@
+"""An image-text model (llava_next, granite-vision's architecture) served end to end: chat messages with
+image_url parts through the real server and the official openai client give the greedy tokens of HF
+transformers' LlavaNextForConditionalGeneration.generate on the same weights and images, with static and
+continuous batching (chunked prefill, prefix caching on), eager and inductor; bad images are 400s naming
+the part, and the engine stays up; a text-only model refuses image parts."""
+
+import asyncio
+import base64
+import io
+
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from spyre_runtime.entrypoints.errors import APIError
+from spyre_runtime.entrypoints.prompts import chat_prompt
+from spyre_runtime.entrypoints.protocol import ChatCompletionRequest
+from spyre_runtime.entrypoints.validator import Validator
+from spyre_runtime.models import build_tokenizer
+from spyre_runtime.tiny_vision import write_tiny_vision_model
+
+from tests.runtime.serverproc import ServerProcess
+
+MAX_TOKENS = 8
+STATIC = {
+    "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "256",
+    "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "16",
+    "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2",
+}
+CONTINUOUS = {"SENDNN_INFERENCE_USE_CB": "1"}
+CB_ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64")
+LIMITS = {"SENDNN_INFERENCE_MAX_IMAGE_PIXELS": "4000000"}
+MODES = {
+    "static-eager": ({**STATIC, **LIMITS, "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"}, ()),
+    "continuous-eager": ({**CONTINUOUS, **LIMITS, "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"}, CB_ARGS),
+    "static-inductor": ({**STATIC, **LIMITS, "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor"}, ()),
+    "continuous-inductor": ({**CONTINUOUS, **LIMITS, "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor"}, CB_ARGS),
+}
+
+
+def image(seed: int, height: int, width: int) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def data_url(img: Image.Image, fmt: str = "PNG", mime: str = "image/png") -> str:
+    buf = io.BytesIO()
+    img.save(buf, fmt)
+    return f"data:{mime};base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+# (question, images): two prompts differ only in their image (the prefix cache must tell them apart), one
+# has two images, one is long enough that its image tokens cross chunk boundaries
+CHATS = [
+    ("What is the capital of France?", [image(0, 40, 70)]),
+    ("What is the capital of France?", [image(1, 40, 70)]),
+    ("Compare them.", [image(2, 64, 30), image(3, 50, 50)]),
+    ("hello " * 8, [image(4, 90, 33)]),
+]
+
+
+@pytest.fixture(scope="module")
+def vision_model(tmp_path_factory):
+    return write_tiny_vision_model(tmp_path_factory.mktemp("tiny-llava-next"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def references(vision_model):
+    """HF transformers' greedy tokens for each chat (EOS does not stop it, as ignore_eos)."""
+    from transformers import AutoProcessor, LlavaNextForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(vision_model)
+    model = LlavaNextForConditionalGeneration.from_pretrained(vision_model).eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    for text, images in CHATS:
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        prompt = processor.apply_chat_template(
+            [{"role": "user", "content": parts}], add_generation_prompt=True
+        )
+        enc = processor(images=images, text=prompt, add_special_tokens=False, return_tensors="pt")
+        ids = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+        out.append(ids[0, enc["input_ids"].shape[1] :].tolist())
+    return out
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def server(request, vision_model, tmp_path_factory):
+    env, args = MODES[request.param]
+    log = tmp_path_factory.mktemp(f"vision-{request.param}") / "server.log"
+    with ServerProcess(vision_model, env, log, extra_args=args).serving() as srv:
+        yield srv
+
+
+def chat_tokens(client, text: str, urls: list[str]) -> list[int]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls] + [{"type": "text", "text": text}]
+    resp = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": parts}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        logprobs=True,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    return [int(t.token.removeprefix("token_id:")) for t in resp.choices[0].logprobs.content]
+
+
+async def _concurrently(server, chats):
+    client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    async def one(text, images):
+        parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+        resp = await client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            logprobs=True,
+            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        )
+        return [int(t.token.removeprefix("token_id:")) for t in resp.choices[0].logprobs.content]
+
+    return await asyncio.gather(*(one(text, images) for text, images in chats))
+
+
+def test_greedy_tokens_equal_hf_generate(server, references):
+    client = server.client(timeout=120)
+    alone = [chat_tokens(client, text, [data_url(i) for i in images]) for text, images in CHATS]
+    assert alone == references
+    # again, batched together: the second pass hits the prefix cache (continuous batching) for the same
+    # image, and must not for the other image of the same text
+    assert asyncio.run(_concurrently(server, CHATS)) == references
+    assert references[0] != references[1]  # the image, not only the text, decides the answer
+
+
+def _bad_cases():
+    png = data_url(image(5, 20, 20))
+    payload = png.split(",", 1)[1]
+    return [
+        ("remote", "https://example.com/cat.png", "remote image URLs are not fetched"),
+        ("not a data url", "file:///etc/passwd", "must be a data URL"),
+        ("not base64", "data:image/png;base64,@@not-base64@@", "is not valid base64"),
+        ("not an image", "data:image/png;base64," + base64.b64encode(b"hello world").decode(), "readable"),
+        ("wrong type", "data:text/plain;base64," + payload, "is not one of image/png"),
+        ("mislabelled", "data:image/jpeg;base64," + payload, "declared image/jpeg but holds a PNG"),
+        ("too many pixels", data_url(Image.new("RGB", (2100, 2100))), "more than 4000000"),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
+def test_bad_image_is_a_400_naming_the_part(server, case):
+    _, url, expected = case
+    client = server.client()
+    parts = [{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": url}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=2
+        )
+    body = err.value.body
+    assert body["param"] == "messages.0.content.1.image_url"
+    assert expected in body["message"]
+    # the engine stays up: a good request right after is answered
+    assert chat_tokens(client, CHATS[0][0], [data_url(i) for i in CHATS[0][1]])
+
+
+def test_text_only_model_refuses_image_parts():
+    body = ChatCompletionRequest(
+        model="t",
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": data_url(image(0, 8, 8))}}],
+            }
+        ],
+    )
+    with pytest.raises(APIError) as err:
+        asyncio.run(chat_prompt(build_tokenizer(), Validator(None, None, None), body, prompter=None))
+    assert err.value.status == 400
+    assert err.value.param == "messages.0.content.0"
+    assert "images need an image-text model" in err.value.message
