@@ -12,6 +12,10 @@ goes to the back of the free queue but keeps its hash: it can still be hit until
 covers the whole prompt. Invariant: every block other than scratch is either referenced (ref_count > 0) or in
 the free queue, never both.
 
+Sliding window (`window` > 0: every attention layer sees only its last `window` tokens): once a decoding
+sequence's next token is past a block's last token by `window` or more, no layer reads that block again;
+`free_outside_window` returns it (the table keeps the scratch block in its place, so positions still map).
+
 KV events (`record_events`): publishing a block under its hash records a `BlockStored` (one per commit, for
 the consecutive blocks it published), evicting one a `BlockRemoved`; `take_events()` hands them over once per
 engine step (engine/kv_events.py sends them in vLLM's format).
@@ -19,11 +23,31 @@ engine step (engine/kv_events.py sends them in vLLM's format).
 
 from __future__ import annotations
 
+import json
+import logging
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
+
+from spyre_contract.architectures import kv_window
 
 from spyre_runtime.engine.kv_events import BlockRemoved, BlockStored, KVCacheEvent, external_block_hash
 from spyre_runtime.executor.kv_cache import BLOCK_SIZE, SCRATCH_BLOCK
+
+log = logging.getLogger(__name__)
+
+
+def window_for(model_dir: Path) -> int:
+    """The sliding window the block manager frees blocks by (0: none), from the model's config.json; says at
+    start-up what a window does to the KV cache and to prefix caching."""
+    try:
+        model_config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    window, note = kv_window(model_config)
+    if note:
+        log.info("%s", note)
+    return window
 
 
 @dataclass
@@ -46,10 +70,12 @@ class BlockManager:
         enable_prefix_caching: bool = True,
         block_size: int = BLOCK_SIZE,
         record_events: bool = False,
+        window: int = 0,
     ) -> None:
         if num_blocks < 2:
             raise ValueError("the KV cache needs at least 2 blocks (one is scratch)")
         self.block_size = block_size
+        self.window = window
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: deque[int] = deque(i for i in range(num_blocks) if i != SCRATCH_BLOCK)
@@ -184,10 +210,29 @@ class BlockManager:
         self._pending.pop(seq_id, None)
         self._prompts.pop(seq_id, None)
         for block_id in reversed(self.tables.pop(seq_id)):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                self.free_queue.append(block_id)
+            self._release(block_id)
+
+    def free_outside_window(self, seq_id: str, position: int) -> int:
+        """With a sliding window: releases the blocks the token at `position` and every later one can no
+        longer see (all of a block's slots at or before `position - window`); returns how many."""
+        if not self.window:
+            return 0
+        table = self.tables[seq_id]
+        num_freed = 0
+        for i in range(max(0, position - self.window + 1) // self.block_size):
+            if table[i] != SCRATCH_BLOCK:
+                self._release(table[i])
+                table[i] = SCRATCH_BLOCK
+                num_freed += 1
+        return num_freed
+
+    def _release(self, block_id: int) -> None:
+        if block_id == SCRATCH_BLOCK:  # a place freed by the window
+            return
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_queue.append(block_id)
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -39,7 +39,7 @@ from collections import deque
 from spyre_contract.environment import round_up
 
 from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
-from spyre_runtime.engine.block_manager import BlockManager
+from spyre_runtime.engine.block_manager import BlockManager, window_for
 from spyre_runtime.engine.static_scheduler import abort_waiting, check_admissible
 from spyre_runtime.request import Request, Status
 from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
@@ -69,6 +69,7 @@ class ContinuousScheduler:
             config.cb_num_blocks,
             enable_prefix_caching=config.enable_prefix_caching,
             record_events=config.kv_events.is_enabled,
+            window=window_for(config.model_dir),  # a sliding window frees the blocks left behind it
         )
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not yet computed, in admission order
@@ -215,6 +216,7 @@ class ContinuousScheduler:
         for req in list(self.running):
             if req not in self.running:  # preempted while making room for an older request
                 continue
+            self.blocks.free_outside_window(req.request_id, req.num_tokens - 1)
             while not self.blocks.can_append(req.request_id, req.num_tokens):
                 victim = self.prefilling[-1] if self.prefilling else self.running[-1]
                 self._preempt(victim)
