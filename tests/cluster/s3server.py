@@ -1,12 +1,20 @@
 """A real S3-compatible server for tests: moto in server mode (PyPI `moto[server]`) as a subprocess on
 127.0.0.1, with IAM authentication enforced. Test infrastructure, never shipped.
 
-    s3 = S3Server(tmp_path / "s3").start()        # http://127.0.0.1:<free port>, stopped by PID
+    s3 = S3Server(tmp_path / "s3").start()        # moto on a free port (stopped by PID) behind a proxy thread
     s3.put_folder("models", "tiny", folder)       # bucket created if needed; files >= part_size go multipart
     env = {**s3.credentials, "AWS_ENDPOINT_URL": s3.endpoint}  # AWS_ACCESS_KEY_ID, ..._SECRET_..., AWS_REGION
-    s3.requests                                   # "GET /models/tiny/config.json", ... from the server's log
-    s3.object_gets()                              # the GETs of object contents (not listings)
+    s3.requests                                   # "GET /models/tiny/config.json", ... from moto's own log
+    s3.object_gets()                              # the GETs of object contents (not listings), same log
+    s3.log                                        # S3Request(method, path, range, status, body_bytes) through
+                                                  # s3.endpoint (what a loader asked and got)
+    s3.truncate["models/tiny/model.safetensors"] = 1000  # no response through s3.endpoint sends a byte of
+                                                  # that object past offset 1000 (then the connection closes)
     s3.stop()
+
+`s3.endpoint` is a small forwarding proxy in the test process in front of moto (`s3.moto_endpoint`): it
+passes requests through unchanged (the Host header too, so SigV4 signatures hold), logs them, and cuts
+bodies on request. put_folder and client() talk to moto directly.
 
 The server accepts only the access key it made at start (moto's IAM auth: INITIAL_NO_AUTH_ACTION_COUNT,
 turned on through /moto-api/reset-auth once the user exists); any other key gets InvalidAccessKeyId and
@@ -15,20 +23,33 @@ a wrong secret SignatureDoesNotMatch, as on AWS. Multipart parts may be as small
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import NamedTuple
 
 from tests.cluster.controlplane import Proc, _die_with_parent, free_port, terminate
 
 MIN_PART_SIZE = 64 << 10
 REGION = "us-east-1"
 _LINE = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d{3})')
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
+
+
+class S3Request(NamedTuple):
+    method: str
+    path: str
+    range: str | None
+    status: int
+    body_bytes: int
 
 
 class S3Server:
@@ -38,11 +59,18 @@ class S3Server:
         self.log_path = self.workdir / "moto.log"
         self.port = 0
         self.credentials: dict[str, str] = {}
+        self.log: list[S3Request] = []
+        self.truncate: dict[str, int] = {}
+        self._proxy: ThreadingHTTPServer | None = None
         self._proc: Proc | None = None
 
     @property
-    def endpoint(self) -> str:
+    def moto_endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self._proxy.server_address[1]}"
 
     def start(self, timeout: float = 30.0) -> S3Server:
         self.port = free_port()
@@ -59,7 +87,7 @@ class S3Server:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                urllib.request.urlopen(f"{self.endpoint}/moto-api/", timeout=2).close()
+                urllib.request.urlopen(f"{self.moto_endpoint}/moto-api/", timeout=2).close()
                 break
             except OSError:
                 if popen.poll() is not None or time.monotonic() > deadline:
@@ -69,6 +97,9 @@ class S3Server:
                     ) from None
                 time.sleep(0.2)
         self._make_user()
+        self._proxy = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(self))
+        self._proxy.daemon_threads = True
+        threading.Thread(target=self._proxy.serve_forever, name="s3proxy", daemon=True).start()
         return self
 
     def _make_user(self) -> None:
@@ -84,7 +115,7 @@ class S3Server:
             "AWS_REGION": REGION,
         }
         request = urllib.request.Request(
-            f"{self.endpoint}/moto-api/reset-auth",
+            f"{self.moto_endpoint}/moto-api/reset-auth",
             data=b"0",
             method="POST",
             headers={"Content-Type": "text/plain"},  # a form body would hide the count from moto
@@ -97,7 +128,7 @@ class S3Server:
         creds = credentials or self.credentials
         return boto3.client(
             service,
-            endpoint_url=self.endpoint,
+            endpoint_url=self.moto_endpoint,
             region_name=REGION,
             aws_access_key_id=creds["AWS_ACCESS_KEY_ID"],
             aws_secret_access_key=creds["AWS_SECRET_ACCESS_KEY"],
@@ -142,6 +173,10 @@ class S3Server:
         return gets
 
     def stop(self) -> None:
+        if self._proxy is not None:
+            self._proxy.shutdown()
+            self._proxy.server_close()
+            self._proxy = None
         if self._proc is not None:
             terminate(self._proc, grace=10)
             self._proc = None
@@ -151,3 +186,69 @@ class S3Server:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _proxy_handler(server: S3Server) -> type[BaseHTTPRequestHandler]:
+    class Handler(_ProxyHandler):
+        pass
+
+    Handler.s3 = server
+    return Handler
+
+
+class _ProxyHandler(BaseHTTPRequestHandler):
+    """Forwards one request to moto as it came (bodies by Content-Length) and its response back."""
+
+    protocol_version = "HTTP/1.1"
+    s3: S3Server
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        self._forward()
+
+    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
+
+    def _forward(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else None
+        upstream = http.client.HTTPConnection("127.0.0.1", self.s3.port, timeout=60)
+        try:
+            upstream.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
+            for name, value in self.headers.items():
+                upstream.putheader(name, value)
+            upstream.endheaders(body)
+            response = upstream.getresponse()
+            data = response.read()
+        finally:
+            upstream.close()
+        sent = self._cut(data)
+        self.send_response_only(response.status, response.reason)
+        for name, value in response.getheaders():
+            if name.lower() not in _HOP_BY_HOP:
+                self.send_header(name, value)
+        if self.command == "HEAD":
+            self.send_header("Content-Length", response.getheader("Content-Length", "0"))
+        else:
+            self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(sent)
+        self.wfile.flush()
+        path = self.path.split("?", 1)[0]
+        record = S3Request(self.command, path, self.headers.get("Range"), response.status, len(sent))
+        self.s3.log.append(record)
+
+    def _cut(self, data: bytes) -> bytes:
+        """The body as sent: whole, or cut at the object's truncation offset (then the connection closes)."""
+        key = self.path.split("?", 1)[0].lstrip("/")
+        cut = self.s3.truncate.get(key)
+        if self.command != "GET" or cut is None:
+            return data
+        match = re.fullmatch(r"bytes=(\d+)-\d*", self.headers.get("Range") or "bytes=0-")
+        start = int(match[1]) if match else 0
+        if start + len(data) <= cut:
+            return data
+        self.close_connection = True
+        return data[: max(cut - start, 0)]

@@ -171,6 +171,32 @@ def test_s3_permanent_failures(s3, s3_env, source, env, message, tmp_path):
     assert not (tmp_path / "m").exists()
 
 
+def test_s3_truncated_transfer_then_resume(s3, s3_env, tiny_model, tmp_path):
+    into, size = tmp_path / "tiny", (tiny_model / "model.safetensors").stat().st_size
+    s3.truncate["models/llama/tiny/model.safetensors"] = size // 2
+    try:
+        res = fetch("s3://models/llama/tiny", into, s3_env)
+    finally:
+        s3.truncate.clear()
+    assert res.returncode == 1, res.stderr
+    message = re.search(
+        r"file model.safetensors: expected (\d+) bytes, got (\d+) \(truncated transfer", last_line(res)
+    )
+    assert message and int(message[1]) == size, last_line(res)
+    kept = int(message[2])  # what arrived before the cut, less at most the read it broke
+    assert 0 < kept <= size // 2 and not into.exists()
+    assert (tmp_path / "tiny.partial/model.safetensors").stat().st_size == kept
+
+    start = len(s3.log)
+    res = fetch("s3://models/llama/tiny", into, s3_env)
+    assert res.returncode == 0, res.stderr
+    gets = [
+        (r.range, r.body_bytes) for r in s3.log[start:] if r.method == "GET" and "model.safetensors" in r.path
+    ]
+    assert gets == [(f"bytes={kept}-", size - kept)]
+    assert same_files(tiny_model, into)
+
+
 def test_hf_fetch_then_cached_without_file_requests(clean_hub, tiny_model, tmp_path):
     hub, into = clean_hub, tmp_path / "tiny"
     res = fetch("hf://org/tiny@v1", into, {"HF_ENDPOINT": hub.endpoint})
