@@ -402,3 +402,24 @@ def test_rendered_objects_validate_against_the_published_schemas():
             kubernetes_validate.validate(body, version, strict=True)
     with pytest.raises(kubernetes_validate.ValidationError):  # 1.30 has no image volumes
         kubernetes_validate.validate(objects[0], "1.30.0", strict=True)
+
+
+def test_chart_values_reach_the_operator_and_the_default_runtime_image_is_the_one_built():
+    import yaml
+
+    from tests.conftest import REPO
+    from tests.test_chart import by_kind, env_of, render
+
+    env = env_of(by_kind(render(), "Deployment")[0])
+    assert (env["SPYRE_OPERATOR_OCI_MODE"], env["SPYRE_OPERATOR_LOADER_RETRIES"]) == ("modelcar", "2")
+    assert "SPYRE_OPERATOR_ALLOW_HOST_PATH" not in env
+    models = {"ociMode": "image-volume", "loaderRetries": 5, "allowHostPath": True}
+    env = env_of(by_kind(render({"models": models}), "Deployment")[0])
+    settings = load_settings(env)
+    assert (settings.oci_mode, settings.loader_retries, settings.allow_host_path) == ("image-volume", 5, True)
+    # the chart's, the operator's and the README's runtime image: the tag is the chart's appVersion
+    chart = yaml.safe_load((REPO / "charts/spyre-operator/Chart.yaml").read_text())
+    values = yaml.safe_load((REPO / "charts/spyre-operator/values.yaml").read_text())
+    image = f"quay.io/spyre-serve/runtime:{chart['appVersion']}"
+    assert values["runtimeImage"] == OperatorSettings().runtime_image == image
+    assert f"podman build -f Containerfile.runtime -t {image} ." in (REPO / "README.md").read_text()
