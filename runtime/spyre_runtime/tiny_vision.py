@@ -44,10 +44,11 @@ GRANITE_VISION_TEMPLATE = (
 
 
 def write_tiny_vision_model(
-    out_dir: str | Path, seed: int = 0, hidden: int = 64, num_layers: int = 2
+    out_dir: str | Path, tokenizer, seed: int = 0, hidden: int = 64, num_layers: int = 2
 ) -> Path:
-    """Writes the folder (same seed -> same bytes): config.json, model.safetensors, the tokenizer, the
-    image processor and processor configs, chat_template.jinja."""
+    """Writes the folder (same seed -> same bytes): config.json, model.safetensors, the tokenizer (models.py's
+    tiny one, given, with the chat's special tokens added), the image processor and processor configs,
+    chat_template.jinja."""
     import torch
     from transformers import (
         GraniteConfig,
@@ -56,9 +57,6 @@ def write_tiny_vision_model(
         SiglipVisionConfig,
     )
 
-    from spyre_runtime.models import build_tokenizer
-
-    tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": VISION_SPECIAL_TOKENS})
     tokenizer.eos_token = "<|end_of_text|>"
     tokenizer.chat_template = GRANITE_VISION_TEMPLATE

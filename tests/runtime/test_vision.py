@@ -16,8 +16,7 @@ from spyre_runtime.entrypoints.errors import APIError
 from spyre_runtime.entrypoints.prompts import chat_prompt
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest
 from spyre_runtime.entrypoints.validator import Validator
-from spyre_runtime.models import build_tokenizer
-from spyre_runtime.tiny_vision import write_tiny_vision_model
+from spyre_runtime.models import build_tokenizer, write_tiny_model
 
 from tests.runtime.serverproc import ServerProcess
 
@@ -60,7 +59,7 @@ CHATS = [
 
 @pytest.fixture(scope="module")
 def vision_model(tmp_path_factory):
-    return write_tiny_vision_model(tmp_path_factory.mktemp("tiny-llava-next"), seed=0)
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llava-next"), arch="llava_next", seed=0)
 
 
 @pytest.fixture(scope="module")
