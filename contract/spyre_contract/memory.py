@@ -128,8 +128,14 @@ class MemoryPlan:
 
 
 def plan_memory(
-    dims: ModelDims, settings: EnvironmentSettings, capacity: int, where: str, dtype_bytes: int = 4
+    dims: ModelDims,
+    settings: EnvironmentSettings,
+    capacity: int,
+    where: str,
+    dtype_bytes: int = 4,
+    state_bytes: int = 0,
 ) -> MemoryPlan:
+    """`state_bytes`: a hybrid model's per-sequence Mamba state, counted with the KV cache."""
     tp = max(1, settings.tensor_parallel_size)
     weights = dims.num_params() * dtype_bytes // tp
     kv_per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * dtype_bytes // tp
@@ -143,6 +149,7 @@ def plan_memory(
     else:
         kv = max(s.batch_size * (s.prompt_len + s.new_tokens) for s in settings.shapes) * kv_per_token
         steps = [(s.batch_size, s.prompt_len, s.prompt_len + s.new_tokens, str(s)) for s in settings.shapes]
+    kv += state_bytes
     largest, label = 0, ""
     for batch, tokens, context, name in steps:
         rows = batch * tokens

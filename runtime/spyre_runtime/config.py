@@ -44,6 +44,8 @@ from spyre_contract.memory import (
 from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
 from spyre_contract.tasks import is_pooling_task, read_pooling_environment
 
+from spyre_runtime.hybrid import HybridModelError, HybridSpec
+
 log = logging.getLogger(__name__)
 
 # The rules live in the shared contract package (the operator checks pods' environments with them too).
@@ -269,7 +271,29 @@ def load_config(
         cache_dir=Path(settings.cache_dir) if settings.cache_dir else None,
         perf_metric_logging_dir=Path(settings.perf_metric_logging_dir),
     )
-    return config
+    return hybrid_settings(config)
+
+
+def hybrid_settings(config: RuntimeConfig) -> RuntimeConfig:
+    """A hybrid (Mamba) model serves with prefix caching off, said in one line: its Mamba layers keep one
+    state per sequence, not per KV block, so a cached prefix has no state to start from."""
+    try:
+        spec = HybridSpec.from_model_dir(config.model_dir)
+    except HybridModelError as e:
+        raise ConfigError(str(e)) from None
+    if spec is None:
+        return config
+    log.info("hybrid (Mamba) model: prefix caching is off (a sequence's Mamba state is not kept per block)")
+    return dataclasses.replace(config, enable_prefix_caching=False)
+
+
+def hybrid_state_bytes(config: RuntimeConfig, dtype_bytes: int) -> int:
+    """The Mamba state slots of a hybrid model (executor/mamba_state.py), for the memory plan; else 0."""
+    spec = HybridSpec.from_model_dir(config.model_dir)
+    if spec is None:
+        return 0
+    slots = 1 + (config.max_num_seqs if config.use_cb else max(s.batch_size for s in config.shapes))
+    return spec.state_bytes(slots, dtype_bytes)
 
 
 _CONFIG_FIELDS = {f.name for f in fields(RuntimeConfig)} - {"cache_dir", "perf_metric_logging_dir"}
@@ -340,7 +364,8 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
             list(config.batch_buckets),
             list(config.kv_buckets),
         )
-    plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4))
+    state = hybrid_state_bytes(config, DTYPE_BYTES.get(dtype, 4))  # a hybrid model's Mamba state
+    plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state)
     logging.getLogger(__name__).info(
         "memory plan (%s, tensor parallel %d):\n%s", dtype, config.tensor_parallel_size, plan.table()
     )
@@ -358,7 +383,7 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
             blocks * per_block / GIB,
         )
         config = dataclasses.replace(config, num_kv_blocks=blocks)
-        plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4))
+        plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state)
     if plan.is_tight:
         logging.getLogger(__name__).warning(
             "the memory plan uses %.0f%% of %s memory", 100 * plan.total / plan.capacity, where

@@ -13,7 +13,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from spyre_runtime import tiny_models
+from spyre_runtime import tiny_hybrid, tiny_models
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ TINY_ARCHES = (
     *(f"{a}-fp8" for a in DECODER_ARCHES),
     "bert-reranker",
     "roberta-reranker",
+    *tiny_hybrid.ARCHES,
     "llava_next",  # an image-text model (tiny_vision.py)
 )
 
@@ -90,6 +91,8 @@ def write_tiny_model(
     decoder's linear weights to FP8 with per-channel scales (tiny_models.quantize_fp8)."""
     if arch in ("bert-reranker", "roberta-reranker"):
         return write_tiny_cross_encoder(out_dir, family=arch.split("-")[0], seed=seed)
+    if arch in tiny_hybrid.ARCHES:
+        return tiny_hybrid.write_tiny_hybrid(out_dir, build_tokenizer(vocab_size), seed=seed)
     if arch == "llava_next":
         from spyre_runtime.tiny_vision import write_tiny_vision_model
 

@@ -40,6 +40,7 @@ from spyre_contract.environment import round_up
 
 from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
 from spyre_runtime.engine.block_manager import BlockManager, window_for
+from spyre_runtime.engine.state_slots import StateSlots
 from spyre_runtime.engine.static_scheduler import abort_waiting, check_admissible
 from spyre_runtime.request import Request, Status
 from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
@@ -71,6 +72,7 @@ class ContinuousScheduler:
             record_events=config.kv_events.is_enabled,
             window=window_for(config.model_dir),  # a sliding window frees the blocks left behind it
         )
+        self.slots = StateSlots(1 + self.max_num_seqs)  # a hybrid model's Mamba state, one per sequence
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt not yet computed, in admission order
         self.running: list[Request] = []  # in admission order
@@ -175,6 +177,7 @@ class ContinuousScheduler:
             self.waiting.popleft()
             allocation = self.blocks.allocate(req.request_id, tokens, req.cache_salt)
             req.num_computed_tokens = allocation.num_cached_tokens
+            req.state_slot = self.slots.allocate(req.request_id)
             self.num_cached_tokens += allocation.num_cached_tokens
             if self.blocks.enable_prefix_caching and req.num_preemptions == 0:
                 self.num_prefix_queries += len(tokens)
@@ -246,6 +249,8 @@ class ContinuousScheduler:
 
     def _release(self, req: Request) -> None:
         self.blocks.free(req.request_id)
+        self.slots.free(req.request_id)
+        req.state_slot = 0
         if req in self.prefilling:
             self.prefilling.remove(req)
         else:

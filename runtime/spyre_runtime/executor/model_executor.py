@@ -16,7 +16,7 @@ import time
 import torch
 
 from spyre_runtime.config import RuntimeConfig, Shape
-from spyre_runtime.executor import kv_cache, linear
+from spyre_runtime.executor import kv_cache, linear, mamba_state
 from spyre_runtime.executor.compiler import (
     BlockCompiler,
     cache_tag,
@@ -48,7 +48,7 @@ class ModelExecutor:
         kv_cache.register()
         tp = config.tensor_parallel_size > 1
         self.workers = WorkerGroup(config, type(self)) if tp and rank == 0 else None
-        self.model, self.dtype = load_model(config, model)
+        self.model, self.dtype = load_model(config, mamba_state.load_if_hybrid(config, model))
         self.model, self.vision = split_vision(self.model, config.tensor_parallel_size)  # vision.py
         if tp:
             # every rank has loaded (and left its load slot) before rank 0 may take a slot to compile
@@ -64,8 +64,10 @@ class ModelExecutor:
         self.kv = KVCachePool(
             self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=self.dtype
         )
+        self.mamba = mamba_state.attach(self.model, config, self.dtype)  # a hybrid model's state slots
+        self.cache_states = self.mamba.cache_states(self.kv.layers) if self.mamba else self.kv.layers
         self.blocks = None
-        if config.backend == "inductor":
+        if config.backend == "inductor" and self.mamba is None:  # hybrid: the whole forward in one graph
             self.blocks = BlockCompiler(self.model, compiler_for(config.backend), self.kv.layers)
             self._step_fn = self._forward
         else:
@@ -120,7 +122,7 @@ class ModelExecutor:
         logits, _ = self.model(
             input_ids,
             position_ids=position_ids,
-            past_key_value_states=self.kv.layers,
+            past_key_value_states=self.cache_states,
             use_cache=True,
             last_n_tokens=last,
             attn_name=kv_cache.ATTN_NAME,
@@ -196,9 +198,10 @@ class ModelExecutor:
     def execute(self, step: StaticStep | ContinuousStep) -> SamplerOutput:
         """Runs one step; returns one sampled token (and its logprobs, when asked) per request of
         `step.requests`, from the first rows of the logits (the rest are padding rows)."""
-        if isinstance(step, ContinuousStep):
-            return self.execute_continuous(step)
-        return self.execute_static(step)
+        with mamba_state.step_context(self.mamba, step, self.config.prefill_pieces):
+            if isinstance(step, ContinuousStep):
+                return self.execute_continuous(step)
+            return self.execute_static(step)
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """[L] token ids -> [L, V] logits of every position: an eager pass with no KV cache and no compiled

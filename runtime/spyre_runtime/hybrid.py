@@ -1,0 +1,94 @@
+"""A hybrid (Mamba) decoder's shape, read from its config.json: which layers are Mamba-2 layers, and what one
+sequence's state holds in each (the conv window and the SSM state). No torch, no other module of ours: the
+settings (prefix caching, the memory plan), the executor and the engine all read it.
+
+Supported: `BambaForCausalLM` (FMS's `bamba`: Mamba-2 layers beside attention layers, `attn_layer_indices`).
+`GraniteMoeHybridForCausalLM` with Mamba layers (granite-4 "H") is refused with one line: FMS 1.13.1's
+`granite_moe_hybrid` builds the dense form only (every layer attention), so its Mamba weights would be
+dropped."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+HYBRID_ARCHITECTURES = ("BambaForCausalLM",)
+
+
+class HybridModelError(ValueError):
+    """A hybrid model this runtime cannot serve (one line, at start-up)."""
+
+
+@dataclass(frozen=True)
+class HybridSpec:
+    num_layers: int
+    attn_layers: tuple[int, ...]
+    heads: int  # Mamba heads
+    head_dim: int
+    state_size: int
+    groups: int
+    conv_kernel: int
+    intermediate: int  # expand * hidden
+    chunk_size: int  # the SSD scan's chunk (mamba_chunk_size)
+
+    @property
+    def mamba_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.attn_layers)
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate + 2 * self.groups * self.state_size
+
+    def state_elements(self) -> int:
+        """Elements of one sequence's state over every Mamba layer (conv window + SSM state)."""
+        per_layer = self.conv_dim * self.conv_kernel + self.heads * self.head_dim * self.state_size
+        return len(self.mamba_layers) * per_layer
+
+    def state_bytes(self, num_slots: int, dtype_bytes: int) -> int:
+        return num_slots * self.state_elements() * dtype_bytes
+
+    @classmethod
+    def from_config(cls, config: dict) -> HybridSpec | None:
+        """None for a model without Mamba layers; HybridModelError for a hybrid one we cannot serve."""
+        archs = config.get("architectures") or []
+        if "GraniteMoeHybridForCausalLM" in archs and "mamba" in (config.get("layer_types") or []):
+            raise HybridModelError(
+                "GraniteMoeHybridForCausalLM with Mamba layers (granite-4 'H') is not supported: FMS "
+                "1.13.1's granite_moe_hybrid builds the dense form only; hybrid models served: "
+                + ", ".join(HYBRID_ARCHITECTURES)
+            )
+        if not any(a in HYBRID_ARCHITECTURES for a in archs):
+            return None
+        try:
+            hidden = int(config["hidden_size"])
+            spec = cls(
+                num_layers=int(config["num_hidden_layers"]),
+                attn_layers=tuple(int(i) for i in config.get("attn_layer_indices") or ()),
+                heads=int(config["mamba_n_heads"]),
+                head_dim=int(config["mamba_d_head"]),
+                state_size=int(config["mamba_d_state"]),
+                groups=int(config.get("mamba_n_groups", 1)),
+                conv_kernel=int(config.get("mamba_d_conv", 4)),
+                intermediate=int(float(config.get("mamba_expand", 2)) * hidden),
+                chunk_size=int(config.get("mamba_chunk_size", 256)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise HybridModelError(f"config.json of a hybrid model lacks a Mamba setting ({e})") from None
+        if config.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise HybridModelError(f"hidden_act={config.get('hidden_act')!r}: the Mamba layers run silu only")
+        if spec.heads * spec.head_dim != spec.intermediate or spec.heads % spec.groups:
+            raise HybridModelError(
+                f"mamba_n_heads * mamba_d_head ({spec.heads * spec.head_dim}) must equal mamba_expand * "
+                f"hidden_size ({spec.intermediate}), and the heads divide into mamba_n_groups"
+            )
+        return spec
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path) -> HybridSpec | None:
+        path = Path(model_dir) / "config.json"
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return cls.from_config(config)

@@ -1,0 +1,194 @@
+"""Hybrid (Mamba) models: a tiny random Bamba (Mamba-2 layers beside an attention layer) served by our engine
+gives HF transformers' greedy tokens, with static batching and continuous batching (chunked prefill carrying
+the Mamba state from chunk to chunk, mixed steps, no interleave, preemption under block pressure), on eager
+and inductor (where serving compiles nothing after warm-up); state slots are taken and given back with the
+requests; prefix caching is off and said so; the memory plan counts the state; what is not served fails at
+start-up in one line."""
+
+import json
+import logging
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+from spyre_contract.memory import ModelDims, plan_memory
+from spyre_runtime.config import ConfigError, RuntimeConfig, Shape, check_memory, load_config
+from spyre_runtime.engine.llm_engine import LLMEngine
+from spyre_runtime.engine.state_slots import StateSlots
+from spyre_runtime.hybrid import HybridSpec
+from spyre_runtime.models import write_tiny_model
+from spyre_runtime.sampling.params import SamplingParams
+
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-bamba"), arch="bamba", seed=0)
+
+
+def workload(vocab: int) -> list[tuple[int, list[int], int]]:
+    """(arrival step, prompt, max_tokens): lengths from 1 token to several 64-token chunks, arriving while
+    others decode."""
+    rng = random.Random(5)
+    lengths = [150, 60, 1, 90, 58, 130, 62, 23]
+    return [
+        (rng.randrange(0, 12), [rng.randrange(3, vocab) for _ in range(n)], rng.randrange(4, MAX_TOKENS + 1))
+        for n in lengths
+    ]
+
+
+@pytest.fixture(scope="module")
+def expected(hybrid_model):
+    """HF transformers' greedy tokens for each request of the workload, alone."""
+    from transformers import AutoTokenizer, BambaForCausalLM
+
+    hf = BambaForCausalLM.from_pretrained(hybrid_model).float().eval()
+    items = workload(len(AutoTokenizer.from_pretrained(hybrid_model)))
+    outputs = []
+    with torch.no_grad():
+        for _, prompt, max_tokens in items:
+            ids = torch.tensor([prompt])
+            out = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
+            outputs.append(out[0, len(prompt) :].tolist())
+    return items, outputs
+
+
+def cb_config(model_dir, **kw) -> RuntimeConfig:
+    base = {
+        "backend": "eager",
+        "use_cb": True,
+        "max_model_len": 256,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 64,
+        "enable_prefix_caching": False,
+    }
+    return RuntimeConfig(model_dir=model_dir, served_model_name="t", **(base | kw))
+
+
+def static_config(model_dir, **kw) -> RuntimeConfig:
+    shapes = (Shape(64, MAX_TOKENS, 4), Shape(192, MAX_TOKENS, 4))
+    return RuntimeConfig(model_dir=model_dir, served_model_name="t", backend="eager", shapes=shapes, **kw)
+
+
+def run_arrivals(engine, items) -> list[list[int]]:
+    reqs, step = {}, 0
+    while len(reqs) < len(items) or engine.has_work():
+        for i, (at, prompt, max_tokens) in enumerate(items):
+            if at == step:
+                params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+                reqs[i] = engine.add_request(prompt, params)
+        engine.step()
+        step += 1
+    return [reqs[i].output_token_ids for i in range(len(items))]
+
+
+@pytest.mark.parametrize(
+    ("label", "make"),
+    [
+        ("static", lambda d: static_config(d)),
+        ("continuous, mixed steps", lambda d: cb_config(d)),
+        ("continuous, no interleave", lambda d: cb_config(d, cp_interleave_steps=False)),
+        ("continuous, preemption", lambda d: cb_config(d, num_kv_blocks=5)),  # scratch + 4 blocks
+    ],
+)
+def test_greedy_tokens_equal_hf_transformers(hybrid_model, expected, label, make):
+    items, want = expected
+    engine = LLMEngine(make(hybrid_model))
+    assert engine.executor.mamba is not None
+    assert run_arrivals(engine, items) == want, label
+    sched = engine.scheduler
+    if label.startswith("continuous"):
+        assert sched.slots.num_free == sched.max_num_seqs  # every slot given back
+        assert sched.blocks.num_used_blocks == 0 and not engine.requests
+    if label == "continuous, preemption":
+        assert sched.num_preemptions > 0
+
+
+def test_inductor_serves_equal_tokens_and_compiles_nothing_after_warmup(hybrid_model, expected):
+    from torch._dynamo.utils import counters
+
+    cfg = cb_config(hybrid_model, backend="inductor", max_num_seqs=3)
+    engine = LLMEngine(replace(cfg, decode_batch_buckets=(1, 3), kv_len_buckets=(256,)))
+    engine.executor.warmup()
+    warm = dict(counters["stats"])
+    items, want = expected
+    assert run_arrivals(engine, items) == want
+    assert dict(counters["stats"]) == warm
+    assert sum(counters["recompiles"].values()) == 0
+
+
+def test_slots_follow_requests_and_abort_gives_the_slot_back(hybrid_model):
+    engine = LLMEngine(cb_config(hybrid_model, max_num_seqs=2))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    a = engine.add_request(list(range(3, 100)), params)
+    b = engine.add_request(list(range(5, 20)), params)
+    engine.step()
+    assert {a.state_slot, b.state_slot} == {1, 2}
+    engine.abort(a.request_id)
+    assert a.state_slot == 0 and engine.scheduler.slots.num_free == 1
+    c = engine.add_request(list(range(7, 30)), params)
+    engine.step()
+    assert c.state_slot == 1  # a's slot, reused; c starts from a zero state (its first chunk)
+    while engine.has_work():
+        engine.step()
+    assert engine.scheduler.slots.num_free == 2
+
+
+def test_state_slots_table():
+    slots = StateSlots(3)
+    assert [slots.allocate("a"), slots.allocate("b")] == [1, 2] and not slots.can_allocate()
+    with pytest.raises(RuntimeError, match="no free state slot"):
+        slots.allocate("c")
+    slots.free("a")
+    slots.free("nobody")
+    assert slots.allocate("c") == 1 and slots.slot_of("b") == 2
+    with pytest.raises(ValueError, match="already holds state slot 1"):
+        slots.allocate("c")
+
+
+def test_prompt_logprobs_equal_hf(hybrid_model):
+    """The eager pass without a cache (prompt logprobs) runs the Mamba layers statelessly."""
+    from transformers import BambaForCausalLM
+
+    engine = LLMEngine(cb_config(hybrid_model))
+    prompt = list(range(3, 60))
+    with torch.no_grad():
+        want = BambaForCausalLM.from_pretrained(hybrid_model).float().eval()(torch.tensor([prompt])).logits[0]
+    assert torch.allclose(engine.executor.score(prompt), want, atol=1e-3)
+
+
+def test_start_up_says_prefix_caching_is_off_and_plans_the_state(hybrid_model, caplog):
+    env = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_USE_CB": "1"}
+    with caplog.at_level(logging.INFO):
+        cfg = load_config(hybrid_model, environ=env, max_model_len=256, max_num_seqs=4)
+        check_memory(cfg, environ=env)
+    assert not cfg.enable_prefix_caching
+    assert "hybrid (Mamba) model: prefix caching is off" in caplog.text
+    spec = HybridSpec.from_model_dir(hybrid_model)
+    # 3 Mamba layers x (conv 160 x 4 + ssm 4 x 32 x 16) per slot, 5 slots (scratch + 4), fp32
+    assert spec.state_bytes(5, 4) == 5 * 3 * (160 * 4 + 4 * 32 * 16) * 4
+    dims = ModelDims.from_config(json.loads((hybrid_model / "config.json").read_text()))
+    plain = plan_memory(dims, cfg, 2**40, "host")
+    assert plan_memory(dims, cfg, 2**40, "host", state_bytes=1000).kv_cache == plain.kv_cache + 1000
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"backend": "sendnn"}, "eager and inductor backends only"),
+        ({"enable_prefix_caching": True}, "prefix caching off"),
+    ],
+)
+def test_what_is_not_served_fails_at_start_up(hybrid_model, change, message):
+    with pytest.raises(ConfigError, match=message):
+        LLMEngine(cb_config(hybrid_model, **change))
+
+
+def test_granite_4_h_is_refused_in_one_line(hybrid_model, tmp_path):
+    config = json.loads((hybrid_model / "config.json").read_text())
+    config |= {"architectures": ["GraniteMoeHybridForCausalLM"], "layer_types": ["mamba", "attention"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="GraniteMoeHybridForCausalLM with Mamba layers .* not supported"):
+        load_config(tmp_path, environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"})
