@@ -10,6 +10,7 @@
                                                   # s3.endpoint (what a loader asked and got)
     s3.truncate["models/tiny/model.safetensors"] = 1000  # no response through s3.endpoint sends a byte of
                                                   # that object past offset 1000 (then the connection closes)
+    s3.corrupt.add("models/tiny/model.safetensors")  # flip the byte in the middle of that object, same size
     s3.stop()
 
 `s3.endpoint` is a small forwarding proxy in the test process in front of moto (`s3.moto_endpoint`): it
@@ -61,6 +62,7 @@ class S3Server:
         self.credentials: dict[str, str] = {}
         self.log: list[S3Request] = []
         self.truncate: dict[str, int] = {}
+        self.corrupt: set[str] = set()
         self._proxy: ThreadingHTTPServer | None = None
         self._proc: Proc | None = None
 
@@ -223,7 +225,8 @@ class _ProxyHandler(BaseHTTPRequestHandler):
             data = response.read()
         finally:
             upstream.close()
-        sent = self._cut(data)
+        total = response.getheader("Content-Range", "").rpartition("/")[2]
+        sent = self._cut(data, response.status, int(total) if total.isdigit() else len(data))
         self.send_response_only(response.status, response.reason)
         for name, value in response.getheaders():
             if name.lower() not in _HOP_BY_HOP:
@@ -240,15 +243,18 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         record = S3Request(self.command, path, self.headers.get("Range"), response.status, len(sent))
         self.s3.log.append(record)
 
-    def _cut(self, data: bytes) -> bytes:
-        """The body as sent: whole, or cut at the object's truncation offset (then the connection closes)."""
+    def _cut(self, data: bytes, response_status: int, size: int) -> bytes:
+        """The body as sent: whole, or with its middle byte flipped (corrupt), or cut at the object's
+        truncation offset (then the connection closes). `size`: the whole object's."""
         key = self.path.split("?", 1)[0].lstrip("/")
-        cut = self.s3.truncate.get(key)
-        if self.command != "GET" or cut is None:
+        if self.command != "GET" or response_status // 100 != 2:
             return data
         match = re.fullmatch(r"bytes=(\d+)-\d*", self.headers.get("Range") or "bytes=0-")
         start = int(match[1]) if match else 0
-        if start + len(data) <= cut:
+        if key in self.s3.corrupt and 0 <= (middle := size // 2 - start) < len(data):
+            data = data[:middle] + bytes([data[middle] ^ 0xFF]) + data[middle + 1 :]
+        cut = self.s3.truncate.get(key)
+        if cut is None or start + len(data) <= cut:
             return data
         self.close_connection = True
         return data[: max(cut - start, 0)]

@@ -4,6 +4,7 @@ a readable last line with exit 1 (transient) or 2 (permanent) and nothing publis
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import pytest
 from spyre_runtime.config import load_config
 from spyre_runtime.sources.errors import FetchError
 from spyre_runtime.sources.fetch import check_space, fetch_model
+from spyre_runtime.sources.progress import Progress
 from spyre_runtime.sources.remote import Listing
 from spyre_runtime.sources.staging import Staging
 from spyre_runtime.sources.uri import HfSource, S3Source, parse_source
@@ -137,6 +139,26 @@ def test_s3_fetch_verifies_publishes_and_serves(s3, s3_env, tiny_model, tmp_path
     assert all(e["event"] == "progress" for e in progress) and done["event"] == "done"
     assert done["downloaded"] == manifest["total_bytes"] and done["files"] == len(manifest["files"])
     assert load_config(into).model_dir == into
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hello", "max_tokens": 4, "ignore_eos": True}) + "\n")
+    generated = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "spyre_runtime.cli",
+            "--log-level",
+            "WARNING",
+            "generate",
+            str(into),
+            "--prompts",
+            str(prompts),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"},
+        timeout=300,
+    )
+    assert generated.returncode == 0 and len(json.loads(generated.stdout)["token_ids"]) == 4, generated.stderr
 
     gets = len(s3.object_gets())
     again = fetch("s3://models/llama/tiny", into, s3_env)
@@ -270,15 +292,29 @@ def test_truncated_transfer_then_resume(clean_hub, tiny_model, tmp_path):
     assert same_files(tiny_model, into)
 
 
-def test_checksum_mismatch_is_transient_and_unpublished(clean_hub, tiny_model, tmp_path):
-    hub, into = clean_hub, tmp_path / "tiny"
-    hub.corrupt.add("model.safetensors")
-    res = fetch("hf://org/tiny", into, {"HF_ENDPOINT": hub.endpoint, "SPYRE_FETCH_RETRIES": "1"})
+@pytest.mark.parametrize(
+    "scheme, source, key, kind",
+    [
+        ("hf", "hf://org/tiny", "model.safetensors", "sha256"),
+        ("s3", "s3://models/llama/tiny", "models/llama/tiny/model.safetensors", "s3-multipart"),
+        ("s3", "s3://models/llama/tiny", "models/llama/tiny/config.json", "md5"),
+    ],
+)
+def test_checksum_mismatch_is_transient_and_unpublished(
+    scheme, source, key, kind, request, tiny_model, tmp_path
+):
+    server = request.getfixturevalue("clean_hub" if scheme == "hf" else "s3")
+    env = {"HF_ENDPOINT": server.endpoint} if scheme == "hf" else request.getfixturevalue("s3_env")
+    into, name = tmp_path / "tiny", key.rpartition("/")[2]
+    server.corrupt.add(key)
+    try:
+        res = fetch(source, into, {**env, "SPYRE_FETCH_RETRIES": "1"})
+    finally:
+        server.corrupt.clear()
     assert res.returncode == 1, res.stderr
-    assert "file model.safetensors: checksum mismatch (sha256 expected" in last_line(res)
-    assert not into.exists() and not (tmp_path / "tiny.partial/model.safetensors").exists()
-    hub.corrupt.clear()
-    assert fetch("hf://org/tiny", into, {"HF_ENDPOINT": hub.endpoint}).returncode == 0
+    assert f"{source}: file {name}: checksum mismatch ({kind} expected" in last_line(res)
+    assert not into.exists() and not (tmp_path / "tiny.partial" / name).exists()
+    assert fetch(source, into, env).returncode == 0
     assert same_files(tiny_model, into)
 
 
@@ -306,6 +342,22 @@ def test_full_volume(clean_hub, small_volume):
     with pytest.raises(FetchError, match=r"not enough space on .*ENOSPC writing model.safetensors") as err:
         fetch_model("hf://org/tiny", small_volume / "tiny", env=env, free=lambda path: 1 << 40)
     assert err.value.exit_code == 2 and not (small_volume / "tiny").exists()
+
+
+def test_progress_cadence():
+    """At most one line per interval while bytes arrive, one at the start and one when asked at the end."""
+    now = [0.0]
+    out = io.StringIO()
+    progress = Progress(1000, 100, out=out, interval=1.0, clock=lambda: now[0])
+    for _ in range(9):
+        now[0] += 0.3
+        progress.advance(100)
+    progress.rewind(100)  # a deleted mismatching file takes its bytes back
+    progress.report()
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert [e["done"] for e in lines] == [100, 500, 900, 900]  # at 0, 1.2 and 2.4 s, then the end
+    assert all(e == {"event": "progress", "done": e["done"], "total": 1000} for e in lines)
+    assert progress.downloaded == 900
 
 
 def test_space_check_counts_bytes_still_to_fetch(tmp_path):
