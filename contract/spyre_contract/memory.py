@@ -30,34 +30,42 @@ class ModelDims:
     intermediate: int
     vocab: int
     tied: bool = False
+    head_size: int = 0  # config.json's head_dim when it is not hidden / heads (Qwen3); 0: hidden / heads
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
     @classmethod
     def from_config(cls, config: Mapping) -> ModelDims:
         """HF config.json names (llama, granite, mistral, bert, roberta, ...); an image-text model's
-        (llava_next) from its text_config (its vision tower is not counted: a few percent of the weights)."""
+        (llava_next) from its text_config (its vision tower is not counted: a few percent of the weights).
+        Granite 4 (granitemoehybrid): its dense MLP is `shared_intermediate_size` wide. Qwen3: an explicit
+        `head_dim`. FP8 checkpoints: the runtime dequantizes them at load, so their weights are resident in
+        the serving dtype and are counted at its size, not at one byte per weight."""
         config = config.get("text_config") or config
         try:
             hidden = int(config["hidden_size"])
             heads = int(config["num_attention_heads"])
+            intermediate = config.get("intermediate_size")
+            if config.get("model_type") == "granitemoehybrid" and config.get("shared_intermediate_size"):
+                intermediate = config["shared_intermediate_size"]
             return cls(
                 hidden=hidden,
                 layers=int(config["num_hidden_layers"]),
                 heads=heads,
                 kv_heads=int(config.get("num_key_value_heads") or heads),
-                intermediate=int(config.get("intermediate_size") or 4 * hidden),
+                intermediate=int(intermediate or 4 * hidden),
                 vocab=int(config["vocab_size"]),
                 tied=bool(config.get("tie_word_embeddings", False)),
+                head_size=int(config.get("head_dim") or 0),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ContractError(f"config.json lacks what the memory plan needs ({e})") from None
 
     def num_params(self) -> int:
         kv = self.kv_heads * self.head_dim
-        attention = 2 * self.hidden * self.hidden + 2 * self.hidden * kv
+        attention = 2 * self.hidden * self.heads * self.head_dim + 2 * self.hidden * kv
         mlp = (
             3 * self.hidden * self.intermediate
         )  # gated MLP (llama family); plain MLPs have 2: an overestimate

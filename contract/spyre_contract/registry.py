@@ -1,7 +1,8 @@
 """The known-configurations registry: model configurations known to fit the cards, per platform.
 
 A YAML file (built-in `known_configs.yaml`, or `SENDNN_INFERENCE_MODEL_CONFIG_FILE`) lists models, each
-matched by the `architectures[0]` of its config.json (and optionally more config.json keys, `match`),
+matched by the `architectures[0]` of its config.json (and optionally more config.json keys, `match`; a
+dotted key reads a nested value, e.g. `quantization_config.format`, and `null` matches an absent one),
 with configurations per platform (x86_64, ppc64le, s390x):
 
 - decoders (`task: generate`): `{tensor_parallel_size, max_model_len, max_num_seqs}`; a requested
@@ -81,7 +82,18 @@ class KnownModel:
             return False
         if model_config is None:  # the architecture is all the caller knows
             return True
-        return all(model_config.get(key) == value for key, value in self.match)
+        return all(config_value(model_config, key) == value for key, value in self.match)
+
+
+def config_value(model_config: Mapping, key: str):
+    """config.json's value at `key`; a dotted key reads nested mappings (`quantization_config.format`,
+    `text_config.hidden_size`). None where any part is missing, so `key: null` matches its absence."""
+    value = model_config
+    for part in key.split("."):
+        if not isinstance(value, Mapping):
+            return None
+        value = value.get(part)
+    return value
 
 
 @dataclass(frozen=True)
