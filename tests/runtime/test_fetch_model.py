@@ -257,7 +257,7 @@ def test_hf_token(clean_hub, tmp_path):
     ],
 )
 def test_hf_missing(clean_hub, source, message, tmp_path):
-    res = fetch(source, tmp_path / "m", {"HF_ENDPOINT": clean_hub.endpoint})
+    res = fetch(source, tmp_path / "m", {}, "--endpoint", clean_hub.endpoint)
     assert res.returncode == 2 and last_line(res).startswith(message), res.stderr
     assert not (tmp_path / "m").exists()
 
@@ -342,6 +342,13 @@ def test_full_volume(clean_hub, small_volume):
     with pytest.raises(FetchError, match=r"not enough space on .*ENOSPC writing model.safetensors") as err:
         fetch_model("hf://org/tiny", small_volume / "tiny", env=env, free=lambda path: 1 << 40)
     assert err.value.exit_code == 2 and not (small_volume / "tiny").exists()
+
+
+@pytest.mark.parametrize("tries", ["0", "three"])
+def test_bad_retries_setting(tries, tmp_path):
+    with pytest.raises(FetchError, match=f"SPYRE_FETCH_RETRIES='{tries}' must be a positive number") as err:
+        fetch_model("hf://org/tiny", tmp_path / "m", env={"SPYRE_FETCH_RETRIES": tries})
+    assert err.value.exit_code == 2 and not (tmp_path / "m").exists()
 
 
 def test_progress_cadence():
