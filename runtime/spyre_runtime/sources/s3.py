@@ -1,9 +1,9 @@
 """`s3://BUCKET/PREFIX` through boto3: list the objects under the prefix, stream each with Range.
 
-Credentials come from boto3's usual chain (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN,
-...); none at all means unsigned requests (a public bucket). A custom endpoint (MinIO, Ceph, moto) is
-addressed path-style. Checksums: a single-part object's ETag is its MD5; a multipart one's is the MD5 of
-its parts' MD5s, computed with the part size read from `HEAD ?partNumber=1`."""
+Credentials: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN, else boto3's usual chain
+(a profile, a web identity); none at all means unsigned requests (a public bucket). A custom endpoint
+(MinIO, Ceph, moto) is addressed path-style. Checksums: a single-part object's ETag is its MD5; a multipart
+one's is the MD5 of its parts' MD5s, computed with the part size read from `HEAD ?partNumber=1`."""
 
 from __future__ import annotations
 
@@ -34,7 +34,13 @@ class S3Store:
 
         self.source = source
         self.endpoint = endpoint or env.get("AWS_ENDPOINT_URL") or None
-        session = boto3.Session()
+        keys = {
+            "aws_access_key_id": env.get("AWS_ACCESS_KEY_ID"),
+            "aws_secret_access_key": env.get("AWS_SECRET_ACCESS_KEY"),
+            "aws_session_token": env.get("AWS_SESSION_TOKEN"),
+        }
+        # keys from `env` when it has them (the CLI passes os.environ), else boto3's chain (profiles, IRSA)
+        session = boto3.Session(**keys) if keys["aws_access_key_id"] else boto3.Session()
         signed = session.get_credentials() is not None
         config = Config(
             signature_version=None if signed else UNSIGNED,
