@@ -178,3 +178,65 @@ def test_unsupported_model_stops_serve_at_start_up(tiny_model, tmp_path, change,
     assert named in lines[0]
     if "GPT2" in named:
         assert "Qwen3ForCausalLM" in lines[0] and "GraniteSWAForCausalLM" in lines[0]
+
+
+def test_prefix_hit_on_blocks_the_window_freed(tmp_path):
+    """Prefix caching stays on with a sliding window: a block one sequence's window left behind goes back to
+    the pool still cached, and a later prompt with the same start hits it; its tokens still equal HF's."""
+    model_dir = write_tiny_model(tmp_path / "swa", arch="granite_swa_all", seed=6)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    first = prompts(vocab)[2]
+    second = first[:128] + prompts(vocab)[1][:30]
+    expected = hf_greedy(reference_model(model_dir), [first, second])
+    engine = LLMEngine(engine_config(model_dir, "continuous", "eager"))
+    assert run_engine(engine, [first]) == expected[:1]
+    assert run_engine(engine, [second]) == expected[1:]
+    assert engine.scheduler.num_cached_tokens == 128  # both of the first prompt's full blocks
+
+
+def test_window_release_keeps_shared_blocks_referenced():
+    """Two sequences share a cached prompt block; one's window leaves it: the other still holds it."""
+    from spyre_runtime.engine.block_manager import BlockManager
+
+    blocks = BlockManager(8, window=64)
+    prompt = list(range(3, 3 + 130))
+    blocks.allocate("a", prompt)
+    blocks.commit("a", len(prompt))
+    table_b = blocks.allocate("b", prompt).block_table
+    shared = table_b[0]
+    assert blocks.blocks[shared].ref_count == 2
+    assert blocks.free_outside_window("a", 126) == 0  # position 126 still sees slot 63
+    assert blocks.free_outside_window("a", 127) == 1
+    assert blocks.block_table("a")[0] == 0 and blocks.blocks[shared].ref_count == 1
+    assert blocks.free_outside_window("a", 200) == 1  # the second block; scratch places are skipped
+    blocks.free("a")
+    blocks.free("b")
+    assert blocks.num_free_blocks == blocks.num_pool_blocks
+
+
+def test_static_twins_of_the_paged_ops_honour_window_and_sinks():
+    """sendnn runs the static-shape twins of the paged ops: the same results with a window and sinks."""
+    from spyre_runtime.executor import kv_cache
+
+    gen = torch.Generator().manual_seed(0)
+    caches = [torch.randn(8, BLOCK_SIZE, 2, 16, generator=gen) for _ in range(2)]
+    sinks = torch.randn(4, generator=gen)
+    table = torch.tensor([[1, 2, 3, 0], [4, 5, 6, 7]])
+    seq_lens = torch.tensor([150, 230])
+    query = torch.randn(2, 4, 16, generator=gen)
+    for window in (0, 64):
+        paged = kv_cache.paged_decode(query, *caches, table, seq_lens, 0.25, sinks, window)
+        static = kv_cache.static_paged_decode(query, *caches, table, seq_lens, 0.25, sinks, window)
+        torch.testing.assert_close(paged, static)
+    tokens = torch.randn(20, 4, 16, generator=gen)
+    token_piece = torch.tensor([0] * 10 + [1] * 10)
+    token_pos = torch.cat([torch.arange(140, 150), torch.arange(200, 210)])
+    lens = torch.tensor([150, 210])
+    for window in (0, 64):
+        paged = kv_cache.paged_prefill(
+            tokens, *caches, table, lens, token_piece, token_pos, 0.25, sinks, window
+        )
+        static = kv_cache.static_paged_prefill(
+            tokens, *caches, table, lens, token_piece, token_pos, 0.25, sinks, window
+        )
+        torch.testing.assert_close(paged, static)

@@ -326,7 +326,7 @@ def static_paged_prefill(
     out = torch.zeros_like(query)
     for p in range(piece_tables.shape[0]):
         mine = token_piece == p
-        visible = (causal & mine[:, None]) | first
+        visible = (causal & mine[:, None]) | (first & ~mine[:, None])
         table = piece_tables[p]
         o = _attend_piece(query, key_cache[table], value_cache[table], length, visible, scale, sinks)
         out = torch.where(mine[:, None, None], o, out)
