@@ -4,10 +4,14 @@ serving pods for real. `s3://` from a real S3 server on 127.0.0.1 (moto, credent
 `hf://` from a local hub (the model's endpoint) become Ready from an empty cache; a second replica starts from
 the cache (no loader runs again, no object is read again; a loader run again on a complete folder says
 `cached:` and reads nothing); `oci://` serves as a modelcar (the pod runner backs the image with a folder).
-Bad credentials, a missing object and a truncated transfer each end Stalled with the loader's last words and
-nothing published. Tiny models, eager backend, one card."""
+Bad credentials (S3 and hub), a missing object, a truncated transfer and a full volume (a 64 KiB tmpfs as the
+claim) each end Stalled with the loader's last words, an Event, no pod and nothing published. Tiny models,
+eager backend, one card."""
 
 from __future__ import annotations
+
+import contextlib
+import subprocess
 
 import openai
 import pytest
@@ -121,6 +125,10 @@ def loader_logs(stack: LocalStack, name: str) -> list[str]:
     ]
 
 
+def loader_running(stack: LocalStack, name: str) -> bool:
+    return any(rp.name.startswith(f"{name}-fetch-") for rp in list(stack.runner.pods.values()))
+
+
 def test_s3_model_from_an_empty_cache_then_a_second_replica_reads_nothing(world):
     stack, s3, _ = world
     body = spec("s3://models/tiny", secretRef="s3-creds", endpoint=s3.endpoint)
@@ -197,7 +205,23 @@ FAILURES = [
     ("bad-hub-token", "hf", {"source": "hf://org/tiny", "secretRef": "hub-wrong"}, "check HF_TOKEN"),
     # transient (exit 1): retried by the Job (resuming the partial file), then failed for good
     ("cut-transfer", "hf", {"source": "hf://org/cut", "secretRef": "hub-token"}, "truncated transfer"),
+    # the claim is a 64 KiB tmpfs (mounted where the pod runner keeps it): smaller than the model
+    ("full-volume", "s3", {"source": "s3://models/tiny", "secretRef": "s3-creds"}, "not enough space on"),
 ]
+
+
+@contextlib.contextmanager
+def small_volume(path, size: str = "64k"):
+    """A real full volume: a tmpfs of `size` at `path` (mounting needs root, as `make test` runs here)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+    )
+    assert mounted.returncode == 0, f"a full volume needs a tmpfs mount (root): {mounted.stderr.decode()}"
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 @pytest.mark.parametrize(("name", "kind", "model", "words"), FAILURES, ids=[f[0] for f in FAILURES])
@@ -210,30 +234,30 @@ def test_failed_download_is_stalled_with_the_loaders_words_and_nothing_published
     body = spec(model.pop("source"), endpoint=endpoint, **model)
     if name == "cut-transfer":
         hub.truncate["model.safetensors"] = 1000
-    try:
-        stack.apply_model(NS, manifest(name, body))
-        stalled = stack.wait(
-            lambda: (c := condition(stack, name, "Stalled")).get("status") == "True" and c,
-            150,
-            f"{name} Stalled",
-            lambda: stack.diagnose(NS, name),
-        )
-    finally:
-        hub.truncate.clear()
-    assert stalled["reason"] == "DownloadFailed" and words in stalled["message"], stalled
-    cached = condition(stack, name, "ModelCached")
-    assert cached["status"] == "False" and cached["reason"] == "DownloadFailed"
-    assert condition(stack, name, "Ready")["status"] == "False"
-    assert not cache_dir(stack, name, body).exists()  # nothing half-published
-    if name == "cut-transfer":  # the Job tried again (backoffLimit 1), resuming, before it failed for good
-        assert sum(n.startswith(f"{name}-fetch-") for _, n, _ in stack.runner.admitted) == 2
-    assert (
-        client.CoreV1Api(stack.kube)
-        .list_namespaced_pod(NS, label_selector=f"spyre-serve.io/model={name}")
-        .items
-        == []
-    )
-    events = client.CoreV1Api(stack.kube).list_namespaced_event(
-        NS, field_selector=f"involvedObject.name={name}"
-    )
-    assert any(e.reason == "DownloadFailed" for e in events.items)
+    with contextlib.ExitStack() as scope:
+        if name == "full-volume":
+            scope.enter_context(small_volume(stack.model_claim_dir(NS, f"{name}-graph-cache")))
+        try:
+            stack.apply_model(NS, manifest(name, body))
+            stalled = stack.wait(
+                lambda: (c := condition(stack, name, "Stalled")).get("status") == "True" and c,
+                150,
+                f"{name} Stalled",
+                lambda: stack.diagnose(NS, name),
+            )
+        finally:
+            hub.truncate.clear()
+        assert stalled["reason"] == "DownloadFailed" and words in stalled["message"], stalled
+        cached = condition(stack, name, "ModelCached")
+        assert cached["status"] == "False" and cached["reason"] == "DownloadFailed"
+        assert condition(stack, name, "Ready")["status"] == "False"
+        assert not cache_dir(stack, name, body).exists()  # nothing half-published
+        if name == "cut-transfer":  # the Job tried again (backoffLimit 1), resuming, then failed for good
+            assert sum(n.startswith(f"{name}-fetch-") for _, n, _ in stack.runner.admitted) == 2
+        core = client.CoreV1Api(stack.kube)
+        assert core.list_namespaced_pod(NS, label_selector=f"spyre-serve.io/model={name}").items == []
+        events = core.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items
+        assert any(e.reason == "DownloadFailed" for e in events)
+        # gone with its loader Job (a cluster without pod failure policies would retry it) before the volume
+        stack.kubectl("delete", "spyremodel", name, "-n", NS, "--wait=false")
+        stack.wait(lambda: not loader_running(stack, name), 90, f"{name}'s loader pods gone")
