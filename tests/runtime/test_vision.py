@@ -27,7 +27,7 @@ STATIC = {
     "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2",
 }
 CONTINUOUS = {"SENDNN_INFERENCE_USE_CB": "1"}
-CB_ARGS = ("--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64")
+CB_ARGS = ("--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "64")
 LIMITS = {"SENDNN_INFERENCE_MAX_IMAGE_PIXELS": "4000000"}
 MODES = {
     "static-eager": ({**STATIC, **LIMITS, "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"}, ()),
@@ -145,6 +145,7 @@ def _bad_cases():
     ]
 
 
+@pytest.mark.parametrize("server", ["continuous-eager"], indirect=True)  # one server is enough
 @pytest.mark.parametrize("case", _bad_cases(), ids=lambda c: c[0])
 def test_bad_image_is_a_400_naming_the_part(server, case):
     _, url, expected = case
