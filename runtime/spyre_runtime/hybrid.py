@@ -2,18 +2,21 @@
 sequence's state holds in each (the conv window and the SSM state). No torch, no other module of ours: the
 settings (prefix caching, the memory plan), the executor and the engine all read it.
 
-Supported: `BambaForCausalLM` (FMS's `bamba`: Mamba-2 layers beside attention layers, `attn_layer_indices`).
-`GraniteMoeHybridForCausalLM` with Mamba layers (granite-4 "H") is refused with one line: FMS 1.13.1's
-`granite_moe_hybrid` builds the dense form only (every layer attention), so its Mamba weights would be
-dropped."""
+Hybrid models: `BambaForCausalLM` (FMS's `bamba`: Mamba-2 layers beside attention layers,
+`attn_layer_indices`) and `GraniteMoeHybridForCausalLM` with Mamba layers in `layer_types` (granite-4 "H";
+"mamba" in hub configs, "linear_attention" in transformers 5's), built as FMS `bamba` blocks
+(executor/hybrid_loader.py). A GraniteMoeHybridForCausalLM whose layers are all attention is the dense
+Granite 4, not hybrid."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-HYBRID_ARCHITECTURES = ("BambaForCausalLM",)
+HYBRID_ARCHITECTURES = ("BambaForCausalLM", "GraniteMoeHybridForCausalLM")
+MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
 
 
 class HybridModelError(ValueError):
@@ -22,6 +25,7 @@ class HybridModelError(ValueError):
 
 @dataclass(frozen=True)
 class HybridSpec:
+    family: str  # "bamba" | "granitemoehybrid"
     num_layers: int
     attn_layers: tuple[int, ...]
     heads: int  # Mamba heads
@@ -51,28 +55,30 @@ class HybridSpec:
     @classmethod
     def from_config(cls, config: dict) -> HybridSpec | None:
         """None for a model without Mamba layers; HybridModelError for a hybrid one we cannot serve."""
-        archs = config.get("architectures") or []
-        if "GraniteMoeHybridForCausalLM" in archs and "mamba" in (config.get("layer_types") or []):
-            raise HybridModelError(
-                "GraniteMoeHybridForCausalLM with Mamba layers (granite-4 'H') is not supported: FMS "
-                "1.13.1's granite_moe_hybrid builds the dense form only; hybrid models served: "
-                + ", ".join(HYBRID_ARCHITECTURES)
-            )
-        if not any(a in HYBRID_ARCHITECTURES for a in archs):
+        arch = (config.get("architectures") or [""])[0]
+        kinds = config.get("layer_types") or []
+        if arch == "GraniteMoeHybridForCausalLM" and any(k in MAMBA_LAYER_TYPES for k in kinds):
+            family, attn = "granitemoehybrid", [i for i, k in enumerate(kinds) if k not in MAMBA_LAYER_TYPES]
+        elif arch == "BambaForCausalLM":
+            family, attn = "bamba", config.get("attn_layer_indices") or []
+        else:
             return None
         try:
             hidden = int(config["hidden_size"])
             spec = cls(
+                family=family,
                 num_layers=int(config["num_hidden_layers"]),
-                attn_layers=tuple(int(i) for i in config.get("attn_layer_indices") or ()),
+                attn_layers=tuple(int(i) for i in attn),
                 heads=int(config["mamba_n_heads"]),
-                head_dim=int(config["mamba_d_head"]),
+                head_dim=int(config["mamba_d_head"]) if config.get("mamba_d_head") != "auto" else 0,
                 state_size=int(config["mamba_d_state"]),
                 groups=int(config.get("mamba_n_groups", 1)),
                 conv_kernel=int(config.get("mamba_d_conv", 4)),
                 intermediate=int(float(config.get("mamba_expand", 2)) * hidden),
                 chunk_size=int(config.get("mamba_chunk_size", 256)),
             )
+            if not spec.head_dim:  # "auto"
+                spec = dataclasses.replace(spec, head_dim=spec.intermediate // spec.heads)
         except (KeyError, TypeError, ValueError) as e:
             raise HybridModelError(f"config.json of a hybrid model lacks a Mamba setting ({e})") from None
         if config.get("hidden_act", "silu") not in ("silu", "swish"):

@@ -92,7 +92,7 @@ def write_tiny_model(
     if arch in ("bert-reranker", "roberta-reranker"):
         return write_tiny_cross_encoder(out_dir, family=arch.split("-")[0], seed=seed)
     if arch in tiny_hybrid.ARCHES:
-        return tiny_hybrid.write_tiny_hybrid(out_dir, build_tokenizer(vocab_size), seed=seed)
+        return tiny_hybrid.write_tiny_hybrid(out_dir, build_tokenizer(vocab_size), arch, seed=seed)
     if arch == "llava_next":
         from spyre_runtime.tiny_vision import write_tiny_vision_model
 

@@ -1,13 +1,14 @@
-"""Hybrid (Mamba) models: a tiny random Bamba (Mamba-2 layers beside an attention layer) served by our engine
-gives HF transformers' greedy tokens, with static batching and continuous batching (chunked prefill carrying
-the Mamba state from chunk to chunk, mixed steps, no interleave, preemption under block pressure), on eager
-and inductor (where serving compiles nothing after warm-up); state slots are taken and given back with the
-requests; prefix caching is off and said so; the memory plan counts the state; what is not served fails at
-start-up in one line."""
+"""Hybrid (Mamba) models: tiny random Bamba and Granite 4 "H" (GraniteMoeHybrid; Mamba-2 layers beside an
+attention layer) served by our engine give HF transformers' greedy tokens, with static batching and
+continuous batching (chunked prefill carrying the Mamba state from chunk to chunk, mixed steps, no
+interleave, preemption under block pressure), on eager and inductor (where serving compiles nothing after
+warm-up); state slots are taken and given back with the requests; prefix caching is off and said so; the
+memory plan counts the state; what is not served fails at start-up in one line."""
 
 import json
 import logging
 import random
+import re
 from dataclasses import replace
 
 import pytest
@@ -23,9 +24,17 @@ from spyre_runtime.sampling.params import SamplingParams
 MAX_TOKENS = 12
 
 
+ARCHES = ("bamba", "granitemoehybrid")
+
+
 @pytest.fixture(scope="module")
-def hybrid_model(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("tiny-bamba"), arch="bamba", seed=0)
+def models(tmp_path_factory):
+    return {arch: write_tiny_model(tmp_path_factory.mktemp(arch), arch=arch, seed=0) for arch in ARCHES}
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(models):
+    return models["bamba"]
 
 
 def workload(vocab: int) -> list[tuple[int, list[int], int]]:
@@ -40,19 +49,27 @@ def workload(vocab: int) -> list[tuple[int, list[int], int]]:
 
 
 @pytest.fixture(scope="module")
-def expected(hybrid_model):
-    """HF transformers' greedy tokens for each request of the workload, alone."""
-    from transformers import AutoTokenizer, BambaForCausalLM
+def expected(models):
+    """arch -> HF transformers' greedy tokens for each request of the workload, alone (computed once)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    hf = BambaForCausalLM.from_pretrained(hybrid_model).float().eval()
-    items = workload(len(AutoTokenizer.from_pretrained(hybrid_model)))
-    outputs = []
-    with torch.no_grad():
-        for _, prompt, max_tokens in items:
-            ids = torch.tensor([prompt])
-            out = hf.generate(ids, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False)
-            outputs.append(out[0, len(prompt) :].tolist())
-    return items, outputs
+    done = {}
+
+    def reference(arch: str):
+        if arch not in done:
+            hf = AutoModelForCausalLM.from_pretrained(models[arch]).float().eval()
+            items = workload(len(AutoTokenizer.from_pretrained(models[arch])))
+            outputs = []
+            with torch.no_grad():
+                for _, prompt, n in items:
+                    out = hf.generate(
+                        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False
+                    )
+                    outputs.append(out[0, len(prompt) :].tolist())
+            done[arch] = items, outputs
+        return done[arch]
+
+    return reference
 
 
 def cb_config(model_dir, **kw) -> RuntimeConfig:
@@ -84,6 +101,7 @@ def run_arrivals(engine, items) -> list[list[int]]:
     return [reqs[i].output_token_ids for i in range(len(items))]
 
 
+@pytest.mark.parametrize("arch", ARCHES)
 @pytest.mark.parametrize(
     ("label", "make"),
     [
@@ -93,9 +111,9 @@ def run_arrivals(engine, items) -> list[list[int]]:
         ("continuous, preemption", lambda d: cb_config(d, num_kv_blocks=5)),  # scratch + 4 blocks
     ],
 )
-def test_greedy_tokens_equal_hf_transformers(hybrid_model, expected, label, make):
-    items, want = expected
-    engine = LLMEngine(make(hybrid_model))
+def test_greedy_tokens_equal_hf_transformers(models, expected, arch, label, make):
+    items, want = expected(arch)
+    engine = LLMEngine(make(models[arch]))
     assert engine.executor.mamba is not None
     assert run_arrivals(engine, items) == want, label
     sched = engine.scheduler
@@ -106,13 +124,14 @@ def test_greedy_tokens_equal_hf_transformers(hybrid_model, expected, label, make
         assert sched.num_preemptions > 0
 
 
-@pytest.mark.parametrize("mode", ["continuous", "static"])
-def test_inductor_serves_equal_tokens_and_compiles_nothing_after_warmup(hybrid_model, expected, mode):
+@pytest.mark.parametrize(("arch", "mode"), [("granitemoehybrid", "continuous"), ("bamba", "static")])
+def test_inductor_serves_equal_tokens_and_compiles_nothing_after_warmup(models, expected, arch, mode):
     """Two graphs each: continuous (the mixed step's dynamic chunk, a decode of 2 rows), static (prefill and
     decode of one 64-token shape of 2 rows, so only the workload's prompts up to 64 tokens)."""
     from torch._dynamo.utils import counters
 
-    items, want = expected
+    items, want = expected(arch)
+    hybrid_model = models[arch]
     if mode == "continuous":
         cfg = cb_config(hybrid_model, backend="inductor", max_num_seqs=2)
         cfg = replace(cfg, decode_batch_buckets=(2,), kv_len_buckets=(256,))
@@ -158,14 +177,20 @@ def test_state_slots_table():
         slots.allocate("c")
 
 
-def test_prompt_logprobs_equal_hf(hybrid_model):
+@pytest.mark.parametrize("arch", ARCHES)
+def test_prompt_logprobs_equal_hf(models, arch):
     """The eager pass without a cache (prompt logprobs) runs the Mamba layers statelessly."""
-    from transformers import BambaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    engine = LLMEngine(cb_config(hybrid_model))
+    engine = LLMEngine(cb_config(models[arch]))
     prompt = list(range(3, 60))
     with torch.no_grad():
-        want = BambaForCausalLM.from_pretrained(hybrid_model).float().eval()(torch.tensor([prompt])).logits[0]
+        want = (
+            AutoModelForCausalLM.from_pretrained(models[arch])
+            .float()
+            .eval()(torch.tensor([prompt]))
+            .logits[0]
+        )
     assert torch.allclose(engine.executor.score(prompt), want, atol=1e-3)
 
 
@@ -196,9 +221,18 @@ def test_what_is_not_served_fails_at_start_up(hybrid_model, change, message):
         LLMEngine(cb_config(hybrid_model, **change))
 
 
-def test_granite_4_h_is_refused_in_one_line(hybrid_model, tmp_path):
-    config = json.loads((hybrid_model / "config.json").read_text())
-    config |= {"architectures": ["GraniteMoeHybridForCausalLM"], "layer_types": ["mamba", "attention"]}
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"position_embedding_type": "rope"}, "position_embedding_type='rope' is not supported"),
+        ({"mamba_n_groups": 2, "mamba_n_heads": 4}, "mamba_n_groups=2 is not supported"),
+    ],
+)
+def test_granite_4_h_forms_not_built_are_refused_in_one_line(models, tmp_path, change, message):
+    for path in models["granitemoehybrid"].iterdir():
+        (tmp_path / path.name).symlink_to(path)
+    config = json.loads((models["granitemoehybrid"] / "config.json").read_text()) | change
+    (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConfigError, match=r"GraniteMoeHybridForCausalLM with Mamba layers .* not supported"):
-        load_config(tmp_path, environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        LLMEngine(cb_config(tmp_path))

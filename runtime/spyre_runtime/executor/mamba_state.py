@@ -7,9 +7,10 @@ Every Mamba layer owns two fixed tensors, written in place by `mamba_mix` (mamba
 Slot 0 is scratch. Continuous batching: the scheduler gives each admitted request a slot
 (engine/state_slots.py, `Request.state_slot`) and frees it when the request finishes, is aborted or
 preempted (a preempted request prefills again from its first token, so its state is recomputed). Static
-batching: row r of the running batch is slot r + 1. The model is FMS's `bamba` (Mamba-2 layers beside
-attention layers); its Mamba blocks run `mamba_block_forward`, which reads the slot tensors handed to the
-model as those layers' `past_key_value_states` (the attention layers get their paged KV cache tensors). The
+batching: row r of the running batch is slot r + 1. The model is built of FMS's `bamba` blocks (Mamba-2
+layers beside attention layers; hybrid_loader.py); its Mamba blocks run `mamba_block_forward`, which reads
+the slot tensors handed to the model as those layers' `past_key_value_states` (the attention layers get
+their paged KV cache tensors). The
 layout of a step's tokens over sequences and slots (`static_layout`, `continuous_layout`) is Python beside
 the compiled graph, not an input of it: one graph per shape, as for a dense model.
 """
@@ -23,6 +24,7 @@ import logging
 import torch
 
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
+from spyre_runtime.executor.hybrid_loader import load_hybrid_model
 from spyre_runtime.executor.loader import resolve_dtype
 from spyre_runtime.executor.mamba_mixer import (
     MambaLayout,
@@ -37,32 +39,6 @@ from spyre_runtime.steps import ContinuousStep, StaticStep
 log = logging.getLogger(__name__)
 
 SCRATCH_SLOT = 0
-
-
-def load_hybrid_model(config: RuntimeConfig, spec: HybridSpec, dtype: torch.dtype) -> torch.nn.Module:
-    """FMS's `bamba` from an HF folder. FMS 1.13.1's HF config mapping drops `attn_layer_indices` (every
-    layer would be a Mamba layer and the attention weights unused) and the MLP's exact width and rope
-    theta: they are passed here."""
-    import json
-
-    from fms.models import get_model
-
-    from spyre_runtime.executor.graph_cache import loading
-
-    hf = json.loads((config.model_dir / "config.json").read_text())
-    rope = hf.get("rope_parameters") or {}
-    with loading(config):
-        model = get_model(
-            "hf_pretrained",
-            model_path=str(config.model_dir),
-            device_type="cpu",
-            data_type=dtype,
-            attn_layer_indices=list(spec.attn_layers),
-            multiple_of=1,
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        )
-    model.eval()
-    return model
 
 
 def check_supported(config: RuntimeConfig) -> None:
