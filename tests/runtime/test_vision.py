@@ -142,6 +142,7 @@ def _bad_cases():
         ("wrong type", "data:text/plain;base64," + payload, "is not one of image/png"),
         ("mislabelled", "data:image/jpeg;base64," + payload, "declared image/jpeg but holds a PNG"),
         ("too many pixels", data_url(Image.new("RGB", (2100, 2100))), "more than 4000000"),
+        ("no url", None, "needs a url"),
     ]
 
 
@@ -150,7 +151,8 @@ def _bad_cases():
 def test_bad_image_is_a_400_naming_the_part(server, case):
     _, url, expected = case
     client = server.client()
-    parts = [{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": {"url": url}}]
+    image_url = {"url": url} if url is not None else {}
+    parts = [{"type": "text", "text": "look:"}, {"type": "image_url", "image_url": image_url}]
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=2
@@ -160,6 +162,18 @@ def test_bad_image_is_a_400_naming_the_part(server, case):
     assert expected in body["message"]
     # the engine stays up: a good request right after is answered
     assert chat_tokens(client, CHATS[0][0], [data_url(i) for i in CHATS[0][1]])
+
+
+@pytest.mark.parametrize("server", ["continuous-eager"], indirect=True)
+def test_more_images_than_allowed_is_a_400(server):
+    url = data_url(image(7, 16, 16))
+    parts = [{"type": "image_url", "image_url": {"url": url}}] * 5 + [{"type": "text", "text": "hi"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        server.client().chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": parts}], max_tokens=2
+        )
+    assert err.value.body["param"] == "messages.0.content.4.image_url"
+    assert "at most 4 images per request" in err.value.body["message"]
 
 
 def test_text_only_model_refuses_image_parts():

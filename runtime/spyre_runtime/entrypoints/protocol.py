@@ -115,7 +115,7 @@ class CompletionRequest(SamplingFields):
 
 
 class ImageURL(StrictModel):
-    url: str  # a data: URL (entrypoints/images.py)
+    url: str | None = None  # a data: URL (entrypoints/images.py); checked there, so a 400 names the part
     detail: Literal["auto", "low", "high"] | None = None
 
 

@@ -87,7 +87,11 @@ class Validator:
             msg = m.model_dump(exclude_none=True)
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
-                    is_image = images and part.type == "image_url" and part.image_url is not None
+                    is_image = images and part.type == "image_url"
+                    if is_image and (part.image_url is None or part.image_url.url is None):
+                        raise bad_request(
+                            f"messages.{i}.content.{j}.image_url", "needs a url: data:image/png;base64,..."
+                        )
                     if not is_image and (part.type != "text" or part.text is None):
                         kinds = "text and image_url" if images else "text: images need an image-text model"
                         raise bad_request(
