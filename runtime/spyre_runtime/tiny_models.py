@@ -1,7 +1,8 @@
-"""Seeded random tiny decoders of the newer families (issue 27): Qwen3 (q/k norms), Granite 4 dense (published
-as GraniteMoeHybridForCausalLM with every layer attention and no experts), the sliding-window Granite
-(GraniteSWAForCausalLM: sliding and full attention layers, attention sinks) and an FP8 checkpoint of a tiny
-model in fms-model-optimizer's format (llm-compressor's compressed-tensors, `format: float-quantized`)."""
+"""Seeded random tiny decoders of the newer families (issue 27): Qwen3 (q/k norms), Mistral, Granite 4
+dense (published as GraniteMoeHybridForCausalLM with every layer attention and no experts), the sliding-window
+Granite (GraniteSWAForCausalLM: sliding and full attention layers, attention sinks) and an FP8 checkpoint of a
+tiny model in fms-model-optimizer's format (llm-compressor's compressed-tensors, `format:
+float-quantized`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def family_model(arch: str, common: dict, num_layers: int):
         GraniteMoeHybridForCausalLM,
         GraniteSWAConfig,
         GraniteSWAForCausalLM,
+        MistralConfig,
+        MistralForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
     )
@@ -30,9 +33,12 @@ def family_model(arch: str, common: dict, num_layers: int):
         "attention_multiplier": 0.125,
     }
     head_dim = common["hidden_size"] // common["num_attention_heads"]
-    if arch == "qwen3":  # FMS rounds Qwen3's MLP width up to a multiple of 256
+    if arch == "qwen3":  # FMS rounds Qwen3's (and Mistral's) MLP width up to a multiple of 256
         qwen = common | {"intermediate_size": 256}
         return Qwen3Config(**qwen, head_dim=head_dim), Qwen3ForCausalLM
+    if arch == "mistral":  # no sliding window: FMS's mistral attends to every token; MLP as Qwen3's
+        config = MistralConfig(**common | {"intermediate_size": 256}, head_dim=head_dim, sliding_window=None)
+        return config, MistralForCausalLM
     if arch == "granite4":
         config = GraniteMoeHybridConfig(
             **common,
@@ -54,7 +60,7 @@ def family_model(arch: str, common: dict, num_layers: int):
     raise ValueError(f"--arch {arch!r} is not a family of tiny_models")
 
 
-FAMILIES = ("qwen3", "granite4", "granite_swa", "granite_swa_all")
+FAMILIES = ("qwen3", "granite4", "granite_swa", "granite_swa_all", "mistral")
 
 
 def randomize_sinks(model, seed: int) -> None:

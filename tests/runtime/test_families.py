@@ -1,8 +1,8 @@
 """The newer decoder families (issue 27) on tiny seeded models: greedy tokens of static and continuous
-batching, on eager and inductor, equal HF transformers' on the same weights (Qwen3, Granite 4 dense, the
-sliding-window Granite with prompts longer than its window, an FP8 checkpoint against its dequantized
-weights); a sliding window frees the KV blocks every later token cannot see; an architecture we do not serve
-stops `spyre-runtime serve` at start-up with one line."""
+batching, on eager and inductor, equal HF transformers' on the same weights (Qwen3, Mistral, Granite 4
+dense, the sliding-window Granite with prompts longer than its window, an FP8 checkpoint against its
+dequantized weights); a sliding window frees the KV blocks every later token cannot see; an architecture
+we do not serve stops `spyre-runtime serve` at start-up with one line."""
 
 import json
 import os
@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 MAX_TOKENS = 12
 # (arch, seed): granite_swa has a full-attention first layer and sliding ones after; -fp8 is a granite
-FAMILIES = [("qwen3", 2), ("granite4", 3), ("granite_swa", 4), ("granite-fp8", 5)]
+FAMILIES = [("qwen3", 2), ("granite4", 3), ("granite_swa", 4), ("granite-fp8", 5), ("mistral", 7)]
 MODES = [("static", "eager"), ("continuous", "eager"), ("static", "inductor"), ("continuous", "inductor")]
 
 

@@ -153,7 +153,7 @@ def _fake_attention(query, *_):
 
 @opaque_op(
     "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
-    "float scale, Tensor? sinks, int window) -> Tensor",
+    "float scale, Tensor? sinks=None, int window=0) -> Tensor",
     _fake_attention,
 )
 def paged_decode(
@@ -236,7 +236,7 @@ def static_paged_decode(query, key_cache, value_cache, block_table, seq_lens, sc
 
 @opaque_op(
     "paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor piece_tables, "
-    "Tensor piece_lens, Tensor token_piece, Tensor token_pos, float scale, Tensor? sinks, int window) "
+    "Tensor piece_lens, Tensor token_piece, Tensor token_pos, float scale, Tensor? sinks=None, int window=0) "
     "-> Tensor",
     _fake_attention,
 )
