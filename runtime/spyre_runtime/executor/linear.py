@@ -77,7 +77,10 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if _live is None or _live >= m:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = x.reshape(m, x.shape[-1])
-    out = flat.new_zeros(m, weight.shape[0])
+    # only the dead rows are zeroed: a mixed step's output is hundreds of rows, zeroing all of it at each
+    # of a step's ~200 GEMMs cost more than the dead rows it spares
+    out = flat.new_empty(m, weight.shape[0])
+    out[_live:].zero_()
     out[:_live] = torch.ops.mkldnn._linear_pointwise(flat[:_live], packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
 
