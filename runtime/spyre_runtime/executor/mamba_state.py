@@ -38,8 +38,6 @@ from spyre_runtime.steps import ContinuousStep, StaticStep
 
 log = logging.getLogger(__name__)
 
-SCRATCH_SLOT = 0
-
 
 def check_supported(config: RuntimeConfig) -> None:
     """What hybrid models are not served with, as one line at start-up."""
