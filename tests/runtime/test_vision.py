@@ -131,6 +131,23 @@ def test_greedy_tokens_equal_hf_generate(server, references):
     assert references[0] != references[1]  # the image, not only the text, decides the answer
 
 
+def test_streamed_answer_is_the_whole_answer(server):
+    text, images = CHATS[2]
+    parts = [{"type": "image_url", "image_url": {"url": data_url(i)}} for i in images]
+    kwargs = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
+    client = server.client(timeout=120)
+    whole = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = client.chat.completions.create(**kwargs, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == whole and whole
+
+
 def _bad_cases():
     png = data_url(image(5, 20, 20))
     payload = png.split(",", 1)[1]
