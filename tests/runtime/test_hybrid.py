@@ -236,3 +236,36 @@ def test_granite_4_h_forms_not_built_are_refused_in_one_line(models, tmp_path, c
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=re.escape(message)):
         LLMEngine(cb_config(tmp_path))
+
+
+def test_server_serves_concurrent_requests_as_hf_does(models, expected, tmp_path):
+    """`spyre-runtime serve` on the granite-4 "H" tiny model (continuous, eager) through the openai client:
+    four requests at once (one longer than a chunk) answer HF's greedy text; start-up says prefix caching
+    is off."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from tests.runtime.serverproc import ServerProcess
+
+    items, want = expected("granitemoehybrid")
+    chosen = [0, 1, 3, 7]  # 150, 60, 90 and 23 prompt tokens
+    env = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_USE_CB": "1"}
+    args = ("--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "64")
+    srv = ServerProcess(models["granitemoehybrid"], env, tmp_path / "server.log", extra_args=args)
+    with srv.serving():
+        client = srv.client()
+
+        def complete(i):
+            _, prompt, n = items[i]
+            extra = {"ignore_eos": True}
+            out = client.completions.create(
+                model="tiny", prompt=prompt, max_tokens=n, temperature=0, extra_body=extra
+            )
+            return out.choices[0].text
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(complete, chosen))
+    tokenizer = AutoTokenizer.from_pretrained(models["granitemoehybrid"])
+    assert texts == [tokenizer.decode(want[i]) for i in chosen]
+    assert "hybrid (Mamba) model: prefix caching is off" in srv.log_path.read_text()
