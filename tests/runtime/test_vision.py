@@ -2,7 +2,8 @@
 image_url parts through the real server and the official openai client give the greedy tokens of HF
 transformers' LlavaNextForConditionalGeneration.generate on the same weights and images, with static and
 continuous batching (chunked prefill, prefix caching on), eager and inductor; bad images are 400s naming
-the part, and the engine stays up; a text-only model refuses image parts."""
+the part, and the engine stays up; a text-only model refuses image parts. In the engine alone: mixed steps
+(pieces of several prompts beside decode rows) place each piece's features."""
 
 import asyncio
 import base64
@@ -12,11 +13,15 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
+from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.entrypoints.errors import APIError
+from spyre_runtime.entrypoints.images import ImageLimits, ImagePrompter
 from spyre_runtime.entrypoints.prompts import chat_prompt
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest
 from spyre_runtime.entrypoints.validator import Validator
 from spyre_runtime.models import build_tokenizer, write_tiny_model
+from spyre_runtime.sampling.params import SamplingParams
 
 from tests.runtime.serverproc import ServerProcess
 
@@ -80,6 +85,40 @@ def references(vision_model):
         ids = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
         out.append(ids[0, enc["input_ids"].shape[1] :].tolist())
     return out
+
+
+def test_mixed_steps_give_each_piece_its_features(vision_model, references):
+    """In the engine (no server): prompts arrive while others decode, so mixed steps carry pieces of
+    several prompts beside decode rows, each piece taking the features of its own positions."""
+    prompter = ImagePrompter(vision_model, ImageLimits())
+    config = RuntimeConfig(
+        model_dir=vision_model,
+        served_model_name="t",
+        backend="eager",
+        use_cb=True,
+        max_model_len=256,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+    )
+    engine = LLMEngine(config)
+    steps = []
+    engine.on_step = lambda step, _: steps.append(step)
+    reqs = []
+    for k, (text, images) in enumerate(CHATS):
+        parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+        prompt = prompter.processor.apply_chat_template(
+            [{"role": "user", "content": parts}], add_generation_prompt=True
+        )
+        ids, image_input = prompter.process(prompt, images, add_special_tokens=False)
+        assert int((image_input.index >= 0).sum()) == ids.count(prompter.processor.image_token_id)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+        reqs.append(engine.add_request(ids, params, images=image_input))
+        for _ in range(2 * k + 1):  # the next prompt arrives while these decode
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    assert any(step.mixed for step in steps)
+    assert [r.output_token_ids for r in reqs] == references
 
 
 @pytest.fixture(scope="module", params=list(MODES))
