@@ -374,7 +374,8 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     if config.use_cb and config.memory_utilization and not config.num_kv_blocks:
         per_block = PROMPT_LEN_MULTIPLE * 2 * dims.layers * dims.kv_heads * dims.head_dim
         per_block = per_block * DTYPE_BYTES.get(dtype, 4) // max(1, config.tensor_parallel_size)
-        blocks = kv_blocks_for(plan, config.memory_utilization, per_block, config.min_kv_blocks)
+        placed = dataclasses.replace(plan, activations=plan.activations + state)  # the Mamba state, first
+        blocks = kv_blocks_for(placed, config.memory_utilization, per_block, config.min_kv_blocks)
         logging.getLogger(__name__).info(
             "--memory-utilization=%.2f: %d KV cache blocks of %d tokens (%.2f GiB)",
             config.memory_utilization,
