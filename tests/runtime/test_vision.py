@@ -8,12 +8,15 @@ the part, and the engine stays up; a text-only model refuses image parts. In the
 import asyncio
 import base64
 import io
+import os
+import subprocess
+import sys
 
 import numpy as np
 import openai
 import pytest
 from PIL import Image
-from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.config import ConfigError, RuntimeConfig
 from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.entrypoints.errors import APIError
 from spyre_runtime.entrypoints.images import ImageLimits, ImagePrompter
@@ -247,3 +250,45 @@ def test_text_only_model_refuses_image_parts():
     assert err.value.status == 400
     assert err.value.param == "messages.0.content.0"
     assert "images need an image-text model" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, ImageLimits()),
+        ({"SENDNN_INFERENCE_MAX_IMAGE_BYTES": "1000"}, ImageLimits(max_bytes=1000)),
+        (
+            {"SENDNN_INFERENCE_MAX_IMAGES_PER_PROMPT": "1", "SENDNN_INFERENCE_MAX_IMAGE_PIXELS": ""},
+            ImageLimits(max_images=1),
+        ),
+        (
+            {"SENDNN_INFERENCE_MAX_IMAGE_PIXELS": "lots"},
+            "SENDNN_INFERENCE_MAX_IMAGE_PIXELS='lots' is not an integer",
+        ),
+        (
+            {"SENDNN_INFERENCE_MAX_IMAGES_PER_PROMPT": "0"},
+            "SENDNN_INFERENCE_MAX_IMAGES_PER_PROMPT='0' must be at least 1",
+        ),
+    ],
+)
+def test_image_limits_from_the_environment(env, expected):
+    if isinstance(expected, str):
+        with pytest.raises(ConfigError, match=expected):
+            ImageLimits.from_env(env)
+    else:
+        assert ImageLimits.from_env(env) == expected
+
+
+def test_a_bad_image_limit_stops_serve_in_one_line(vision_model):
+    env = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_MAX_IMAGE_BYTES": "-5"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "spyre_runtime.cli", "serve", str(vision_model), "--port", "1"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "spyre-runtime: error: SENDNN_INFERENCE_MAX_IMAGE_BYTES='-5' must be at least 1"
+    )
