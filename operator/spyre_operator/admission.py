@@ -13,6 +13,7 @@ from spyre_operator import manifests
 from spyre_operator.gateway import check_inference_pool
 from spyre_operator.kube import Kube, api_message, is_quota
 from spyre_operator.model_spec import ModelSpec
+from spyre_operator.model_volumes import dropped_image_volumes
 from spyre_operator.placement import DRAUnavailable, check_placement
 from spyre_operator.runtime_contract import check_fit
 from spyre_operator.settings import HASH_LABEL, OperatorSettings
@@ -42,7 +43,8 @@ class Admission:
     def __init__(self, settings: OperatorSettings, kube: Kube) -> None:
         self.settings = settings
         self.kube = kube
-        self._validated: dict[Key, tuple] = {}  # key -> ((uid, generation, template hash), refusal or "")
+        # key -> ((uid, generation, template hash), refusal or "", the field it names)
+        self._validated: dict[Key, tuple] = {}
         self._serves_dra: tuple[float, bool] | None = None  # (when asked, the answer)
 
     def admit(self, key: Key, model: dict) -> ModelSpec:
@@ -73,7 +75,7 @@ class Admission:
         seen = self._validated.get(key)
         if seen is not None and seen[0] == stamp:
             if seen[1]:
-                raise InvalidSpec("", seen[1])
+                raise InvalidSpec(seen[2], seen[1])
             return
         # the Service and the claim are built from fields checked above; their creation reports the rest
         attempts = [("Pod", pod)]
@@ -82,11 +84,20 @@ class Admission:
             attempts.append(("Job", manifests.build_compile_job(model, spec, self.settings, key_of_cache)))
         for kind, body in attempts:
             try:
-                self.kube.create(body, dry_run=True)
+                stored = self.kube.create(body, dry_run=True)
             except ApiException as e:
                 if e.status in (408, 409, 429) or is_quota(e) or (e.status or 500) >= 500:
                     continue  # exists already, quota (a rollout matter), or the server's trouble
                 refusal = f"the API server refuses the {kind}: {api_message(e)}"
-                self._validated[key] = (stamp, refusal)
+                self._validated[key] = (stamp, refusal, "")
                 raise InvalidSpec("", refusal) from None
-        self._validated[key] = (stamp, "")
+            if dropped := dropped_image_volumes(body, stored):
+                # an API server without image volumes keeps the pod, the volume an empty emptyDir
+                refusal = (
+                    f"{spec.source}: this cluster does not serve image volumes (its API server turned volume "
+                    f"{dropped[0]!r} into an empty emptyDir; Kubernetes 1.31+ with the ImageVolume feature, "
+                    "subPath 1.33+): set the operator's SPYRE_OPERATOR_OCI_MODE=modelcar"
+                )
+                self._validated[key] = (stamp, refusal, "model.source")
+                raise InvalidSpec("model.source", refusal)
+        self._validated[key] = (stamp, "", "")

@@ -95,3 +95,17 @@ def modelcar_init(reference: str) -> dict:
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": dict(CONTAINER_SECURITY),
     }
+
+
+def dropped_image_volumes(sent: dict, stored: dict) -> list[str]:
+    """The image volumes of a pod (or a Job's pod template) that the API server did not keep: one that does
+    not serve them (before 1.31, or the ImageVolume feature gate off) drops the field and defaults the volume
+    to an empty emptyDir, so the pod would start without its model."""
+
+    def volumes(obj: dict) -> dict[str, dict]:
+        pod_spec = obj.get("spec") or {}
+        pod_spec = (pod_spec.get("template") or {}).get("spec") or pod_spec
+        return {v.get("name"): v for v in pod_spec.get("volumes") or []}
+
+    kept = volumes(stored or {})
+    return [name for name, v in volumes(sent).items() if "image" in v and "image" not in kept.get(name, {})]

@@ -84,7 +84,9 @@ class LocalStack:
         self.install_operator(operator_values or {})
         return self
 
-    def install_operator(self, values: dict) -> None:
+    def install_operator(self, values: dict, upgrade: bool = False) -> None:
+        """`helm install` (or `helm upgrade`) of the chart; waits until every operator replica runs the
+        release's template and is ready."""
         import helm_python as helm
 
         chart = self.workdir / "chart/spyre-operator"
@@ -92,28 +94,30 @@ class LocalStack:
         # the CRD is already applied: 1.20 cannot server-side-apply its CEL rules (see the chart's NOTES)
         shutil.copytree(REPO / "charts/spyre-operator", chart, ignore=shutil.ignore_patterns("crds"))
         with helm.Config(kubeconfig_path=str(self.cp.kubeconfig), namespace="spyre-system") as cfg:
-            cfg.install(
-                str(chart),
-                "spyre",
-                {"resyncSeconds": 5, **values},
-                namespace="spyre-system",
-                create_namespace=True,
-                timeout=120,
-            )
-        apps = client.AppsV1Api(self.kube)
-        self.wait(
-            lambda: (
-                (
-                    apps.read_namespaced_deployment(
-                        "spyre-spyre-operator", "spyre-system"
-                    ).status.ready_replicas
-                    or 0
+            values = {"resyncSeconds": 5, **values}
+            if upgrade:
+                cfg.upgrade(str(chart), "spyre", values, namespace="spyre-system", timeout=120)
+            else:
+                cfg.install(
+                    str(chart), "spyre", values, namespace="spyre-system", create_namespace=True, timeout=120
                 )
-                >= 1
-            ),
-            120,
-            "the operator Deployment to be ready",
-        )
+        apps = client.AppsV1Api(self.kube)
+        core = client.CoreV1Api(self.kube)
+
+        def rolled_out() -> bool:
+            d = apps.read_namespaced_deployment("spyre-spyre-operator", "spyre-system")
+            st, want = d.status, d.spec.replicas or 0
+            pods = core.list_namespaced_pod(
+                "spyre-system", label_selector="app.kubernetes.io/name=spyre-operator"
+            ).items
+            return (
+                st.observed_generation == d.metadata.generation
+                and (st.updated_replicas or 0) == want
+                and (st.ready_replicas or 0) >= 1
+                and (not upgrade or ((st.ready_replicas or 0) == want and len(pods) == want))
+            )
+
+        self.wait(rolled_out, 180, "the operator Deployment to be rolled out and ready")
 
     def stop(self) -> None:
         if self.runner is not None:

@@ -77,6 +77,7 @@ def world(tmp_path_factory):
         }
         for name, data in secrets.items():
             core.create_namespaced_secret(NS, {"metadata": {"name": name}, "stringData": data})
+        stack.tiny_bytes = sum(f.stat().st_size for f in tiny.rglob("*") if f.is_file())
         yield stack, s3, hub
     finally:
         hub.stop()
@@ -125,24 +126,47 @@ def loader_logs(stack: LocalStack, name: str) -> list[str]:
     ]
 
 
+def explain(stack: LocalStack, name: str) -> str:
+    """The model's conditions and pods' last words, and the operator's own last log lines."""
+    operator = [rp for rp in stack.runner.pods.values() if rp.namespace == "spyre-system" and rp.log]
+    tails = [rp.log.read_text(errors="replace").splitlines()[-20:] for rp in operator if rp.log.exists()]
+    return stack.diagnose(NS, name) + "\n" + "\n".join(line for tail in tails for line in tail)
+
+
 def loader_running(stack: LocalStack, name: str) -> bool:
     return any(rp.name.startswith(f"{name}-fetch-") for rp in list(stack.runner.pods.values()))
 
 
 def test_s3_model_from_an_empty_cache_then_a_second_replica_reads_nothing(world):
     stack, s3, _ = world
-    body = spec("s3://models/tiny", secretRef="s3-creds", endpoint=s3.endpoint)
+    body = spec("s3://models/tiny", secretRef="s3-late", endpoint=s3.endpoint)
     assert not cache_dir(stack, "from-s3", body).exists()
     stack.apply_model(NS, manifest("from-s3", body))
-    downloading = stack.wait(
-        lambda: (c := condition(stack, "from-s3", "ModelCached")).get("reason") == "Downloading" and c,
+    # its Secret does not exist yet: the loader pod waits (CreateContainerConfigError), the model says so
+    waiting = stack.wait(
+        lambda: (
+            (c := condition(stack, "from-s3", "ModelCached")).get("reason") == "Downloading"
+            and "CreateContainerConfigError" in c["message"]
+            and c
+        ),
         60,
-        "ModelCached Downloading",
+        "ModelCached Downloading, its loader pod waiting for the Secret",
+        lambda: explain(stack, "from-s3"),
     )
-    assert downloading["status"] == "False"
+    assert waiting["status"] == "False" and condition(stack, "from-s3", "Reconciling")["status"] == "True"
+    assert condition(stack, "from-s3", "Progressing")["reason"] == "WaitingForModel"
+    assert (
+        client.CoreV1Api(stack.kube)
+        .list_namespaced_pod(NS, label_selector="spyre-serve.io/model=from-s3")
+        .items
+        == []
+    )
+    secret = {"metadata": {"name": "s3-late"}, "stringData": s3.credentials}
+    client.CoreV1Api(stack.kube).create_namespaced_secret(NS, secret)
     ready(stack, "from-s3", 1)
     cached = condition(stack, "from-s3", "ModelCached")
-    assert cached["status"] == "True" and cached["reason"] == "Cached" and "bytes" in cached["message"]
+    assert cached["status"] == "True" and cached["reason"] == "Cached"
+    assert f"{stack.tiny_bytes} bytes" in cached["message"]  # the loader's progress annotation, read back
     assert (cache_dir(stack, "from-s3", body) / "config.json").exists()
     first = ask(stack, "from-s3")
     gets = len(s3.object_gets("models"))
@@ -261,3 +285,27 @@ def test_failed_download_is_stalled_with_the_loaders_words_and_nothing_published
         # gone with its loader Job (a cluster without pod failure policies would retry it) before the volume
         stack.kubectl("delete", "spyremodel", name, "-n", NS, "--wait=false")
         stack.wait(lambda: not loader_running(stack, name), 90, f"{name}'s loader pods gone")
+
+
+def test_image_volume_mode_on_a_cluster_without_image_volumes_says_so(world):
+    """Last in the module (it upgrades the operator): SPYRE_OPERATOR_OCI_MODE=image-volume on 1.20, whose API
+    server keeps the pod but drops its `image` volume source (the volume becomes an empty emptyDir): the
+    operator sees it in its dry run, and the model is InvalidSpec naming the setting, with no pod."""
+    stack, _, _ = world
+    stack.install_operator({"models": {"loaderRetries": 1, "ociMode": "image-volume"}}, upgrade=True)
+    stack.apply_model(NS, manifest("as-volume", spec(f"oci://{IMAGE}")))
+    stalled = stack.wait(
+        lambda: (c := condition(stack, "as-volume", "Stalled")).get("status") == "True" and c,
+        90,
+        "as-volume Stalled",
+        lambda: explain(stack, "as-volume"),
+    )
+    assert stalled["reason"] == "InvalidSpec", stalled
+    assert stalled["message"].startswith(
+        f"spec.model.source: oci://{IMAGE}: this cluster does not serve image"
+    )
+    assert "SPYRE_OPERATOR_OCI_MODE=modelcar" in stalled["message"]
+    pods = client.CoreV1Api(stack.kube).list_namespaced_pod(
+        NS, label_selector="spyre-serve.io/model=as-volume"
+    )
+    assert pods.items == []

@@ -423,3 +423,24 @@ def test_chart_values_reach_the_operator_and_the_default_runtime_image_is_the_on
     image = f"quay.io/spyre-serve/runtime:{chart['appVersion']}"
     assert values["runtimeImage"] == OperatorSettings().runtime_image == image
     assert f"podman build -f Containerfile.runtime -t {image} ." in (REPO / "README.md").read_text()
+
+
+def test_an_image_volume_the_api_server_did_not_keep_is_found():
+    from spyre_operator.model_volumes import dropped_image_volumes
+
+    spec = spec_of("oci://quay.io/org/tiny:1")
+    pod = pod_template("tiny", spec, OperatorSettings(oci_mode="image-volume"))
+    sent = {"spec": pod}
+    # what a 1.20 API server answers: the image source dropped, the volume defaulted to an emptyDir
+    stored = {
+        "spec": {**pod, "volumes": [{**v, "image": None} if "image" in v else v for v in pod["volumes"]]}
+    }
+    for v in stored["spec"]["volumes"]:
+        if v.pop("image", False) is None:
+            v["emptyDir"] = {}
+    assert dropped_image_volumes(sent, stored) == ["model"]
+    assert dropped_image_volumes(sent, sent) == []
+    job = build_compile_job(MODEL, spec, OperatorSettings(oci_mode="image-volume"), "k")
+    assert dropped_image_volumes(job, {"spec": {"template": {"spec": {"volumes": []}}}}) == ["model"]
+    modelcar = pod_template("tiny", spec, OperatorSettings())
+    assert dropped_image_volumes({"spec": modelcar}, {"spec": {"volumes": []}}) == []
