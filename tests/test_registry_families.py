@@ -3,6 +3,8 @@ sendnn-inference's published limits are known and nothing past them, an FP8 chec
 narrower list, the memory plan reads each family's dimensions and refuses what cannot fit on the cards;
 which decoder configurations the runtime refuses at start-up."""
 
+import re
+
 import pytest
 from spyre_contract import ContractError
 from spyre_contract.architectures import check_decoder_config, kv_window
@@ -161,6 +163,12 @@ def test_memory_plan_refuses_granite_41_30b_on_one_card(tp, fits):
         ({"architectures": ["GraniteSWAForCausalLM"], "sliding_window": 128}, 32768, None),
         ({"architectures": ["GraniteForCausalLM"], "quantization_config": FP8 | FP8_WEIGHTS}, 4096, None),
         ({"architectures": []}, 4096, "names no architecture"),
+        ({"architectures": ["GraniteMoeHybridForCausalLM"], "layer_types": ["attention"] * 4}, 4096, None),
+        (
+            {"architectures": ["GraniteMoeHybridForCausalLM"], "layer_types": ["mamba", "attention"]},
+            4096,
+            "layer_types ['attention', 'mamba'] is not supported",
+        ),
         (
             {"architectures": ["Phi3ForCausalLM"]},
             4096,
@@ -188,7 +196,7 @@ def test_decoder_configs_refused_at_start_up(config, max_model_len, error):
     if error is None:
         assert check_decoder_config(config, max_model_len) == config["architectures"][0]
     else:
-        with pytest.raises(ContractError, match=error.replace("(", r"\(")):
+        with pytest.raises(ContractError, match=re.escape(error)):
             check_decoder_config(config, max_model_len)
 
 

@@ -46,6 +46,12 @@ def check_decoder_config(model_config: Mapping, max_model_len: int) -> str:
             f"architecture {arch} with num_local_experts={model_config['num_local_experts']} is not "
             "supported: FMS 1.13.1's granite_moe_hybrid builds the dense form (no experts) only"
         )
+    kinds = set(model_config.get("layer_types") or ())
+    if arch == "GraniteMoeHybridForCausalLM" and kinds - {"attention"}:
+        raise ContractError(
+            f"architecture {arch} with layer_types {sorted(kinds)} is not supported: FMS 1.13.1's "
+            "granite_moe_hybrid builds the dense form (every layer attention) only"
+        )
     window = model_config.get("sliding_window")
     if arch == "MistralForCausalLM" and window and int(window) < max_model_len:
         raise ContractError(
