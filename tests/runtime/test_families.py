@@ -240,3 +240,39 @@ def test_static_twins_of_the_paged_ops_honour_window_and_sinks():
             tokens, *caches, table, lens, token_piece, token_pos, 0.25, sinks, window
         )
         torch.testing.assert_close(paged, static)
+
+
+SERVER_ENV = {
+    "static": {
+        "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "192",
+        "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "16",
+        "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2",
+    },
+    "continuous": {"SENDNN_INFERENCE_USE_CB": "1"},
+}
+
+
+@pytest.mark.parametrize(
+    ("arch", "seed", "mode"), [("granite_swa", 4, "continuous"), ("granite-fp8", 5, "static")]
+)
+def test_served_over_http_with_the_openai_client(family, tmp_path, arch, seed, mode):
+    """`spyre-runtime serve` of the family answers the official openai client's completions with HF's
+    greedy tokens (token-id prompts, tokens returned as ids)."""
+    from tests.runtime.serverproc import ServerProcess
+
+    model_dir, ids, expected = family(arch, seed)
+    env = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", **SERVER_ENV[mode]}
+    srv = ServerProcess(model_dir, env, tmp_path / "server.log", extra_args=("--max-model-len", "256"))
+    with srv.serving():
+        client = srv.client()
+        for prompt, tokens in zip(ids, expected, strict=True):
+            res = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=MAX_TOKENS,
+                temperature=0,
+                logprobs=1,
+                extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+            )
+            got = [int(t.removeprefix("token_id:")) for t in res.choices[0].logprobs.tokens]
+            assert got == tokens, srv.log()
