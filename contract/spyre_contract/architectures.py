@@ -18,7 +18,9 @@ from spyre_contract.environment import ContractError
 DECODER_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "GraniteForCausalLM": "granite (3.x)",
-    "GraniteMoeHybridForCausalLM": "granite_moe_hybrid (Granite 4 dense: every layer attention, no experts)",
+    # Granite 4 dense (every layer attention) through FMS's granite_moe_hybrid; with Mamba layers (granite-4 "H")
+    # through runtime/spyre_runtime/hybrid.py, which decides what of those it serves
+    "GraniteMoeHybridForCausalLM": "granite_moe_hybrid (Granite 4: no experts)",
     "GraniteSWAForCausalLM": "granite_swa (sliding-window and full attention layers, attention sinks)",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral (a sliding_window, if any, at least --max-model-len)",
@@ -45,12 +47,6 @@ def check_decoder_config(model_config: Mapping, max_model_len: int) -> str:
         raise ContractError(
             f"architecture {arch} with num_local_experts={model_config['num_local_experts']} is not "
             "supported: FMS 1.13.1's granite_moe_hybrid builds the dense form (no experts) only"
-        )
-    kinds = set(model_config.get("layer_types") or ())
-    if arch == "GraniteMoeHybridForCausalLM" and kinds - {"attention"}:
-        raise ContractError(
-            f"architecture {arch} with layer_types {sorted(kinds)} is not supported: FMS 1.13.1's "
-            "granite_moe_hybrid builds the dense form (every layer attention) only"
         )
     window = model_config.get("sliding_window")
     if arch == "MistralForCausalLM" and window and int(window) < max_model_len:
