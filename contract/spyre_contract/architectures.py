@@ -18,8 +18,8 @@ from spyre_contract.environment import ContractError
 DECODER_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "GraniteForCausalLM": "granite (3.x)",
-    # Granite 4 dense (every layer attention) through FMS's granite_moe_hybrid; with Mamba layers (granite-4 "H")
-    # through runtime/spyre_runtime/hybrid.py, which decides what of those it serves
+    # Granite 4 dense (every layer attention) through FMS's granite_moe_hybrid; with Mamba layers
+    # (granite-4 "H") through runtime/spyre_runtime/hybrid.py, which decides what of those it serves
     "GraniteMoeHybridForCausalLM": "granite_moe_hybrid (Granite 4: no experts)",
     "GraniteSWAForCausalLM": "granite_swa (sliding-window and full attention layers, attention sinks)",
     "Qwen3ForCausalLM": "qwen3",
