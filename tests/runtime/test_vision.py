@@ -92,8 +92,8 @@ def references(vision_model):
 
 def test_mixed_steps_give_each_piece_its_features(vision_model, references):
     """In the engine (no server): prompts arrive while others decode, so mixed steps carry pieces of
-    several prompts beside decode rows, each piece taking the features of its own positions."""
-    prompter = ImagePrompter(vision_model, ImageLimits())
+    several prompts beside decode rows, each piece taking the features of its own positions; features
+    computed before submitting (the server's way) or at the first prefill step give the same tokens."""
     config = RuntimeConfig(
         model_dir=vision_model,
         served_model_name="t",
@@ -104,6 +104,7 @@ def test_mixed_steps_give_each_piece_its_features(vision_model, references):
         max_num_batched_tokens=64,
     )
     engine = LLMEngine(config)
+    prompter = ImagePrompter(vision_model, ImageLimits(), encoder=engine.executor.vision)
     steps = []
     engine.on_step = lambda step, _: steps.append(step)
     reqs = []
@@ -114,6 +115,9 @@ def test_mixed_steps_give_each_piece_its_features(vision_model, references):
         )
         ids, image_input = prompter.process(prompt, images, add_special_tokens=False)
         assert int((image_input.index >= 0).sum()) == ids.count(prompter.processor.image_token_id)
+        if k % 2:  # as the server does: the tower runs before submitting; else at the first prefill step
+            prompter.encode(image_input)
+            assert image_input.features.shape[0] == ids.count(prompter.processor.image_token_id)
         params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
         reqs.append(engine.add_request(ids, params, images=image_input))
         for _ in range(2 * k + 1):  # the next prompt arrives while these decode

@@ -63,7 +63,7 @@ class GenerateState(ServingState):
         self.validator = self._validator(self.engine)
         self.token_text = TokenText(self.engine.tokenizer)
         if self.engine.executor.vision is not None:
-            self.images = ImagePrompter(self.config.model_dir, self.image_limits)
+            self.images = ImagePrompter(self.config.model_dir, self.image_limits, self.engine.executor.vision)
         self.engine.on_step = self._observe_step
         self.worker = EngineThread(self.engine, self._emit, self._engine_died, self._emit_step)
         self.worker.start()

@@ -15,6 +15,7 @@ import binascii
 import hashlib
 import io
 import os
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,13 +109,24 @@ def decode_image(url: str, param: str, limits: ImageLimits):
 
 
 class ImagePrompter:
-    """The model's processor: a rendered chat prompt and its images -> token ids and the ImageInput."""
+    """The model's processor: a rendered chat prompt and its images -> token ids and the ImageInput; and
+    with the executor's VisionEncoder (`encoder`), the vision tower: `encode` computes a request's image
+    features on the server's worker thread, before the request reaches the engine, so no engine step waits
+    for a tower (granite-vision's takes seconds per 384-pixel tile on CPU) and a tower that fails fails its
+    request only. One request's images at a time: several towers at once would only share the cores."""
 
-    def __init__(self, model_dir: Path, limits: ImageLimits) -> None:
+    def __init__(self, model_dir: Path, limits: ImageLimits, encoder=None) -> None:
         from transformers import AutoProcessor
 
         self.processor = AutoProcessor.from_pretrained(str(model_dir))
         self.limits = limits
+        self.encoder = encoder
+        self._tower = threading.Lock()
+
+    def encode(self, image_input: ImageInput) -> None:
+        if self.encoder is not None:
+            with self._tower:
+                image_input.features = self.encoder.features(image_input)
 
     def process(self, text: str, images: list, add_special_tokens: bool) -> tuple[list[int], ImageInput]:
         enc = self.processor(

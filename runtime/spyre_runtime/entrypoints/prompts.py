@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from spyre_runtime.entrypoints.errors import bad_request
+from spyre_runtime.entrypoints.errors import APIError, bad_request
 from spyre_runtime.entrypoints.images import MAX_IMAGES_VAR, ImagePrompter, decode_image
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest, TokenizeRequest
 from spyre_runtime.entrypoints.validator import Validator
@@ -92,8 +92,13 @@ async def chat_prompt(
     def process():
         images = [decode_image(url, param, prompter.limits) for param, url in urls]
         try:
-            return prompter.process(text, images, add_special)
+            ids, image_input = prompter.process(text, images, add_special)
         except Exception as e:
             raise bad_request("messages", f"the images could not be processed: {e}") from None
+        try:
+            prompter.encode(image_input)
+        except Exception as e:
+            raise APIError(500, f"the vision tower failed on the images: {e}", code="vision_failed") from None
+        return ids, image_input
 
     return await asyncio.to_thread(process)

@@ -6,8 +6,9 @@ decoder) and keeps the rest here. The language model of such a model always take
 step, warm-up included, so its graphs never change): `embed` looks the step's token ids up in the language
 model's embedding table and, at the positions of image tokens, puts the image features in their place, as
 HF's LlavaNextForConditionalGeneration does before its language model runs. A request's features are
-computed once, at its first prefill step, and kept on its `ImageInput`; a chunk of a chunked prefill takes
-the rows of the features that fall in its positions.
+computed once and kept on its `ImageInput`: by the server before it submits the request (entrypoints/
+images.py, so no step waits for the tower), else here at its first prefill step; a chunk of a chunked
+prefill takes the rows of the features that fall in its positions.
 """
 
 from __future__ import annotations
