@@ -40,6 +40,7 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
+import vllm_bench  # noqa: E402
 from serve_bench import MODEL_DIR, run_load, workload  # noqa: E402
 from vllm_bench import (  # noqa: E402
     PHASE_PAUSE_S,
@@ -103,20 +104,8 @@ def machine() -> dict:
 
 
 def ours_argv(port: int, dtype: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "spyre_runtime.cli",
-        "serve",
-        str(MODEL_DIR),
-        "--port",
-        str(port),
-        "--served-model-name",
-        "smollm2",
-        "--dtype",
-        dtype,
-        *OURS_ARGS,
-    ]
+    """vllm_bench's command line with this configuration's limits (the later flags win)."""
+    return vllm_bench.ours_argv(port, dtype, OURS_ARGS)
 
 
 def vllm_client(python: Path, base: str, log_dir: Path, concurrency: int = 8, prompts: int = 48) -> dict:
