@@ -19,6 +19,8 @@ from spyre_operator.settings import CACHE_KEY_LABEL, FETCH_LABEL, PROGRESS_ANNOT
 from spyre_operator.work import Pass
 
 PROGRESS_SECONDS = 2.0  # how often a download's progress is read into the status
+# what holds the pods of a downloaded model whose loader Job could not be read this pass
+UNREAD = ModelCacheState("", False, False, "Downloading", "the loader Job could not be read")
 
 
 class ModelCacheStep:

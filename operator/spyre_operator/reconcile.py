@@ -22,7 +22,7 @@ from spyre_operator.events import EventRecorder
 from spyre_operator.inference_pool import InferencePoolStep
 from spyre_operator.kube import Kube, api_message, problem_of
 from spyre_operator.metrics import OperatorMetrics
-from spyre_operator.model_cache import ModelCacheStep
+from spyre_operator.model_cache import UNREAD, ModelCacheStep
 from spyre_operator.model_spec import ModelSpec
 from spyre_operator.pods import PodStep
 from spyre_operator.report import Conflict, Reporter
@@ -79,8 +79,9 @@ class Reconciler:
         work = Pass()
         has_claim = self._ensure_service_and_claim(key, model, spec, work)
         pool = self._ensure_inference_pool(key, model, spec, work)
-        model_cache = self.model_cache.ensure(model, spec, work) if has_claim and not spec.suspend else None
-        has_model = model_cache is None or model_cache.is_ready
+        downloads = spec.model_source.is_downloaded and not spec.suspend
+        model_cache = self.model_cache.ensure(model, spec, work) if downloads and has_claim else None
+        has_model = not downloads or (model_cache is not None and model_cache.is_ready)
         cache = None
         if spec.cache.precompile and not spec.suspend and has_claim and has_model:
             cache = self.compile_job.ensure(model, spec, work)
@@ -88,9 +89,8 @@ class Reconciler:
         pods = self.cache.pods(key)
         has_claim = has_claim and self.card_claim.ensure(model, spec, pods, work)
         if has_claim:
-            gate = (
-                cache if has_model else model_cache
-            )  # the new template waits for its model, then its graphs
+            # the new template waits for its model (also when its loader Job was unread), then its graphs
+            gate = cache if has_model else (model_cache or UNREAD)
             pods, acted = self.pods.ensure(key, model, spec, thash, pods, gate, work)
             if acted and not work.problems:
                 # the watch reports the pods just made or removed, and that pass writes the status
