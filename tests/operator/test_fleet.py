@@ -65,7 +65,13 @@ EXPECTED = {
     "spyremodels.spyre-serve.io": {"get", "list", "watch"},
     "spyremodels.spyre-serve.io/status": {"update"},
     "spyremodels.spyre-serve.io/finalizers": {"update"},
-    "pods": {"list", "watch", "create", "delete"},
+    # get and patch: what the model loader's Role grants (the API server lets a role grant only what its
+    # creator holds); the operator itself reads its loader's progress from the pods it lists
+    "pods": {"list", "watch", "create", "delete", "get", "patch"},
+    # the model loader's identity, one of each per model (loader_job.py)
+    "serviceaccounts": {"create"},
+    "roles.rbac.authorization.k8s.io": {"create"},
+    "rolebindings.rbac.authorization.k8s.io": {"create"},
     "jobs.batch": {"list", "watch", "create", "delete"},
     "services": {"get", "list", "watch", "create", "patch"},
     "persistentvolumeclaims": {"get", "list", "watch", "create", "patch"},
