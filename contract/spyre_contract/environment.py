@@ -21,6 +21,8 @@ CB_DEFAULT_CHUNK = 256
 # prompt tokens a mixed step carries while requests are decoding (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS;
 # 0: the whole --max-num-batched-tokens): bench/README.md run 20 measured the default
 CB_DEFAULT_MIXED_PREFILL_TOKENS = 64
+# prompts one mixed step prefills pieces of, at most (SENDNN_INFERENCE_CB_PREFILL_PIECES)
+CB_DEFAULT_PREFILL_PIECES = 4
 ENV_PREFIX = "SENDNN_INFERENCE_"
 ALIAS_PREFIX = "VLLM_SPYRE_"
 
@@ -219,6 +221,7 @@ class EnvironmentSettings:
     num_cpus: int = 0
     cp_interleave_steps: bool = True
     mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
+    max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -276,6 +279,7 @@ def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlag
         num_cpus=env.int("NUM_CPUS", 0, minimum=0),
         cp_interleave_steps=env.bool("CP_INTERLEAVE_STEPS", True),
         mixed_prefill_tokens=env.int("CB_MIXED_PREFILL_TOKENS", CB_DEFAULT_MIXED_PREFILL_TOKENS, minimum=0),
+        max_prefill_pieces=env.int("CB_PREFILL_PIECES", CB_DEFAULT_PREFILL_PIECES, minimum=1),
         deprecated_env=tuple(env.deprecated_used),
     )
     if use_cb:

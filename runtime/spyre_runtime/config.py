@@ -18,6 +18,7 @@ from spyre_contract import (
     CB_DEFAULT_MAX_MODEL_LEN,
     CB_DEFAULT_MAX_NUM_SEQS,
     CB_DEFAULT_MIXED_PREFILL_TOKENS,
+    CB_DEFAULT_PREFILL_PIECES,
     ENV_PREFIX,
     PROMPT_LEN_MULTIPLE,
     ContractError,
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 # The rules live in the shared contract package (the operator checks pods' environments with them too).
 ConfigError = ContractError
 
-MAX_PREFILL_PIECES = 4  # prompts one mixed step prefills pieces of
 CHUNK_ALIGN = 8  # dynamic chunks: a mixed step's chunk length is a multiple of this (at least this)
 
 __all__ = [
@@ -167,6 +167,7 @@ class RuntimeConfig:
     cp_interleave_steps: bool = True
     # continuous batching: prompt tokens a mixed step carries beside running decodes (0: the whole chunk)
     mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
+    max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES  # prompts a mixed step prefills pieces of, at most
     shutdown_grace_seconds: float = 30.0
     max_num_batched_tokens: int = CB_DEFAULT_CHUNK  # continuous batching: prefill chunk, a multiple of 64
     enable_prefix_caching: bool = True
@@ -204,9 +205,9 @@ class RuntimeConfig:
     @property
     def prefill_pieces(self) -> int:
         """Prompts a mixed step can prefill pieces of at once (each one's last token takes one more place
-        beside the chunk bucket, and the paged prefill op loops over them): 4, or max_num_seqs when fewer;
-        one without mixed steps."""
-        return min(self.max_num_seqs, MAX_PREFILL_PIECES) if self.cp_interleave_steps else 1
+        beside the chunk bucket, and the paged prefill op loops over them): SENDNN_INFERENCE_CB_PREFILL_PIECES
+        (default 4), or max_num_seqs when fewer; one without mixed steps."""
+        return min(self.max_num_seqs, self.max_prefill_pieces) if self.cp_interleave_steps else 1
 
     @property
     def batch_buckets(self) -> tuple[int, ...]:

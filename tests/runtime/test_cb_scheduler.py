@@ -4,10 +4,11 @@ Each row: (step, kind, request ids in the step, tokens computed, waiting, runnin
 A fake engine appends token 7 to every request that gets a sampled token and finishes it at max_tokens.
 Blocks hold 64 tokens; block 0 is scratch."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
-from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.config import RuntimeConfig, load_config
 from spyre_runtime.engine.continuous_scheduler import ContinuousScheduler
 from spyre_runtime.request import Request, Status
 from spyre_runtime.sampling.params import SamplingParams
@@ -248,3 +249,17 @@ def test_decode_first_budget_bounds_the_prompt_tokens_beside_running_decodes():
 @pytest.mark.parametrize(("budget", "expected"), [(0, 64), (16, 16), (500, 64)])
 def test_decode_first_budget_is_capped_by_the_chunk(budget, expected):
     assert ContinuousScheduler(config(mixed_prefill_tokens=budget)).mixed_budget == expected
+
+
+def test_prefill_pieces_setting_bounds_the_prompts_of_one_mixed_step(tiny_model):
+    """SENDNN_INFERENCE_CB_PREFILL_PIECES: a mixed step prefills pieces of at most that many prompts (never
+    more than max_num_seqs), the same number the executor lays out places for."""
+    env = {"SENDNN_INFERENCE_USE_CB": "1", "SENDNN_INFERENCE_CB_PREFILL_PIECES": "2"}
+    cfg = load_config(tiny_model, environ=env, max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64)
+    assert cfg.prefill_pieces == 2
+    s = ContinuousScheduler(dataclasses.replace(cfg, mixed_prefill_tokens=0))
+    rows = drive(s, {0: [req("a", 8, 4), req("b", 8, 4), req("c", 8, 4)]}, 2)
+    assert [row[1:4] for row in rows] == [("prefill", ("a", "b"), 16), ("mixed", ("a", "b", "c"), 10)]
+    assert (
+        load_config(tiny_model, environ=env | {"SENDNN_INFERENCE_CB_PREFILL_PIECES": "9"}).prefill_pieces == 4
+    )

@@ -71,6 +71,10 @@ def test_flags_win_over_environment():
             "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS='-8' must be >= 0",
         ),
         (
+            {"SENDNN_INFERENCE_CB_PREFILL_PIECES": "0"},
+            "SENDNN_INFERENCE_CB_PREFILL_PIECES='0' must be >= 1",
+        ),
+        (
             {"SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": "half"},
             "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS='half' is not an integer",
         ),
