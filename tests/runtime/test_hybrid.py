@@ -21,6 +21,8 @@ from spyre_runtime.hybrid import HybridSpec
 from spyre_runtime.models import write_tiny_model
 from spyre_runtime.sampling.params import SamplingParams
 
+from tests.runtime.test_continuous import run_arrivals
+
 MAX_TOKENS = 12
 
 
@@ -87,18 +89,6 @@ def cb_config(model_dir, **kw) -> RuntimeConfig:
 def static_config(model_dir, backend="eager") -> RuntimeConfig:
     shapes = (Shape(64, MAX_TOKENS, 4), Shape(192, MAX_TOKENS, 4))
     return RuntimeConfig(model_dir=model_dir, served_model_name="t", backend=backend, shapes=shapes)
-
-
-def run_arrivals(engine, items) -> list[list[int]]:
-    reqs, step = {}, 0
-    while len(reqs) < len(items) or engine.has_work():
-        for i, (at, prompt, max_tokens) in enumerate(items):
-            if at == step:
-                params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-                reqs[i] = engine.add_request(prompt, params)
-        engine.step()
-        step += 1
-    return [reqs[i].output_token_ids for i in range(len(items))]
 
 
 @pytest.mark.parametrize("arch", ARCHES)

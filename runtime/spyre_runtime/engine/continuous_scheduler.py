@@ -20,10 +20,11 @@ A step is a decode of every running request, prefill chunks, or both at once:
   piece. Every piece's tokens but its last one make the chunk (the last ones go to `prefill_pieces` places
   of their own, see the executor), which runs at its own length rounded up to 8 tokens on CPU backends (one
   graph with a dynamic token dimension, `config.dynamic_chunks`) or at the smallest chunk bucket that holds
-  it (sendnn: one graph per bucket); a mixed step runs at the largest batch bucket. Decode first: while
-  requests are decoding, a step carries at most `mixed_prefill_tokens` prompt tokens
-  (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS), so a running stream's gap between two tokens stays near a
-  decode step's length when prompts arrive; with nothing decoding a step carries the whole chunk.
+  it (sendnn: one graph per bucket); a mixed step runs at the largest batch bucket (its dead decode rows
+  skipped, see the executor). Decode first, when set (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS; off by
+  default): while requests are decoding, a step carries at most `mixed_prefill_tokens` prompt tokens, so a
+  running stream's gap between two tokens stays near a decode step's length when prompts arrive; with
+  nothing decoding a step carries the whole chunk.
 - Without it, a prompt's chunks (at most `max_num_batched_tokens` tokens, the smallest bucket that fits) run
   alone, back to back, one prompt at a time.
 - A decode step runs at the smallest (batch, KV length) bucket holding every running request.
