@@ -106,8 +106,8 @@ def test_beams_share_the_prompts_kv_blocks_through_the_prefix_cache(tiny_model):
     seen = []
     allocate = blocks.allocate
 
-    def spy(seq_id, token_ids):
-        allocation = allocate(seq_id, token_ids)
+    def spy(seq_id, token_ids, salt=0):
+        allocation = allocate(seq_id, token_ids, salt)
         seen.append((seq_id, allocation, [blocks.blocks[b].ref_count for b in allocation.block_table]))
         return allocation
 
