@@ -83,6 +83,13 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
     return keys_ctx, values_ctx, key_cache, value_cache
 
 
+def _decode(query, keys, values, scale, sinks, window, attn_kwargs):
+    """One token per row (query [B, h, hd]) against its row's cached slots: the paged decode op, or its
+    static twin for device compilers."""
+    op = _decode_op(attn_kwargs)
+    return op(query, keys, values, attn_kwargs["block_table"], attn_kwargs["seq_lens"], scale, sinks, window)
+
+
 def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **attn_kwargs):
     # query: [B, L, h, hd]; keys/values: [B, K, kvh, hd] (or the caches, see _store) -> [B, L, h, hd]
     scale = query.shape[-1] ** -0.5 if scale_factor is None else scale_factor
@@ -104,29 +111,10 @@ def _compute(query, keys, values, nheads, kvheads, p_dropout, scale_factor, **at
             sinks,
             window,
         )
-        decode = _decode_op(attn_kwargs)(
-            query[0, region:],
-            keys,
-            values,
-            attn_kwargs["block_table"],
-            attn_kwargs["seq_lens"],
-            scale,
-            sinks,
-            window,
-        )
+        decode = _decode(query[0, region:], keys, values, scale, sinks, window, attn_kwargs)
         return torch.cat([prefill, decode])[None]
     if attn_kwargs.get("seq_lens") is not None:
-        out = _decode_op(attn_kwargs)(
-            query[:, 0],
-            keys,
-            values,
-            attn_kwargs["block_table"],
-            attn_kwargs["seq_lens"],
-            scale,
-            sinks,
-            window,
-        )
-        return out[:, None]
+        return _decode(query[:, 0], keys, values, scale, sinks, window, attn_kwargs)[:, None]
     mask = attn_kwargs["mask"]
     if window:
         mask = window_mask(mask, window)
