@@ -335,6 +335,8 @@ class PodRunner:
             "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
             "HOME": str(rp.workdir),
             "PYTHONUNBUFFERED": "1",
+            # a checkout beside the installed one (a git worktree) runs its own code in pods too
+            **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
             **({"KUBECONFIG": str(sa_kubeconfig)} if sa_kubeconfig else {}),
             **env,
         }
