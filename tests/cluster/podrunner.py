@@ -7,7 +7,7 @@ status back to the API server. The mappings, in one place:
 - image: `IMAGES` maps an image to this project's environment; any image whose name contains `runtime` runs
   the venv's `spyre-runtime`, any containing `operator` runs `spyre-operator` (the command's first word is
   looked up in the venv's bin/).
-- network: each pod gets its own loopback address 127.0.0.N as pod IP; `$(VAR)` in args is expanded. The
+- network: each pod gets its own loopback address 127.A.B.C as pod IP (A from the runner's PID); `$(VAR)` in args is expanded. The
   Endpoints API refuses loopback addresses; EndpointSlices carry them, so clients read the ready addresses of
   a Service from its EndpointSlices (as kube-proxy does).
 - env: `value`, `valueFrom.fieldRef` for metadata.name, metadata.namespace, status.podIP, spec.nodeName, and
@@ -118,6 +118,9 @@ class PodRunner:
         self.failed_passes = 0
         self.last_error = ""
         self._next_ip = 2
+        # runners in other processes (pytest-xdist workers, a demo) take other 127.A.B.C ranges, so two
+        # runners never give two pods the same address and port
+        self._ip_net = 20 + os.getpid() % 200
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="pod-runner", daemon=True)
 
@@ -210,7 +213,7 @@ class PodRunner:
         raise ValueError(f"env {env.name}: only fieldRef, secretKeyRef and configMapKeyRef are supported")
 
     def _admit(self, pod) -> RunningPod | None:
-        ip = f"127.0.0.{self._next_ip}"
+        ip = f"127.{self._ip_net}.{self._next_ip >> 8}.{self._next_ip & 255}"
         self._next_ip += 1
         workdir = self.root / "pods" / f"{pod.metadata.namespace}_{pod.metadata.name}"
         workdir.mkdir(parents=True, exist_ok=True)
