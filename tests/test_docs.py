@@ -150,3 +150,11 @@ def test_the_readme_keeps_the_two_commands_and_links_to_pages_that_exist():
     pages = set(re.findall(r"[\w/-]+\.md", str(nav)))
     for link in links:
         assert link.removeprefix("docs/") in pages, f"{link} is not in mkdocs.yml's nav"
+
+
+def test_the_readmes_first_spyremodel_is_the_example_it_names():
+    readme = (REPO / "README.md").read_text()
+    block = re.search(r"`examples/smollm2.yaml`, the demo's model:\n\n```yaml\n(.*?)```", readme, re.S)
+    assert block, "README.md shows no first SpyreModel"
+    example = yaml.safe_load((REPO / "examples" / "smollm2.yaml").read_text())
+    assert yaml.safe_load(block.group(1)) == example
