@@ -240,8 +240,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from spyre_runtime.executor.graph_cache import warmup_with_cache
-    from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
+    from spyre_runtime.engine.builder import compile_graphs
 
     config = _config(args)
     if not config.cache_enabled:
@@ -252,17 +251,7 @@ def cmd_compile(args) -> int:
         raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
     if not is_pooling_task(config.task):
         config = check_memory(config)
-    configure_threads(config)
-    if is_pooling_task(config.task):
-        from spyre_runtime.executor.pooling_model import load_pooling_model
-
-        executor = load_pooling_model(config, compile_only=True)
-    else:
-        executor = ModelExecutor(config, compile_only=True)
-    try:
-        result = warmup_with_cache(executor, config)
-    finally:
-        executor.close()
+    result = compile_graphs(config, pooling=is_pooling_task(config.task))
     print(
         json.dumps(
             {
@@ -277,7 +266,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from spyre_runtime.engine.llm_engine import LLM
+    from spyre_runtime.engine.llm import LLM
     from spyre_runtime.executor.graph_cache import check_precompiled
     from spyre_runtime.sampling.params import SamplingParams
 

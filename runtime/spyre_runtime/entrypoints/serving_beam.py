@@ -91,7 +91,7 @@ async def search(
     state: GenerateState, request: Request, rid: str, prompt: list[int], beams: BeamSettings, max_tokens: int
 ) -> BeamSearch | None:
     """One prompt's beam search, step by step on the engine; None when the client went away."""
-    eos = state.engine.outputs.eos_ids
+    eos = state.client.eos_ids
     bs = BeamSearch(beams.width, max_tokens, eos, beams.length_penalty, beams.early_stopping)
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=bs.num_candidates)
     while not bs.done:
@@ -133,7 +133,7 @@ async def beam_respond(
     searches = await asyncio.gather(*runs)
     if any(s is None for s in searches):
         return Response(status_code=499)
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.client.tokenizer
     choices = []
     for prompt, bs in zip(prompts, searches, strict=True):
         for hyp in bs.results():

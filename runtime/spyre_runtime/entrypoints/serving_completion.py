@@ -36,11 +36,11 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = v.prompt_shape(body)
     v.num_sequences(len(prompts), body)
     add_special = body.add_special_tokens is not False
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.client.tokenizer
     ids = [tokenize(tokenizer, p, add_special) if isinstance(p, str) else list(p) for p in prompts]
     if body.echo and body.stream:
         raise bad_request("echo", "echo is not supported with stream")
-    beams = check_beam(body, state.config.use_cb, len(state.engine.outputs.eos_ids))
+    beams = check_beam(body, state.config.use_cb, len(state.client.eos_ids))
     choices: list[Choice] = []
     limits = []
     for i, prompt_ids in enumerate(ids):
@@ -64,9 +64,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     v.model(body.model)
     v.num_sequences(1, body)
     settings: ChatSettings = request.app.state.chat
-    beams = check_beam(body, state.config.use_cb, len(state.engine.outputs.eos_ids))
+    beams = check_beam(body, state.config.use_cb, len(state.client.eos_ids))
     plan = plan_tools(body, settings)
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.client.tokenizer
     ids, images = await chat_prompt(tokenizer, v, body, state.images)  # images: an image-text model's
     if not ids:
         raise bad_request("messages", "the rendered prompt is empty")

@@ -23,7 +23,6 @@ from spyre_runtime.entrypoints.pooling_protocol import (
     ScoreRequest,
 )
 from spyre_runtime.entrypoints.pooling_state import PoolingState, pooling_state
-from spyre_runtime.executor.pooling_model import shapes_str
 
 router = APIRouter()
 
@@ -33,7 +32,7 @@ class Inputs:
 
     def __init__(self, state: PoolingState, truncate: int | None) -> None:
         self.state = state
-        self.max_len = state.scheduler.max_len
+        self.max_len = state.client.max_len
         if truncate == -1:
             truncate = self.max_len
         if truncate is not None and not 1 <= truncate <= self.max_len:
@@ -83,7 +82,7 @@ class Inputs:
         if n > self.max_len:
             raise bad_request(
                 where,
-                f"{n} tokens fit no warm-up shape [{shapes_str(self.state.config.shapes)}]; shorten it "
+                f"{n} tokens fit no warm-up shape [{self.state.client.describe_shapes()}]; shorten it "
                 f"or set truncate_prompt_tokens (at most {self.max_len})",
             )
 

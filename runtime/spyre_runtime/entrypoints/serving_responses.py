@@ -79,7 +79,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     reasoning = settings.new_reasoning_parser()
     try:
         plan = plan_tools(chat, settings)
-        tokenizer = state.engine.tokenizer
+        tokenizer = state.client.tokenizer
         ids = tokenize(tokenizer, render_chat(tokenizer, v, chat), False, "messages")
         ends = reasoning.end_markers if reasoning else ()
         params = v.sampling(chat, len(ids), chat=True, tools=plan, reasoning_end=ends)

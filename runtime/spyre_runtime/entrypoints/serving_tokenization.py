@@ -20,7 +20,7 @@ async def tokenize_endpoint(body: TokenizeRequest, request: Request):
     v.model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("prompt", "give exactly one of prompt and messages")
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.client.tokenizer
     if body.prompt is not None:
         ids = tokenize(tokenizer, body.prompt, body.add_special_tokens is not False)
     else:
@@ -37,4 +37,4 @@ async def detokenize_endpoint(body: DetokenizeRequest, request: Request):
     v = state.ready_validator()
     v.model(body.model)
     v.token_ids(body.tokens, "tokens")
-    return {"prompt": state.engine.tokenizer.decode(body.tokens)}
+    return {"prompt": state.client.tokenizer.decode(body.tokens)}

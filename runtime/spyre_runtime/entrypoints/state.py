@@ -13,6 +13,7 @@ from fastapi import Request
 from spyre_contract.tasks import is_pooling_task
 
 from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.engine.client import EngineDied
 from spyre_runtime.entrypoints.errors import APIError
 from spyre_runtime.entrypoints.metrics import Metrics
 
@@ -26,13 +27,6 @@ def runtime_version() -> str:
         return version("spyre-serve")
     except PackageNotFoundError:
         return "unknown"
-
-
-class EngineDied:
-    """Put on every in-flight request's queue when the engine loop dies."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.message = f"the engine failed ({type(error).__name__}: {error}); the server is restarting"
 
 
 class ServingState(ABC):
@@ -49,7 +43,6 @@ class ServingState(ABC):
         self.is_ready = False
         self.is_draining = False
         self.boot_error: BaseException | None = None
-        self.engine_error: BaseException | None = None
         self.on_fatal = lambda: None  # ends the process (set by the launcher)
 
     # ---- what each engine provides ------------------------------------------------------------------
@@ -75,6 +68,11 @@ class ServingState(ABC):
     def observe_load(self) -> None:
         """vLLM's load gauges (requests waiting and running, KV-cache usage), brought up to date before
         /metrics answers."""
+
+    @property
+    def engine_error(self) -> BaseException | None:
+        """Why the engine loop died, once it has."""
+        return None
 
     def describe(self) -> str:
         """What is served, for the log."""

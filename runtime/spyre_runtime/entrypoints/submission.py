@@ -7,29 +7,26 @@ import asyncio
 
 from fastapi import Request
 
-from spyre_runtime.engine.llm_engine import EngineThread, RequestOutput
+from spyre_runtime.engine.client import EngineClient, EngineDied
+from spyre_runtime.engine.outputs import RequestOutput
 from spyre_runtime.entrypoints.errors import APIError
-from spyre_runtime.entrypoints.state import EngineDied
 from spyre_runtime.entrypoints.validator import Choice
 from spyre_runtime.request import ImageInput
 
 
 class Submission:
-    """The engine requests of one HTTP request (prompts x choices), sharing one queue of outputs.
-    `streams` maps every engine request id in flight to its queue (the state's: the engine thread's outputs
-    are put there on the event loop)."""
+    """The engine requests of one HTTP request (prompts x choices), sharing one queue of outputs (the
+    engine client puts the engine thread's outputs there, on the event loop)."""
 
     def __init__(
         self,
-        streams: dict[str, asyncio.Queue],
-        worker: EngineThread,
+        client: EngineClient,
         rid: str,
         choices: list[Choice],
         prompts: list[list[int]],
         images: ImageInput | None = None,
     ) -> None:
-        self.streams = streams
-        self.worker = worker
+        self.client = client
         self.rid = rid
         self.choices = choices
         self.prompts = prompts
@@ -41,15 +38,14 @@ class Submission:
 
     def submit(self) -> None:
         for eid, choice in zip(self.engine_ids, self.choices, strict=True):
-            self.streams[eid] = self.queue
-            self.worker.submit(self.prompts[choice.prompt_index], choice.params, eid, self.images)
+            self.client.submit(self.queue, self.prompts[choice.prompt_index], choice.params, eid, self.images)
 
     def close(self) -> None:
         """Aborts what is still running (the client went away) and forgets the queue."""
         for eid in self.engine_ids:
-            self.streams.pop(eid, None)
+            self.client.forget(eid)
         for eid in self.pending:
-            self.worker.abort(eid)
+            self.client.abort(eid)
         self.pending.clear()
 
     async def next(self) -> RequestOutput:
