@@ -164,8 +164,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
 
 def _chat_flags(p: argparse.ArgumentParser) -> None:
     """How chat output is read: tool calls and reasoning (vLLM's flags)."""
-    from spyre_runtime.entrypoints.reasoning import REASONING_PARSERS
-    from spyre_runtime.entrypoints.tool_parsers import TOOL_PARSERS
+    from spyre_runtime.entrypoints.chat.reasoning import REASONING_PARSERS
+    from spyre_runtime.entrypoints.chat.tool_parsers import TOOL_PARSERS
 
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -182,7 +182,7 @@ def _chat_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _chat_settings(args):
-    from spyre_runtime.entrypoints.tools import ChatSettings
+    from spyre_runtime.entrypoints.chat.tools import ChatSettings
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")

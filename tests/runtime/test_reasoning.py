@@ -6,10 +6,10 @@ reasoning ends); and a server with `--reasoning-parser deepseek_r1` through the 
 import httpx
 import pytest
 import torch
-from spyre_runtime.entrypoints.chat_output import OutputParser
-from spyre_runtime.entrypoints.reasoning import REASONING_PARSERS
-from spyre_runtime.entrypoints.tool_parsers import TOOL_PARSERS
-from spyre_runtime.entrypoints.tools import ToolPlan
+from spyre_runtime.entrypoints.chat.chat_output import OutputParser
+from spyre_runtime.entrypoints.chat.reasoning import REASONING_PARSERS
+from spyre_runtime.entrypoints.chat.tool_parsers import TOOL_PARSERS
+from spyre_runtime.entrypoints.chat.tools import ToolPlan
 from spyre_runtime.sampling.guided import GuideCompiler
 
 from tests.runtime.serverproc import ServerProcess

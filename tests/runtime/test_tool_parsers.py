@@ -5,9 +5,9 @@ each call's id and name come before its arguments, and content never includes ca
 import json
 
 import pytest
-from spyre_runtime.entrypoints.chat_output import OutputParser
-from spyre_runtime.entrypoints.tool_parsers import TOOL_PARSERS, RequiredToolParser
-from spyre_runtime.entrypoints.tools import ToolPlan
+from spyre_runtime.entrypoints.chat.chat_output import OutputParser
+from spyre_runtime.entrypoints.chat.tool_parsers import TOOL_PARSERS, RequiredToolParser
+from spyre_runtime.entrypoints.chat.tools import ToolPlan
 
 W = {"city": "Paris", "unit": "celsius"}
 T = {"timezone": "Europe/Paris"}
