@@ -1,9 +1,10 @@
 """Serving the completion routes of decoder models (router.py): OpenAI's `/v1/completions` and
 `/v1/chat/completions`.
 
-A request is checked (validator.Validator), turned into token ids (prompts), submitted to the engine as
-one sequence per prompt and choice (GenerateState.submit), then answered whole (formatting.build_response)
-or streamed (formatting.stream_events). A client that hangs up (streaming or not) has its requests aborted
+A request is checked (validator.Validator; a chat request in one pass, chat_request.check_chat), turned
+into token ids (chat/prompts), submitted to the engine as one sequence per prompt and choice
+(GenerateState.submit), then answered whole (formatting.build_response) or streamed
+(formatting.stream_events). A client that hangs up (streaming or not) has its requests aborted
 at once: their slots are free by the next engine step."""
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from spyre_runtime.entrypoints.chat.chat_output import OutputParser
-from spyre_runtime.entrypoints.chat.prompts import chat_prompt, tokenize
-from spyre_runtime.entrypoints.chat.tools import ChatSettings, plan_tools
+from spyre_runtime.entrypoints.chat.prompts import tokenize
 from spyre_runtime.entrypoints.completions.beam import beam_respond, check_beam
+from spyre_runtime.entrypoints.completions.chat_request import check_chat
 from spyre_runtime.entrypoints.completions.formatting import Reply, build_response, stream_events
 from spyre_runtime.entrypoints.completions.protocol import ChatCompletionRequest, CompletionRequest
 from spyre_runtime.entrypoints.completions.state import GenerateState, generate_state
@@ -57,26 +58,13 @@ async def create_completion(body: CompletionRequest, request: Request):
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request):
     state = generate_state(request)
-    v = state.ready_validator()
-    v.model(body.model)
-    v.num_sequences(1, body)
-    settings: ChatSettings = request.app.state.chat
-    beams = check_beam(body, state.config.use_cb, len(state.client.eos_ids))
-    plan = plan_tools(body, settings)
-    tokenizer = state.client.tokenizer
-    ids, images = await chat_prompt(tokenizer, body, state.images)  # images: an image-text model's
-    if not ids:
-        raise bad_request("messages", "the rendered prompt is empty")
-    if images is not None and beams is not None:
-        raise bad_request("use_beam_search", "is not supported with images")
-    reasoning = settings.new_reasoning_parser()
-    ends = reasoning.end_markers if reasoning else ()
-    params = v.sampling(body, len(ids), chat=True, tools=plan, reasoning_end=ends)
-    output = OutputParser(plan, reasoning, include_reasoning=body.include_reasoning is not False)
-    if beams is not None:
-        return await beam_respond(state, request, body, [ids], beams, [params.max_tokens], output)
-    choices = v.choices(body, params, 0)
-    return await respond(state, request, body, [ids], choices, chat=True, output=output, images=images)
+    chat = await check_chat(state, body, request.app.state.chat)  # every check, in one pass
+    if chat.beams is not None:
+        limits = [chat.params.max_tokens]
+        return await beam_respond(state, request, body, [chat.prompt], chat.beams, limits, chat.output)
+    return await respond(
+        state, request, body, [chat.prompt], chat.choices, chat=True, output=chat.output, images=chat.images
+    )
 
 
 async def respond(
