@@ -10,8 +10,8 @@ import httpx
 import openai
 import pytest
 
+from tests.runtime.entrypoints.test_completions import metric
 from tests.runtime.serverproc import ServerProcess
-from tests.runtime.test_server import metric
 
 CB_ENV = {
     "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",

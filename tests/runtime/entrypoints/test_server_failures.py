@@ -10,8 +10,8 @@ import psutil
 import pytest
 from spyre_runtime.models import write_tiny_model
 
+from tests.runtime.entrypoints.test_completions import metric
 from tests.runtime.serverproc import ServerProcess
-from tests.runtime.test_server import metric
 
 SLOW_ENV = {
     "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
