@@ -54,7 +54,7 @@ class LLMEngine:
         images: ImageInput | None = None,
     ) -> Request:
         """Raises ValueError (nothing is queued) when the request can never run. `images`: an image-text
-        model's images (entrypoints/images.py)."""
+        model's images (entrypoints/chat/images.py)."""
         sampling = dataclasses.replace(sampling, eos_token_ids=tuple(sorted(self.outputs.eos_ids)))
         req = Request(request_id or self.new_request_id(), list(prompt_token_ids), sampling, images=images)
         check_admissible(self.scheduler, req)

@@ -14,7 +14,7 @@ MAX_MESSAGES = 1024
 
 
 class ImageURL(StrictModel):
-    url: str | None = None  # a data: URL (entrypoints/images.py); checked there, so a 400 names the part
+    url: str | None = None  # a data: URL (images.py); checked there, so a 400 names the part
     detail: Literal["auto", "low", "high"] | None = None
 
 
@@ -23,7 +23,7 @@ class ContentPart(BaseModel):
 
     type: str
     text: str | None = None
-    image_url: ImageURL | None = None  # an image-text model's input (entrypoints/images.py)
+    image_url: ImageURL | None = None  # an image-text model's input (images.py)
     # other part types (input_audio, file) are refused in Validator.messages
 
 

@@ -90,7 +90,7 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = Field(default=None, max_length=10_000)
     guided_choice: list[str] | None = Field(default=None, min_length=1, max_length=256)
     guided_whitespace_pattern: None = None
-    # vLLM's beam search: n beams (serving_beam.py)
+    # vLLM's beam search: n beams (beam.py)
     use_beam_search: bool | None = None
     length_penalty: float | None = Field(default=None, ge=-10.0, le=10.0)
     early_stopping: bool | Literal["never"] | None = None

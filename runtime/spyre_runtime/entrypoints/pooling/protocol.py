@@ -1,6 +1,6 @@
 """The requests of pooling models as strict schemas: OpenAI's embeddings, vLLM's score, and rerank in vLLM's
 / Jina's / Cohere's format. The checks that need the model (lengths against the warm-up shapes, token ids
-inside the vocabulary) are serving_pooling.Inputs'."""
+inside the vocabulary) are serving.Inputs'."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """OpenAI's Responses API request (`POST /v1/responses`) as a strict schema, like protocol.py's: strict
 types, bounded sizes, unknown parameters refused (those of OpenAI's API this server does not implement with
-the reason, `RESPONSES_UNSUPPORTED`). Input items are checked one by one in responses_input.py, so a bad
+the reason, `RESPONSES_UNSUPPORTED`). Input items are checked one by one in input.py, so a bad
 item gets a 400 naming it (`input.3.call_id`)."""
 
 from __future__ import annotations

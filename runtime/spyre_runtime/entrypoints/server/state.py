@@ -1,6 +1,6 @@
 """What the server of every task shares: its settings and metrics, its life (booting -> ready -> draining,
 or failed), and the checks every route makes before it admits a request. One subclass per engine:
-generate_state.GenerateState (decoders), pooling_state.PoolingState (embed, score, rerank)."""
+completions/state.GenerateState (decoders), pooling/state.PoolingState (embed, score, rerank)."""
 
 from __future__ import annotations
 
