@@ -164,8 +164,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
 
 def _chat_flags(p: argparse.ArgumentParser) -> None:
     """How chat output is read: tool calls and reasoning (vLLM's flags)."""
-    from spyre_runtime.entrypoints.reasoning import REASONING_PARSERS
-    from spyre_runtime.entrypoints.tool_parsers import TOOL_PARSERS
+    from spyre_runtime.entrypoints.chat.reasoning import REASONING_PARSERS
+    from spyre_runtime.entrypoints.chat.tool_parsers import TOOL_PARSERS
 
     p.add_argument(
         "--enable-auto-tool-choice",
@@ -182,7 +182,7 @@ def _chat_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _chat_settings(args):
-    from spyre_runtime.entrypoints.tools import ChatSettings
+    from spyre_runtime.entrypoints.chat.tools import ChatSettings
 
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ConfigError("--enable-auto-tool-choice needs --tool-call-parser")
@@ -240,8 +240,7 @@ def cmd_serve(args) -> int:
 
 
 def cmd_compile(args) -> int:
-    from spyre_runtime.executor.graph_cache import warmup_with_cache
-    from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
+    from spyre_runtime.engine.builder import compile_graphs
 
     config = _config(args)
     if not config.cache_enabled:
@@ -252,17 +251,7 @@ def cmd_compile(args) -> int:
         raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
     if not is_pooling_task(config.task):
         config = check_memory(config)
-    configure_threads(config)
-    if is_pooling_task(config.task):
-        from spyre_runtime.executor.pooling_model import load_pooling_model
-
-        executor = load_pooling_model(config, compile_only=True)
-    else:
-        executor = ModelExecutor(config, compile_only=True)
-    try:
-        result = warmup_with_cache(executor, config)
-    finally:
-        executor.close()
+    result = compile_graphs(config, pooling=is_pooling_task(config.task))
     print(
         json.dumps(
             {
@@ -277,7 +266,7 @@ def cmd_compile(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from spyre_runtime.engine.llm_engine import LLM
+    from spyre_runtime.engine.llm import LLM
     from spyre_runtime.executor.graph_cache import check_precompiled
     from spyre_runtime.sampling.params import SamplingParams
 

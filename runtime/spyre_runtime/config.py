@@ -139,7 +139,7 @@ def _check_kv_events_value(key: str, value, default) -> None:
 class RuntimeConfig:
     model_dir: Path
     served_model_name: str
-    task: str = "generate"  # generate | embed | score | rerank (pooling: entrypoints/pooling_state.py)
+    task: str = "generate"  # generate | embed | score | rerank (pooling: engine/pooling_client.py)
     backend: str = "sendnn"
     dtype: str = "auto"  # auto: the checkpoint's dtype on CPU backends, float16 for sendnn (loader.py)
     memory_utilization: float = (

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from spyre_runtime.config import load_config
-from spyre_runtime.engine.llm_engine import LLM
+from spyre_runtime.engine.llm import LLM
 from spyre_runtime.executor.model_executor import configure_threads
 from spyre_runtime.sampling.params import SamplingParams
 

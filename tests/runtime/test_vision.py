@@ -18,11 +18,10 @@ import pytest
 from PIL import Image
 from spyre_runtime.config import ConfigError, RuntimeConfig
 from spyre_runtime.engine.llm_engine import LLMEngine
-from spyre_runtime.entrypoints.errors import APIError
-from spyre_runtime.entrypoints.images import ImageLimits, ImagePrompter
-from spyre_runtime.entrypoints.prompts import chat_prompt
-from spyre_runtime.entrypoints.protocol import ChatCompletionRequest
-from spyre_runtime.entrypoints.validator import Validator
+from spyre_runtime.entrypoints.chat.images import ImageLimits, ImagePrompter
+from spyre_runtime.entrypoints.chat.prompts import chat_prompt
+from spyre_runtime.entrypoints.completions.protocol import ChatCompletionRequest
+from spyre_runtime.entrypoints.server.errors import APIError
 from spyre_runtime.models import build_tokenizer, write_tiny_model
 from spyre_runtime.sampling.params import SamplingParams
 
@@ -250,7 +249,7 @@ def test_text_only_model_refuses_image_parts():
         ],
     )
     with pytest.raises(APIError) as err:
-        asyncio.run(chat_prompt(build_tokenizer(), Validator(None, None, None), body, prompter=None))
+        asyncio.run(chat_prompt(build_tokenizer(), body, prompter=None))
     assert err.value.status == 400
     assert err.value.param == "messages.0.content.0"
     assert "images need an image-text model" in err.value.message

@@ -1,6 +1,6 @@
 """The engine: one step is schedule -> execute -> update, with the tokenizer-side output processing
-(outputs.py) after it. It is driven either synchronously (`LLM`) or from a thread (`EngineThread`, used by
-the server so requests are accepted while a batch computes)."""
+(outputs.py) after it. It is driven either synchronously (`LLM`, llm.py) or from a thread (`EngineThread`,
+which the server's client.EngineClient owns, so requests are accepted while a batch computes)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,14 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from spyre_runtime.config import RuntimeConfig, load_config
+from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.continuous_scheduler import ContinuousScheduler
 from spyre_runtime.engine.outputs import OutputProcessor, RequestOutput, eos_token_ids, load_tokenizer
 from spyre_runtime.engine.static_scheduler import StaticScheduler, check_admissible
-from spyre_runtime.executor.graph_cache import warmup_with_cache
-from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
+from spyre_runtime.executor.model_executor import ModelExecutor
 from spyre_runtime.request import ImageInput, Request
 from spyre_runtime.sampling.params import SamplingParams, TokenLogprob
 from spyre_runtime.sampling.sampler import token_logprobs
@@ -56,7 +54,7 @@ class LLMEngine:
         images: ImageInput | None = None,
     ) -> Request:
         """Raises ValueError (nothing is queued) when the request can never run. `images`: an image-text
-        model's images (entrypoints/images.py)."""
+        model's images (entrypoints/chat/images.py)."""
         sampling = dataclasses.replace(sampling, eos_token_ids=tuple(sorted(self.outputs.eos_ids)))
         req = Request(request_id or self.new_request_id(), list(prompt_token_ids), sampling, images=images)
         check_admissible(self.scheduler, req)
@@ -125,47 +123,6 @@ class LLMEngine:
         if self.on_step is not None:
             self.on_step(step, now - t0)
         return outputs
-
-
-class LLM:
-    """Offline batch inference: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
-
-    def __init__(
-        self, model_dir: str | Path, warmup: bool = True, config: RuntimeConfig | None = None, **overrides
-    ) -> None:
-        """`overrides` are load_config's arguments (`environ=`, flags); or pass a ready `config`."""
-        if config is None:
-            environ = overrides.pop("environ", None)
-            config = load_config(model_dir, environ=environ, **overrides)
-        self.config = config
-        configure_threads(self.config)
-        self.engine = LLMEngine(self.config)
-        self.warmup = warmup_with_cache(self.engine.executor, self.config) if warmup else None
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    def close(self) -> None:
-        """Stops the tensor-parallel ranks, if any."""
-        self.engine.close()
-
-    def generate(
-        self,
-        prompts: list[str] | list[list[int]],
-        params: SamplingParams | list[SamplingParams] | None = None,
-    ) -> list[RequestOutput]:
-        """One SamplingParams for all prompts, or one per prompt. Runs until every request finished."""
-        params = params or SamplingParams()
-        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-        ids = [p if isinstance(p, list) else self.tokenizer(p)["input_ids"] for p in prompts]
-        order = [self.engine.add_request(p, sp).request_id for p, sp in zip(ids, per_prompt, strict=True)]
-        final: dict[str, RequestOutput] = {}
-        while self.engine.has_work():
-            for out in self.engine.step():
-                if out.finished:
-                    final[out.request_id] = out
-        return [final[rid] for rid in order]
 
 
 class EngineThread:

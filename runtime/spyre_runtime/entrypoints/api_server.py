@@ -1,15 +1,17 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn), one for every task: the model's task picks the
 engine that boots (GenerateState or PoolingState) and the routers that mount; the lifespan, the API-key
-guard, the error bodies, /health, /metrics, /v1/models and the SIGTERM drain are the same for all.
+guard, the error bodies, /health, /metrics, /v1/models and the SIGTERM drain (server/) are the same for all.
+One folder per API, each with its router, protocol and serving module:
 
-    generate:          serving_completion (/v1/completions, /v1/chat/completions)
-                       serving_responses (/v1/responses)
-                       serving_tokenization (/tokenize, /detokenize)
-    embed/score/rerank: serving_pooling (/v1/embeddings, /score, /rerank)
-    every task:        serving_admin (/health, /metrics, /version, /v1/models)
+    generate:           completions/ (/v1/completions, /v1/chat/completions)
+                        responses/ (/v1/responses)
+                        tokenization/ (/tokenize, /detokenize)
+    embed/score/rerank: pooling/ (/v1/embeddings, /score, /rerank)
+    every task:         admin/ (/health, /metrics, /version, /v1/models)
 
-The engine runs on its own thread; model loading and warm-up run in the background so /health can answer
-503 until they are done."""
+chat/ holds what reading and writing a chat takes (prompts, images, tools, tool and reasoning parsers).
+The engine runs on its own thread behind its client (engine/client.py); model loading and warm-up run in
+the background so /health can answer 503 until they are done."""
 
 from __future__ import annotations
 
@@ -21,22 +23,20 @@ from fastapi import FastAPI
 from spyre_contract.tasks import is_pooling_task
 
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.entrypoints import (
-    serving_admin,
-    serving_completion,
-    serving_pooling,
-    serving_responses,
-    serving_tokenization,
-)
-from spyre_runtime.entrypoints.errors import install_error_handlers
-from spyre_runtime.entrypoints.generate_state import GenerateState
-from spyre_runtime.entrypoints.guard import Guard
-from spyre_runtime.entrypoints.launcher import serve_http
-from spyre_runtime.entrypoints.pooling_state import PoolingState
-from spyre_runtime.entrypoints.protocol import UNSUPPORTED
-from spyre_runtime.entrypoints.responses_protocol import RESPONSES_UNSUPPORTED
-from spyre_runtime.entrypoints.state import ServingState
-from spyre_runtime.entrypoints.tools import ChatSettings
+from spyre_runtime.entrypoints.admin import router as admin
+from spyre_runtime.entrypoints.chat.tools import ChatSettings
+from spyre_runtime.entrypoints.completions import router as completions
+from spyre_runtime.entrypoints.completions.protocol import UNSUPPORTED
+from spyre_runtime.entrypoints.completions.state import GenerateState
+from spyre_runtime.entrypoints.pooling.state import PoolingState
+from spyre_runtime.entrypoints.responses import router as responses
+from spyre_runtime.entrypoints.responses.protocol import RESPONSES_UNSUPPORTED
+from spyre_runtime.entrypoints.responses.serving import ResponseStore
+from spyre_runtime.entrypoints.server.errors import install_error_handlers
+from spyre_runtime.entrypoints.server.guard import Guard
+from spyre_runtime.entrypoints.server.launcher import serve_http
+from spyre_runtime.entrypoints.server.state import ServingState
+from spyre_runtime.entrypoints.tokenization import router as tokenization
 
 
 def build_state(config: RuntimeConfig, api_key: str | None = None) -> ServingState:
@@ -64,15 +64,15 @@ def build_app(state: ServingState, chat: ChatSettings | None = None) -> FastAPI:
     app.state.serving = state
     app.state.chat = chat or ChatSettings()
     app.add_middleware(Guard, api_key=lambda: state.api_key)
-    app.include_router(serving_admin.router)
+    app.include_router(admin.router)
     if pooling:
-        app.include_router(serving_pooling.router)
+        app.include_router(pooling.router)
         install_error_handlers(app, unsupported={})
     else:
-        app.include_router(serving_completion.router)
-        app.include_router(serving_responses.router)
-        app.include_router(serving_tokenization.router)
-        app.state.responses = serving_responses.ResponseStore()
+        app.include_router(completions.router)
+        app.include_router(responses.router)
+        app.include_router(tokenization.router)
+        app.state.responses = ResponseStore()
         install_error_handlers(app, unsupported={**RESPONSES_UNSUPPORTED, **UNSUPPORTED})
     return app
 

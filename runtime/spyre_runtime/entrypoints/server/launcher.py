@@ -1,0 +1,69 @@
+"""Running the app under uvicorn, with the same life for every task: SIGTERM drains (stop admitting with
+503, finish what is in flight within the grace period, exit 0), and a failed start-up or a dead engine ends
+the process (non-zero exit: the kubelet restarts it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+from spyre_runtime.entrypoints.server.state import ServingState
+
+log = logging.getLogger(__name__)
+DRAIN_POLL_SECONDS = 0.05
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM turned into a drain: stop admitting (503), finish in-flight requests within
+    the grace period, then exit 0."""
+
+    def __init__(self, config: uvicorn.Config, state: ServingState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig != signal.SIGTERM or not self.state.config.override_signals_handler or self.state.is_draining:
+            return super().handle_exit(sig, frame)
+        log.info("SIGTERM: draining %d in-flight requests", self.state.num_in_flight())
+        self.state.is_draining = True
+        loop = self.state.loop
+        if loop is not None:
+            loop.call_soon_threadsafe(lambda: loop.create_task(self._drain()))
+        else:
+            super().handle_exit(sig, frame)
+
+    async def _drain(self) -> None:
+        deadline = time.monotonic() + self.state.config.shutdown_grace_seconds
+        while self.state.num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(DRAIN_POLL_SECONDS)
+        if self.state.num_in_flight():
+            log.warning("grace period over with %d requests in flight", self.state.num_in_flight())
+        self.should_exit = True
+
+
+def serve_http(app: FastAPI, state: ServingState) -> None:
+    """Serves `app` until SIGTERM (drained), SIGINT, or a fatal error; then releases the engine."""
+    config = state.config
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    server = DrainingServer(uv_config, state)
+
+    def fatal() -> None:
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    try:
+        server.run()
+    finally:
+        state.close()

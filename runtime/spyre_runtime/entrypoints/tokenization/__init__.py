@@ -1,0 +1,1 @@
+"""vLLM's /tokenize and /detokenize: router, protocol, serving."""
