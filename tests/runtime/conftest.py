@@ -2,7 +2,7 @@
 calling, one per module that asks."""
 
 import pytest
-from spyre_runtime.models import write_tiny_model
+from spyre_runtime.testing.models import write_tiny_model
 
 from tests.runtime.serverproc import ServerProcess
 

@@ -23,8 +23,8 @@ from spyre_runtime.entrypoints.images import ImageLimits, ImagePrompter
 from spyre_runtime.entrypoints.prompts import chat_prompt
 from spyre_runtime.entrypoints.protocol import ChatCompletionRequest
 from spyre_runtime.entrypoints.validator import Validator
-from spyre_runtime.models import build_tokenizer, write_tiny_model
 from spyre_runtime.sampling.params import SamplingParams
+from spyre_runtime.testing.models import build_tokenizer, write_tiny_model
 
 from tests.runtime.serverproc import ServerProcess
 
