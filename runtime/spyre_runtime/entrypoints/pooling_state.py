@@ -12,7 +12,8 @@ import torch
 from fastapi import Request
 
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.engine.pooling import PoolingEngine, PoolingScheduler, PoolItem
+from spyre_runtime.engine.pooling import PoolingEngine
+from spyre_runtime.engine.sched.pooling import PoolingScheduler, PoolItem
 from spyre_runtime.entrypoints.errors import APIError, model_not_found
 from spyre_runtime.entrypoints.state import ServingState
 from spyre_runtime.executor.graph_cache import warmup_with_cache
