@@ -50,7 +50,7 @@ def compile_once(cache_dir: Path) -> dict:
 
 def main() -> int:
     sys.path.insert(0, str(REPO / "runtime"))
-    from spyre_runtime.models import prepare_smollm2
+    from spyre_runtime.testing.models import prepare_smollm2
 
     prepare_smollm2(MODEL_DIR)
     with tempfile.TemporaryDirectory(prefix="spyre-cache-bench-") as tmp:

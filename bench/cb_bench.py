@@ -94,7 +94,7 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
     ap.add_argument("--prefix-requests", type=int, default=12)
     args = ap.parse_args()
-    from spyre_runtime.models import prepare_smollm2
+    from spyre_runtime.testing.models import prepare_smollm2
     from transformers import AutoTokenizer
 
     prepare_smollm2(MODEL_DIR)

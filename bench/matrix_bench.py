@@ -263,7 +263,7 @@ def main() -> int:
     args = ap.parse_args()
     args.systems = args.systems.split(",")
     args.streams = [int(s) for s in args.streams.split(",")]
-    from spyre_runtime.models import prepare_smollm2
+    from spyre_runtime.testing.models import prepare_smollm2
 
     prepare_smollm2(MODEL_DIR)
     vllm_python = ensure_vllm_venv() if "vllm" in args.systems or args.vllm_client else None

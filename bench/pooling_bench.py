@@ -70,7 +70,7 @@ def main() -> int:
     from spyre_contract import Shape
     from spyre_runtime.config import RuntimeConfig
     from spyre_runtime.executor.pooling_model import PoolingModel, detect_pooling
-    from spyre_runtime.models import prepare_minilm
+    from spyre_runtime.testing.models import prepare_minilm
     from transformers import AutoTokenizer
 
     prepare_minilm(MODEL_DIR)

@@ -209,7 +209,7 @@ def main() -> int:
     ap.add_argument("--hf-requests", type=int, default=16, help="baselines run on the first N requests")
     ap.add_argument("--cb", action="store_true", help="also serve the workload with continuous batching")
     args = ap.parse_args()
-    from spyre_runtime.models import prepare_smollm2
+    from spyre_runtime.testing.models import prepare_smollm2
     from transformers import AutoTokenizer
 
     prepare_smollm2(MODEL_DIR)

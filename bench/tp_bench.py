@@ -71,7 +71,7 @@ def measure(model_dir: Path, tp: int) -> dict:
 
 def main() -> int:
     sys.path.insert(0, str(REPO / "runtime"))
-    from spyre_runtime.models import write_tiny_model
+    from spyre_runtime.testing.models import write_tiny_model
 
     results: dict = {"machine": f"{os.cpu_count()} cores, inductor, static shape (64, 64, 4)"}
     with tempfile.TemporaryDirectory() as tmp:

@@ -333,7 +333,7 @@ def main() -> int:
     ap.add_argument("--config", default="few-graphs", choices=sorted(OURS_CONFIGS), help="our buckets")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results-vllm.json")
     args = ap.parse_args()
-    from spyre_runtime.models import prepare_smollm2
+    from spyre_runtime.testing.models import prepare_smollm2
     from transformers import AutoTokenizer
 
     systems = args.systems.split(",")

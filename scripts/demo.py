@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO))
 
 import openai  # noqa: E402
 from kubernetes import client, config  # noqa: E402
-from spyre_runtime.models import prepare_smollm2  # noqa: E402
+from spyre_runtime.testing.models import prepare_smollm2  # noqa: E402
 
 from tests.cluster.stack import GROUP, PLURAL, VERSION, StackError, ready_addresses, up  # noqa: E402
 

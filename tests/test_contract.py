@@ -146,7 +146,7 @@ def test_serve_stops_before_loading_when_the_plan_cannot_fit(tmp_path):
     import subprocess
     import sys
 
-    from spyre_runtime.models import write_tiny_model
+    from spyre_runtime.testing.models import write_tiny_model
 
     model = write_tiny_model(tmp_path / "tiny")
     env = {

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from spyre_runtime.models import write_tiny_model
+from spyre_runtime.testing.models import write_tiny_model
 
 from tests.cluster.stack import LocalStack
 
@@ -163,7 +163,7 @@ def test_embedding_example_answers_the_openai_client_through_its_service(stack):
     import shutil
 
     import yaml
-    from spyre_runtime.models import prepare_minilm
+    from spyre_runtime.testing.models import prepare_minilm
 
     from tests.conftest import REPO
 

@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("tiny-model", help="write a seeded random-weight tiny model folder")
     tiny.add_argument("dir")
-    from spyre_runtime.models import TINY_ARCHES
+    from spyre_runtime.testing.models import TINY_ARCHES
 
     tiny.add_argument("--arch", default="llama", choices=TINY_ARCHES)
     tiny.add_argument("--seed", type=int, default=0)
@@ -332,14 +332,14 @@ def _refuse_pooling(config, command: str) -> None:
 
 
 def cmd_prepare(args) -> int:
-    from spyre_runtime.models import prepare_minilm, prepare_smollm2
+    from spyre_runtime.testing.models import prepare_minilm, prepare_smollm2
 
     print((prepare_minilm if args.name == "minilm" else prepare_smollm2)(args.dir))
     return 0
 
 
 def cmd_tiny(args) -> int:
-    from spyre_runtime.models import write_tiny_model
+    from spyre_runtime.testing.models import write_tiny_model
 
     try:
         print(write_tiny_model(args.dir, arch=args.arch, seed=args.seed))

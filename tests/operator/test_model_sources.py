@@ -18,7 +18,7 @@ import pytest
 from kubernetes import client
 from spyre_operator.model_volumes import fetch_key
 from spyre_operator.spec import parse_spec
-from spyre_runtime.models import write_tiny_model
+from spyre_runtime.testing.models import write_tiny_model
 
 from tests.cluster.hfhub import HfHub
 from tests.cluster.s3server import S3Server

@@ -2,7 +2,7 @@
 entrypoints/conftest.py's)."""
 
 import pytest
-from spyre_runtime.models import write_tiny_model
+from spyre_runtime.testing.models import write_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spyre_runtime.models import prepare_smollm2
+from spyre_runtime.testing.models import prepare_smollm2
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.runtime.serverproc import ServerProcess

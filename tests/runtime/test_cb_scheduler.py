@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from spyre_runtime.config import RuntimeConfig, load_config
-from spyre_runtime.engine.continuous_scheduler import ContinuousScheduler
+from spyre_runtime.engine.sched.continuous import ContinuousScheduler
 from spyre_runtime.request import Request, Status
 from spyre_runtime.sampling.params import SamplingParams
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from spyre_runtime.config import RuntimeConfig, Shape
 from spyre_runtime.engine.llm_engine import LLMEngine
-from spyre_runtime.models import write_tiny_model
 from spyre_runtime.sampling.params import SamplingParams
+from spyre_runtime.testing.models import write_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 PROMPTS = [

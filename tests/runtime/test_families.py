@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from spyre_runtime.config import RuntimeConfig, Shape
 from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.executor.kv_cache import BLOCK_SIZE, blocks_for
-from spyre_runtime.models import write_tiny_model
 from spyre_runtime.sampling.params import SamplingParams
-from spyre_runtime.tiny_models import TINY_WINDOW
+from spyre_runtime.testing.models import write_tiny_model
+from spyre_runtime.testing.tiny_models import TINY_WINDOW
 from transformers import AutoConfig, AutoModelForCausalLM
 
 MAX_TOKENS = 12

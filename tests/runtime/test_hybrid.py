@@ -18,8 +18,8 @@ from spyre_runtime.config import ConfigError, RuntimeConfig, Shape, check_memory
 from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.engine.state_slots import StateSlots
 from spyre_runtime.hybrid import HybridSpec
-from spyre_runtime.models import write_tiny_model
 from spyre_runtime.sampling.params import SamplingParams
+from spyre_runtime.testing.models import write_tiny_model
 
 from tests.runtime.test_continuous import run_arrivals
 

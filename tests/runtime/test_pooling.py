@@ -15,9 +15,9 @@ import pytest
 import torch
 from spyre_contract import ContractError, Shape
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.engine.pooling import PoolingScheduler, PoolItem
+from spyre_runtime.engine.sched.pooling import PoolingScheduler, PoolItem
 from spyre_runtime.executor.pooling_model import PoolingModel, detect_pooling, detect_task
-from spyre_runtime.models import prepare_minilm, write_tiny_cross_encoder
+from spyre_runtime.testing.models import prepare_minilm, write_tiny_cross_encoder
 
 TOLERANCE = 1e-5
 TEXTS = [

@@ -19,7 +19,7 @@ from spyre_contract.registry import (
 )
 from spyre_contract.tasks import check_task, read_pooling_environment
 from spyre_runtime.config import check_known_configuration, load_config
-from spyre_runtime.models import write_tiny_cross_encoder
+from spyre_runtime.testing.models import write_tiny_cross_encoder
 
 SMOLLM2 = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "num_hidden_layers": 30}
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2}

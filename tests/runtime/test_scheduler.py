@@ -2,7 +2,7 @@
 
 import pytest
 from spyre_runtime.config import Shape
-from spyre_runtime.engine.static_scheduler import StaticScheduler, smallest_fitting_shape
+from spyre_runtime.engine.sched.static import StaticScheduler, smallest_fitting_shape
 from spyre_runtime.request import Request
 from spyre_runtime.sampling.params import SamplingParams
 

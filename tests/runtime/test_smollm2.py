@@ -6,8 +6,8 @@ import pytest
 import torch
 from spyre_runtime.config import RuntimeConfig, Shape
 from spyre_runtime.engine.llm_engine import LLMEngine
-from spyre_runtime.models import prepare_smollm2
 from spyre_runtime.sampling.params import SamplingParams
+from spyre_runtime.testing.models import prepare_smollm2
 from transformers import AutoModelForCausalLM
 
 pytestmark = pytest.mark.slow

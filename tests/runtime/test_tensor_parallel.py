@@ -15,8 +15,8 @@ import pytest
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
 from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.executor.workers import check_tensor_parallel
-from spyre_runtime.models import write_tiny_model
 from spyre_runtime.sampling.params import SamplingParams
+from spyre_runtime.testing.models import write_tiny_model
 
 from tests.runtime.serverproc import ServerProcess
 

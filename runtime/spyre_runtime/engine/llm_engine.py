@@ -15,9 +15,9 @@ from collections.abc import Callable
 import torch
 
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.engine.continuous_scheduler import ContinuousScheduler
 from spyre_runtime.engine.outputs import OutputProcessor, RequestOutput, eos_token_ids, load_tokenizer
-from spyre_runtime.engine.static_scheduler import StaticScheduler, check_admissible
+from spyre_runtime.engine.sched.admission import check_admissible
+from spyre_runtime.engine.sched.factory import make_scheduler
 from spyre_runtime.executor.model_executor import ModelExecutor
 from spyre_runtime.request import ImageInput, Request
 from spyre_runtime.sampling.params import SamplingParams, TokenLogprob
@@ -31,7 +31,7 @@ class LLMEngine:
         self.config = config
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_dir)
         self.executor = executor if executor is not None else ModelExecutor(config)
-        self.scheduler = ContinuousScheduler(config) if config.use_cb else StaticScheduler(config.shapes)
+        self.scheduler = make_scheduler(config)  # sched/: static or continuous batching
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids(config.model_dir, self.tokenizer))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -12,7 +12,8 @@ import torch
 
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.builder import build_pooling, describe_shapes, pooling_spec
-from spyre_runtime.engine.pooling import PoolingEngine, PoolingScheduler, PoolItem
+from spyre_runtime.engine.pooling import PoolingEngine
+from spyre_runtime.engine.sched.pooling import PoolingScheduler, PoolItem
 
 
 class PoolingClient:

@@ -269,7 +269,7 @@ def test_static_batching_usage_is_rows_in_use_over_rows(static_server):
 
 @pytest.fixture(scope="module")
 def score_server(tmp_path_factory):
-    from spyre_runtime.models import write_tiny_cross_encoder
+    from spyre_runtime.testing.models import write_tiny_cross_encoder
 
     model = write_tiny_cross_encoder(tmp_path_factory.mktemp("ce"), "bert", seed=3)
     env = {

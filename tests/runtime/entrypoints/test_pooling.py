@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 import torch
-from spyre_runtime.models import prepare_minilm, write_tiny_cross_encoder
+from spyre_runtime.testing.models import prepare_minilm, write_tiny_cross_encoder
 
 from tests.runtime.serverproc import ServerProcess
 

@@ -8,7 +8,7 @@ import time
 import httpx
 import psutil
 import pytest
-from spyre_runtime.models import write_tiny_model
+from spyre_runtime.testing.models import write_tiny_model
 
 from tests.runtime.entrypoints.test_completions import metric
 from tests.runtime.serverproc import ServerProcess

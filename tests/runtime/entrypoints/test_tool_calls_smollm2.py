@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from spyre_runtime.models import prepare_smollm2
+from spyre_runtime.testing.models import prepare_smollm2
 
 from tests.runtime.serverproc import ServerProcess
 

@@ -1,4 +1,4 @@
-"""Schedulers decide which requests run in the next engine step; they never touch tensors.
+"""The static batching policy: which requests run in the next engine step; never touches tensors.
 
 One engine step is: step = scheduler.schedule(); executor runs it; engine appends tokens and marks finished
 requests; scheduler.update(step). The static scheduler below is the seeds' behaviour:
@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import deque
 
 from spyre_runtime.config import Shape
+from spyre_runtime.engine.sched.admission import abort_waiting, check_admissible
+from spyre_runtime.engine.sched.interface import GenerateScheduler
 from spyre_runtime.request import Request, Status
 from spyre_runtime.steps import StaticStep
 
@@ -28,25 +30,7 @@ def _sequence_cost(shape: Shape) -> tuple[int, int, int]:
     return (shape.max_len, shape.prompt_len, shape.batch_size)
 
 
-def check_admissible(scheduler, request: Request) -> None:
-    """Raises ValueError naming the request and the scheduler's limits when it can never run."""
-    if not scheduler.can_admit(request.num_prompt_tokens, request.sampling.max_tokens):
-        raise ValueError(
-            f"request {request.request_id} ({request.num_prompt_tokens} prompt tokens, "
-            f"max_tokens={request.sampling.max_tokens}) {scheduler.describe_limits()}"
-        )
-
-
-def abort_waiting(waiting: deque[Request], request_id: str) -> Request | None:
-    for req in waiting:
-        if req.request_id == request_id:
-            waiting.remove(req)
-            req.finish("abort")
-            return req
-    return None
-
-
-class StaticScheduler:
+class StaticScheduler(GenerateScheduler[StaticStep]):
     def __init__(self, shapes: tuple[Shape, ...]) -> None:
         if not shapes:
             raise ValueError("at least one warmup shape is needed")

@@ -41,8 +41,9 @@ from spyre_contract.environment import round_up
 
 from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
 from spyre_runtime.engine.block_manager import BlockManager, window_for
+from spyre_runtime.engine.sched.admission import abort_waiting, check_admissible
+from spyre_runtime.engine.sched.interface import GenerateScheduler
 from spyre_runtime.engine.state_slots import StateSlots
-from spyre_runtime.engine.static_scheduler import abort_waiting, check_admissible
 from spyre_runtime.request import Request, Status
 from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
 
@@ -51,7 +52,7 @@ def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
     return min(b for b in buckets if b >= n)
 
 
-class ContinuousScheduler:
+class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
     def __init__(self, config: RuntimeConfig) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len

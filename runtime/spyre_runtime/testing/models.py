@@ -13,7 +13,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from spyre_runtime import tiny_hybrid, tiny_models
+from spyre_runtime.testing import tiny_hybrid, tiny_models
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def write_tiny_model(
     if arch in tiny_hybrid.ARCHES:
         return tiny_hybrid.write_tiny_hybrid(out_dir, build_tokenizer(vocab_size), arch, seed=seed)
     if arch == "llava_next":
-        from spyre_runtime.tiny_vision import write_tiny_vision_model
+        from spyre_runtime.testing.tiny_vision import write_tiny_vision_model
 
         return write_tiny_vision_model(out_dir, build_tokenizer(vocab_size), seed=seed)
     if arch.endswith("-fp8"):
