@@ -8,7 +8,9 @@ import logging
 import kopf
 from kubernetes import client
 
-from spyre_operator.metrics import OperatorMetrics
+from spyre_operator.io.metrics import OperatorMetrics
+from spyre_operator.io.watch import KnownModels, Resync, WatchCache, plain
+from spyre_operator.io.workqueue import WorkQueue
 from spyre_operator.reconcile import Reconciler
 from spyre_operator.settings import (
     COMPILE_LABEL,
@@ -23,8 +25,6 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.watch import KnownModels, Resync, WatchCache, plain
-from spyre_operator.workqueue import WorkQueue
 
 POOLS = (POOL_GROUP, POOL_VERSION, POOL_PLURAL)
 

@@ -8,14 +8,15 @@ import copy
 
 import pytest
 from kubernetes.client.rest import ApiException
-from spyre_operator import gateway
 from spyre_operator.admission import check_spec
-from spyre_operator.inference_pool import UNAVAILABLE, InferencePoolStep
-from spyre_operator.manifests import build_compile_job, build_pod, cache_key
+from spyre_operator.io.work import Pass
+from spyre_operator.kinds import inference_pool as gateway
+from spyre_operator.kinds.compile_job import build_compile_job, cache_key
+from spyre_operator.kinds.inference_pool import UNAVAILABLE, InferencePoolStep, PoolState
+from spyre_operator.kinds.pods.template import build_pod
 from spyre_operator.settings import OperatorSettings, load_settings
-from spyre_operator.spec import InvalidSpec
-from spyre_operator.status import PoolState, compute_status
-from spyre_operator.work import Pass
+from spyre_operator.spec.model_spec import InvalidSpec
+from spyre_operator.status.conditions import compute_status
 
 from tests.operator.catalog import BASE
 
@@ -258,7 +259,7 @@ def test_the_step_makes_repairs_and_removes_the_pool():
 
 def test_without_the_api_the_pool_is_skipped_said_once_and_made_once_the_crd_is_installed(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("spyre_operator.inference_pool.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("spyre_operator.kinds.inference_pool.time.monotonic", lambda: clock[0])
     m = model(inferencePool={})
     spec = check_spec("granite", m["spec"], SETTINGS)
     kube = FakeKube(serves_api=False)

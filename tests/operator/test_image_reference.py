@@ -1,7 +1,7 @@
 """Image references as the kubelet parses them (distribution/reference): what runs, what never starts."""
 
 import pytest
-from spyre_operator.image_reference import image_reference_error
+from spyre_contract.image_reference import image_reference_error
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4
 ACCEPTED = [

@@ -3,16 +3,23 @@ serving pod and the compile Job (claim, hostPath, image volume or modelcar, the 
 loader Job and its access, what the operator reads off a loader Job, and the ModelCached condition."""
 
 import pytest
+from spyre_contract.source_uri import SourceError, parse_source_uri
 from spyre_operator.admission import check_spec
-from spyre_operator.loader_job import build_loader_access, build_loader_job, loader_job_name
-from spyre_operator.manifests import build_compile_job, cache_key, pod_template, template_hash
-from spyre_operator.model_source import SourceError, parse_source
-from spyre_operator.model_volumes import cache_folder, fetch_key, image_pull_policy
-from spyre_operator.observe import ModelCacheState, observe_loader
-from spyre_operator.plan import PodView
+from spyre_operator.kinds.compile_job import build_compile_job, cache_key
+from spyre_operator.kinds.loader_job import (
+    ModelCacheState,
+    build_loader_access,
+    build_loader_job,
+    loader_job_name,
+    observe_loader,
+)
+from spyre_operator.kinds.pods.plan import PodView
+from spyre_operator.kinds.pods.template import pod_template, template_hash
 from spyre_operator.settings import PROGRESS_ANNOTATION, OperatorSettings, SettingsError, load_settings
-from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.status import compute_status
+from spyre_operator.spec.model_source import image_pull_policy
+from spyre_operator.spec.model_spec import InvalidSpec
+from spyre_operator.spec.parse import parse_spec
+from spyre_operator.status.conditions import compute_status
 
 DIGEST = "sha256:" + "ab" * 32
 BASE = {
@@ -38,7 +45,7 @@ def spec_of(source: str, **model):
         ),
         (
             "hf://ibm-granite/granite-3.0-2b-instruct",
-            {"repo": "ibm-granite/granite-3.0-2b-instruct", "revision": ""},
+            {"repo": "ibm-granite/granite-3.0-2b-instruct", "revision": "main"},  # the Hub's default
         ),
         ("hf://org/model@refs/pr/1", {"scheme": "hf", "repo": "org/model", "revision": "refs/pr/1"}),
         (
@@ -48,7 +55,7 @@ def spec_of(source: str, **model):
     ],
 )
 def test_every_scheme_parses(uri, fields):
-    source = parse_source(uri)
+    source = parse_source_uri(uri)
     assert {k: getattr(source, k) for k in fields} == fields
     assert source.is_downloaded == (source.scheme in ("hf", "s3"))
 
@@ -72,7 +79,7 @@ def test_every_scheme_parses(uri, fields):
 )
 def test_malformed_sources_say_what_is_wrong(uri, words):
     with pytest.raises(SourceError) as err:
-        parse_source(uri)
+        parse_source_uri(uri)
     assert words in str(err.value)
     with pytest.raises(InvalidSpec) as err:
         spec_of(uri)
@@ -81,7 +88,7 @@ def test_malformed_sources_say_what_is_wrong(uri, words):
 
 def test_secret_ref_and_endpoint_only_where_downloaded():
     spec = spec_of("s3://bucket/tiny", secretRef="creds", endpoint="http://127.0.0.1:9000")
-    assert (spec.secret_ref, spec.endpoint) == ("creds", "http://127.0.0.1:9000")
+    assert (spec.source.secret_ref, spec.source.endpoint) == ("creds", "http://127.0.0.1:9000")
     for source in ("pvc://models/tiny", "oci://quay.io/org/tiny:1"):
         with pytest.raises(InvalidSpec, match=r"spec\.model\.secretRef: applies to hf:// and s3://"):
             spec_of(source, secretRef="creds")
@@ -154,14 +161,14 @@ def test_downloaded_models_mount_their_cache_folder_read_only():
     assert mount_at(runtime, "/models") == {
         "name": "graph-cache",
         "mountPath": "/models",
-        "subPath": f"models/{fetch_key(spec)}",
+        "subPath": f"models/{spec.source.fetch_key}",
         "readOnly": True,
     }
     assert mount_at(runtime, "/cache")["name"] == "graph-cache" and "initContainers" not in pod
     assert runtime["args"][1] == "/models"
     # one folder per source and endpoint: a new revision or another endpoint is another download
     keys = {
-        fetch_key(s)
+        s.source.fetch_key
         for s in (spec, spec_of("hf://org/tiny@v2"), spec_of("hf://org/tiny@main", endpoint="http://h"))
     }
     assert len(keys) == 3
@@ -213,8 +220,8 @@ def env_of(container):
 def test_loader_job(source, keys):
     spec = spec_of(source, secretRef="creds", endpoint="http://127.0.0.1:9000")
     settings = OperatorSettings(loader_retries=4)
-    job = build_loader_job(MODEL, spec, settings, fetch_key(spec))
-    assert job["metadata"]["name"] == loader_job_name("tiny", fetch_key(spec))
+    job = build_loader_job(MODEL, spec, settings, spec.source.fetch_key)
+    assert job["metadata"]["name"] == loader_job_name("tiny", spec.source.fetch_key)
     assert job["metadata"]["ownerReferences"][0]["uid"] == "u-1"
     assert job["spec"]["backoffLimit"] == 4
     (rule,) = job["spec"]["podFailurePolicy"]["rules"]
@@ -229,7 +236,7 @@ def test_loader_job(source, keys):
         "--source",
         source,
         "--into",
-        f"/cache/{cache_folder(spec)}",
+        f"/cache/{spec.source.cache_folder}",
         "--endpoint",
         "http://127.0.0.1:9000",
     ]
@@ -379,21 +386,21 @@ def test_the_examples_are_admitted(scheme):
     docs = yaml.safe_load_all((REPO / f"examples/model-from-{scheme}.yaml").read_text())
     (model,) = [d for d in docs if d["kind"] == "SpyreModel"]
     spec = check_spec(model["metadata"]["name"], model["spec"], OperatorSettings())
-    assert spec.model_source.scheme == scheme and spec.model_path_in_pod == "/models"
+    assert spec.source.scheme == scheme and spec.source.path_in_pod == "/models"
 
 
 def test_rendered_objects_validate_against_the_published_schemas():
     """What the 1.20 test control plane cannot check: the image volume (1.31+), its subPath and the loader
     Job's pod failure policy, against Kubernetes' own schemas (kubernetes-validate)."""
     import kubernetes_validate
-    from spyre_operator.manifests import build_pod
+    from spyre_operator.kinds.pods.template import build_pod
 
     oci, s3 = spec_of("oci://quay.io/org/tiny:1"), spec_of("s3://bucket/tiny", secretRef="creds")
     objects = [
         build_pod(MODEL, oci, OperatorSettings(oci_mode="image-volume")),
         build_pod(MODEL, oci, OperatorSettings(oci_mode="modelcar")),
         build_pod(MODEL, s3, OperatorSettings()),
-        build_loader_job(MODEL, s3, OperatorSettings(), fetch_key(s3)),
+        build_loader_job(MODEL, s3, OperatorSettings(), s3.source.fetch_key),
         *build_loader_access(MODEL),
     ]
     for body in objects:
@@ -426,7 +433,7 @@ def test_chart_values_reach_the_operator_and_the_default_runtime_image_is_the_on
 
 
 def test_an_image_volume_the_api_server_did_not_keep_is_found():
-    from spyre_operator.model_volumes import dropped_image_volumes
+    from spyre_operator.spec.model_source import dropped_image_volumes
 
     spec = spec_of("oci://quay.io/org/tiny:1")
     pod = pod_template("tiny", spec, OperatorSettings(oci_mode="image-volume"))

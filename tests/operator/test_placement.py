@@ -13,15 +13,16 @@ import kubernetes_validate
 import pytest
 import yaml
 from kubernetes.client.rest import ApiException
+from spyre_contract.image_reference import REFERENCE
 from spyre_operator.admission import check_spec
-from spyre_operator.card_claim import CardClaimStep
-from spyre_operator.image_reference import REFERENCE
-from spyre_operator.manifests import build_claim_template, build_pod
-from spyre_operator.observe import observe_pod
-from spyre_operator.placement import card_resource_for
+from spyre_operator.io.work import Pass
+from spyre_operator.kinds.pods.observe import observe_pod
+from spyre_operator.kinds.pods.template import build_pod
+from spyre_operator.kinds.resource_claim_template import ResourceClaimTemplateStep, build_claim_template
 from spyre_operator.settings import HASH_LABEL, OperatorSettings, SettingsError, load_settings
-from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.work import Pass
+from spyre_operator.spec.model_spec import InvalidSpec
+from spyre_operator.spec.parse import parse_spec
+from spyre_operator.spec.placement import card_resource_for
 
 from tests.conftest import REPO
 from tests.operator.catalog import BASE
@@ -133,7 +134,8 @@ def test_a_card_count_in_resources_must_say_what_cards_says():
 
 
 class FakeKube:
-    """The calls CardClaimStep makes, on a dict of templates; `refuse` answers every call with that status."""
+    """The calls ResourceClaimTemplateStep makes, on a dict of templates; `refuse` answers every call with
+    that status."""
 
     def __init__(self, templates=(), refuse: int | None = None) -> None:
         self.templates = {t["metadata"]["name"]: t for t in templates}
@@ -179,7 +181,9 @@ def test_the_card_claim_step_keeps_one_template_per_request_and_what_pods_still_
         "spec": {"resourceClaims": [{"name": "cards", "resourceClaimTemplateName": old["metadata"]["name"]}]}
     }
     work = Pass()
-    assert CardClaimStep(OperatorSettings(), kube, events).ensure(model, new_spec, [serving], work)
+    assert ResourceClaimTemplateStep(OperatorSettings(), kube, events).ensure(
+        model, new_spec, [serving], work
+    )
     new = build_claim_template(model, new_spec)["metadata"]["name"]
     # the new one made, the old one kept while a pod claims from it, the older one (and only ours) removed
     assert set(kube.templates) == {new, old["metadata"]["name"], "granite-cards-foreign"}
@@ -187,12 +191,12 @@ def test_the_card_claim_step_keeps_one_template_per_request_and_what_pods_still_
     assert events.posted == [("ClaimTemplateCreated", f"ResourceClaimTemplate {new}: 4 devices of spyre-pf")]
     # nothing asked without DRA (a cluster without it would answer 404), and a refusal is a problem
     kube = FakeKube(refuse=404)
-    assert CardClaimStep(OperatorSettings(), kube, events).ensure(
+    assert ResourceClaimTemplateStep(OperatorSettings(), kube, events).ensure(
         model, parse_spec("granite", BASE), [], Pass()
     )
     assert kube.calls == []
     work = Pass()
-    assert not CardClaimStep(OperatorSettings(), kube, events).ensure(model, new_spec, [], work)
+    assert not ResourceClaimTemplateStep(OperatorSettings(), kube, events).ensure(model, new_spec, [], work)
     assert work.problems[0].reason == "ResourceClaimTemplateRejected" and work.problems[0].is_stalled
 
 

@@ -1,20 +1,21 @@
 """Pure operator logic without a cluster: settings, spec rules, builders, the pod plan, status."""
 
 import pytest
-from spyre_operator.manifests import (
+from spyre_operator.kinds.graph_cache_claim import build_cache_claim
+from spyre_operator.kinds.pods.observe import PodHealth, observe_pod
+from spyre_operator.kinds.pods.plan import PodPlan, PodView, plan_pods
+from spyre_operator.kinds.pods.template import (
     PROBE_PERIOD,
-    build_cache_claim,
     build_pod,
-    build_service,
     pod_template,
     startup_failure_threshold,
     template_hash,
 )
-from spyre_operator.observe import PodHealth, observe_pod
-from spyre_operator.plan import PodPlan, PodView, plan_pods
+from spyre_operator.kinds.service import build_service
 from spyre_operator.settings import HASH_LABEL, MODEL_LABEL, OperatorSettings, SettingsError, load_settings
-from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.status import compute_status, merge_conditions, status_changed
+from spyre_operator.spec.model_spec import InvalidSpec
+from spyre_operator.spec.parse import parse_spec
+from spyre_operator.status.conditions import compute_status, merge_conditions, status_changed
 
 MODEL = {
     "apiVersion": "spyre-serve.io/v1alpha1",
@@ -396,7 +397,7 @@ def test_status_written_only_when_changed_and_transition_times_kept():
 
 
 def test_compile_job_and_cache_key():
-    from spyre_operator.manifests import build_compile_job, cache_key
+    from spyre_operator.kinds.compile_job import build_compile_job, cache_key
 
     s = OperatorSettings()
     pre = spec_of(graphCache={"precompile": True})
@@ -413,7 +414,7 @@ def test_compile_job_and_cache_key():
     labels = job["spec"]["template"]["metadata"]["labels"]
     assert MODEL_LABEL not in labels  # not counted as a replica
     container = job["spec"]["template"]["spec"]["containers"][0]
-    assert container["args"][:2] == ["compile", pre.model_path_in_pod]
+    assert container["args"][:2] == ["compile", pre.source.path_in_pod]
     assert s.card_resource not in container["resources"].get("requests", {})
     assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
     job_env = {e["name"] for e in container["env"]}
@@ -445,7 +446,7 @@ def test_compile_job_and_cache_key():
     ],
 )
 def test_observe_job_and_cache_status(job_status, ready, failed, reason):
-    from spyre_operator.observe import observe_job
+    from spyre_operator.kinds.compile_job import observe_job
 
     job = None if job_status is None else {"metadata": {"name": "m-compile-k"}, "status": job_status}
     state = observe_job(job, "k")

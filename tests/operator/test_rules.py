@@ -9,15 +9,16 @@ import time
 
 import pytest
 from spyre_operator.admission import check_spec
-from spyre_operator.manifests import clone_pod
-from spyre_operator.model_spec import Rollout
-from spyre_operator.observe import observe_pod
-from spyre_operator.plan import Budget, PodView, plan_pods
-from spyre_operator.runtime_contract import check_runtime_contract
+from spyre_operator.io.work import Problem
+from spyre_operator.io.workqueue import Result, WorkQueue
+from spyre_operator.kinds.pods.observe import observe_pod
+from spyre_operator.kinds.pods.plan import Budget, PodView, plan_pods
+from spyre_operator.kinds.pods.template import clone_pod
 from spyre_operator.settings import HASH_LABEL, OperatorSettings
-from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.status import Problem, compute_status
-from spyre_operator.workqueue import Result, WorkQueue
+from spyre_operator.spec.model_spec import InvalidSpec, Rollout
+from spyre_operator.spec.parse import parse_spec
+from spyre_operator.spec.runtime_contract import check_runtime_contract
+from spyre_operator.status.conditions import compute_status
 
 from tests.conftest import REPO
 from tests.operator.catalog import BASE, CATALOG
@@ -346,7 +347,7 @@ def test_work_queue_coalesces_serializes_and_backs_off():
 
 
 def test_bucket_ranges_reach_the_pod_environment():
-    from spyre_operator.runtime_contract import runtime_env
+    from spyre_operator.spec.runtime_contract import runtime_env
 
     batching = {"mode": "continuous", "maxNumSeqs": 8, "maxModelLen": 512}
     batching["decodeBatchBuckets"] = {"min": 1, "step": 4, "max": 8}
@@ -370,7 +371,7 @@ def test_every_example_is_a_valid_spec(path):
 
 
 def test_pooling_task_pod_gets_task_flag_and_pooling_shapes():
-    from spyre_operator.manifests import pod_template
+    from spyre_operator.kinds.pods.template import pod_template
     from spyre_operator.settings import OperatorSettings
 
     shapes = [{"promptLength": 64, "batchSize": 8}, {"promptLength": 256, "batchSize": 2}]
@@ -400,7 +401,7 @@ def test_pooling_task_pod_gets_task_flag_and_pooling_shapes():
 
 
 def test_card_tiers_shared_memory_and_startup_budget():
-    from spyre_operator.manifests import pod_template, startup_failure_threshold
+    from spyre_operator.kinds.pods.template import pod_template, startup_failure_threshold
     from spyre_operator.settings import OperatorSettings, SettingsError, load_settings
 
     tiered = OperatorSettings(card_resource="ibm.com/aiu_pf", card_tiers=(4, 8, 16))
@@ -427,9 +428,9 @@ def test_card_tiers_shared_memory_and_startup_budget():
 
 
 def test_memory_plan_and_known_configurations_before_any_pod():
-    from spyre_operator.runtime_contract import check_fit
     from spyre_operator.settings import OperatorSettings
-    from spyre_operator.spec import UnknownConfiguration
+    from spyre_operator.spec.parse import UnknownConfiguration
+    from spyre_operator.spec.runtime_contract import check_fit
 
     from tests.operator.catalog import LLAMA_70B
 
@@ -458,7 +459,7 @@ def test_warming_pods_progress_reaches_the_progressing_message():
     import json as _json
     import threading as _threading
 
-    from spyre_operator.report import warmup_progress
+    from spyre_operator.status.report import warmup_progress
 
     class Warming(http.server.BaseHTTPRequestHandler):
         def do_GET(self):

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import re
 
-from spyre_operator.image_reference import image_reference_error
-from spyre_operator.model_spec import Devices, InvalidSpec, quantity_bytes
+from spyre_contract.image_reference import image_reference_error
+
+from spyre_operator.spec.model_spec import Devices, InvalidSpec, quantity_bytes
 
 # Kubernetes' resource.Quantity syntax: a number and a binary-SI, decimal-SI or exponent suffix
 K8S_QUANTITY = re.compile(

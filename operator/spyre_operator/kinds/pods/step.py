@@ -9,18 +9,28 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol
 
 from kubernetes.client.rest import ApiException
 
-from spyre_operator import manifests, placement
-from spyre_operator.events import EventRecorder
-from spyre_operator.kube import Kube, is_quota, problem_of
-from spyre_operator.model_spec import ModelSpec
-from spyre_operator.observe import CacheState, observe_pods
-from spyre_operator.plan import Budget, PodPlan, PodView, plan_pods
+from spyre_operator.io.events import EventRecorder
+from spyre_operator.io.kube import Kube, is_quota, problem_of
+from spyre_operator.io.watch import Key
+from spyre_operator.io.work import Pass
+from spyre_operator.kinds.pods.observe import observe_pods
+from spyre_operator.kinds.pods.plan import Budget, PodPlan, PodView, plan_pods
+from spyre_operator.kinds.pods.template import build_pod, clone_pod, spec_hash
 from spyre_operator.settings import HASH_LABEL, MODEL_LABEL, SPEC_LABEL, OperatorSettings
-from spyre_operator.watch import Key
-from spyre_operator.work import Pass
+from spyre_operator.spec import placement
+from spyre_operator.spec.model_spec import ModelSpec
+
+
+class Gate(Protocol):
+    """What the new template waits for (its model in the model cache, its graphs in the graph cache): the
+    loader Job's or the compile Job's state."""
+
+    @property
+    def is_ready(self) -> bool: ...
 
 
 class PodStep:
@@ -39,7 +49,7 @@ class PodStep:
         spec: ModelSpec,
         thash: str,
         pods: list[dict],
-        cache: CacheState | None,
+        cache: Gate | None,
         work: Pass,
     ) -> tuple[list[dict], bool]:
         """(the pods as last seen, whether any was created or deleted)."""
@@ -65,7 +75,7 @@ class PodStep:
         spec: ModelSpec,
         thash: str,
         pods: list[dict],
-        cache: CacheState | None,
+        cache: Gate | None,
         work: Pass,
     ) -> tuple[PodPlan, Callable[[], dict] | None]:
         """The pod plan for what `pods` shows, and how to build a new pod."""
@@ -87,7 +97,7 @@ class PodStep:
                 return PodPlan(), None
             plan = plan_pods(spec.replicas, serving, views, suspend=spec.suspend)
             template = next(p for p in pods if p["metadata"]["labels"].get(HASH_LABEL) == serving)
-            build = lambda: manifests.clone_pod(template)  # noqa: E731
+            build = lambda: clone_pod(template)  # noqa: E731
         else:
             surge, unavailable = spec.rollout.resolve(spec.replicas)
             quota_blocked = key in self._quota_blocked
@@ -101,7 +111,7 @@ class PodStep:
                 can_host=self._can_host(spec, views, pods) if starving else None,
                 quota_blocked=quota_blocked,
             )
-            build = lambda: manifests.build_pod(model, spec, self.settings)  # noqa: E731
+            build = lambda: build_pod(model, spec, self.settings)  # noqa: E731
         work.waiting = plan.waiting or work.waiting
         # stuck pods are replaced after their grace period: look again then
         for view, health in observed:
@@ -198,7 +208,7 @@ class RolloutSlots:
             if key in self._rolling or any(lb.get(HASH_LABEL) == thash for lb in labels):
                 self._rolling.add(key)  # under way: finish it
                 return False
-            if any(lb.get(SPEC_LABEL) != manifests.spec_hash(model) for lb in labels):
+            if any(lb.get(SPEC_LABEL) != spec_hash(model) for lb in labels):
                 return False  # the user changed the spec
             if len(self._rolling) < self.limit:
                 self._rolling.add(key)

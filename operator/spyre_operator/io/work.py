@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spyre_operator.status import Problem
+
+@dataclass(frozen=True)
+class Problem:
+    """Something that went wrong while acting (an API error, a refused object) or was seen (a failing
+    pod): a reason, a message naming the object, and whether progress needs a human (Stalled)."""
+
+    reason: str
+    message: str
+    is_stalled: bool = True
 
 
 @dataclass

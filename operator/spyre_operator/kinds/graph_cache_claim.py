@@ -6,16 +6,44 @@ from __future__ import annotations
 
 from kubernetes.client.rest import ApiException
 
-from spyre_operator import manifests
-from spyre_operator.events import EventRecorder
-from spyre_operator.kube import Kube, problem_of
-from spyre_operator.model_spec import ModelSpec, quantity_bytes
+from spyre_operator.io.events import EventRecorder
+from spyre_operator.io.kube import Kube, problem_of
+from spyre_operator.io.work import Pass, Problem
+from spyre_operator.kinds.ownership import is_owned_by, owner_reference, selector_labels
 from spyre_operator.settings import MANAGED_BY, MODEL_LABEL, OperatorSettings
-from spyre_operator.status import Problem
-from spyre_operator.work import Pass
+from spyre_operator.spec.model_spec import ModelSpec, quantity_bytes
 
 
-class ClaimStep:
+def cache_claim_name(name: str, spec: ModelSpec) -> str | None:
+    if not spec.cache.enabled:
+        return None
+    return spec.cache.existing_claim or f"{name}-graph-cache"
+
+
+def build_cache_claim(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict | None:
+    """One claim per model, shared by all replicas. None when disabled or an existing claim is used.
+    With retention Delete the claim is owned by the model (garbage-collected with it); Retain keeps it."""
+    if not spec.cache.enabled or spec.cache.existing_claim:
+        return None
+    name = model["metadata"]["name"]
+    meta = {
+        "name": cache_claim_name(name, spec),
+        "namespace": model["metadata"]["namespace"],
+        "labels": {**selector_labels(name), **MANAGED_BY},
+    }
+    if spec.cache.retention == "Delete":
+        meta["ownerReferences"] = [owner_reference(model)]
+    claim_spec = {
+        "accessModes": [spec.cache.access_mode],
+        "resources": {"requests": {"storage": spec.cache.size}},
+    }
+    storage_class = spec.cache.storage_class or settings.default_storage_class
+    if storage_class:
+        claim_spec["storageClassName"] = storage_class
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": meta, "spec": claim_spec}
+
+
+class GraphCacheClaimStep:
     def __init__(self, settings: OperatorSettings, kube: Kube, events: EventRecorder) -> None:
         self.settings = settings
         self.kube = kube
@@ -23,7 +51,7 @@ class ClaimStep:
 
     def ensure(self, model: dict, spec: ModelSpec, work: Pass) -> bool:
         """True when the pods can mount their claim (made, or none wanted); else a problem in `work`."""
-        want = manifests.build_cache_claim(model, spec, self.settings)
+        want = build_cache_claim(model, spec, self.settings)
         if want is None:
             return True
         name, namespace = want["metadata"]["name"], want["metadata"]["namespace"]
@@ -67,7 +95,7 @@ def is_ours(have: dict, model: dict) -> bool:
     labelled = labels.get(MODEL_LABEL) == model["metadata"]["name"] and all(
         labels.get(k) == v for k, v in MANAGED_BY.items()
     )
-    return labelled and not (owners and not manifests.is_owned_by(have, model))
+    return labelled and not (owners and not is_owned_by(have, model))
 
 
 def claim_update(have: dict, want: dict, spec: ModelSpec) -> dict:

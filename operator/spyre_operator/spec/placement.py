@@ -2,16 +2,17 @@
 operator's card resource, the smallest topology tier that holds the cards, or the spec's own `cardResource`:
 `ibm.com/spyre_pf`, `ibm.com/spyre_vf`, `ibm.com/spyre_pf_tier0`), or Dynamic Resource Allocation
 (`spec.devices`: a ResourceClaimTemplate per model asking for `cards` devices of a DeviceClass, IBM's driver
-publishing `spyre-pf`, all on one NUMA node when there are several). Pure: checks and builders."""
+publishing `spyre-pf`, all on one NUMA node when there are several). Pure: the checks, the card request of a
+pod and the device request its template makes (kinds/resource_claim_template.py builds the template)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 
-from spyre_operator.model_spec import InvalidSpec, ModelSpec
-from spyre_operator.pod_fields import check_card_counts
 from spyre_operator.settings import OperatorSettings
+from spyre_operator.spec.model_spec import InvalidSpec, ModelSpec
+from spyre_operator.spec.pod_fields import check_card_counts
 
 RESOURCE_API = "resource.k8s.io/v1"  # DRA, served from Kubernetes 1.34
 CLAIM = "cards"  # the pod's resourceClaims entry, the container's resources.claims and the device request
@@ -56,7 +57,7 @@ def check_placement(spec: ModelSpec, settings: OperatorSettings) -> None:
 
 def claim_template_name(name: str, spec: ModelSpec) -> str:
     """Named after what it asks for: a template's spec never changes, a new request is a new template."""
-    digest = hashlib.sha256(json.dumps(_device_claim(spec), sort_keys=True).encode()).hexdigest()[:10]
+    digest = hashlib.sha256(json.dumps(device_claim(spec), sort_keys=True).encode()).hexdigest()[:10]
     return f"{name}-cards-{digest}"
 
 
@@ -72,18 +73,7 @@ def request_cards(resources: dict, name: str, spec: ModelSpec, settings: Operato
     return [{"name": CLAIM, "resourceClaimTemplateName": claim_template_name(name, spec)}]
 
 
-def claim_template(name: str, spec: ModelSpec, metadata: dict) -> dict:
-    """The model's ResourceClaimTemplate (resource.k8s.io/v1); `metadata` holds its namespace, labels and
-    owner."""
-    return {
-        "apiVersion": RESOURCE_API,
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": claim_template_name(name, spec), **metadata},
-        "spec": {"spec": _device_claim(spec)},
-    }
-
-
-def _device_claim(spec: ModelSpec) -> dict:
+def device_claim(spec: ModelSpec) -> dict:
     """`cards` devices of the DeviceClass; several share the value of the match attribute (one NUMA node)."""
     devices = spec.devices
     request = {

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import threading
 
+from spyre_operator.io.workqueue import WorkQueue
 from spyre_operator.settings import OperatorSettings
-from spyre_operator.workqueue import WorkQueue
 
 Key = tuple[str, str]
 

@@ -12,17 +12,19 @@ from collections import Counter
 
 from kubernetes.client.rest import ApiException
 
-from spyre_operator import placement
-from spyre_operator.events import EventRecorder
-from spyre_operator.kube import Kube
-from spyre_operator.metrics import OperatorMetrics
-from spyre_operator.model_spec import ModelSpec
-from spyre_operator.observe import CacheState, ModelCacheState, PodHealth, observe_pods
-from spyre_operator.plan import PodView
+from spyre_operator.io.events import EventRecorder
+from spyre_operator.io.kube import Kube
+from spyre_operator.io.metrics import OperatorMetrics
+from spyre_operator.io.work import Pass, Problem
+from spyre_operator.kinds.compile_job import CacheState
+from spyre_operator.kinds.inference_pool import PoolState
+from spyre_operator.kinds.loader_job import ModelCacheState
+from spyre_operator.kinds.pods.observe import PodHealth, observe_pods
+from spyre_operator.kinds.pods.plan import PodView
 from spyre_operator.settings import GROUP, KIND, MODEL_LABEL, VERSION, OperatorSettings
-from spyre_operator.spec import InvalidSpec
-from spyre_operator.status import PoolState, Problem, compute_status, merge_conditions, status_changed
-from spyre_operator.work import Pass
+from spyre_operator.spec import placement
+from spyre_operator.spec.model_spec import InvalidSpec, ModelSpec
+from spyre_operator.status.conditions import compute_status, merge_conditions, status_changed
 
 
 class Conflict(Exception):

@@ -1,14 +1,13 @@
-"""ModelSpec: a SpyreModel spec once validated (`spec.parse_spec`), as the builders and the reconcile read it:
-frozen values with the defaults the CRD states (no validation here), `quantity_bytes` for its sizes, and
-InvalidSpec, the error that names the field a spec breaks a rule with."""
+"""ModelSpec: a SpyreModel spec once validated (`parse.parse_spec`), as the builders and the reconcile read
+it: frozen values with the defaults the CRD states (no validation here; the model's source parsed into its
+scheme's type), `quantity_bytes` for its sizes, and InvalidSpec, the error that names the field a spec breaks
+a rule with."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spyre_operator.model_source import Source, parse_source
-
-MODEL_MOUNT = "/models"  # where a pod finds the model: the claim's root, an image's files, the cache folder
+from spyre_operator.spec.model_source import ModelSource
 
 
 class InvalidSpec(ValueError):
@@ -101,10 +100,8 @@ def _scaled(value: int | str, replicas: int, up: bool) -> int:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    source: str
+    source: ModelSource  # spec.model.source (with secretRef and endpoint when it is downloaded)
     served_model_name: str
-    secret_ref: str | None = None  # spec.model.secretRef: the loader's credentials (hf, s3)
-    endpoint: str | None = None  # spec.model.endpoint: the hub's or object store's URL (hf, s3)
     architecture: str | None = None  # config.json's architectures[0], for the registry
     model_config: dict | None = None  # config.json's dimensions, for the memory plan
     require_known_config: bool = False
@@ -133,26 +130,6 @@ class ModelSpec:
     suspend: bool = False
     rollout: Rollout = field(default_factory=Rollout)
     inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
-
-    @property
-    def model_source(self) -> Source:
-        return parse_source(self.source)
-
-    @property
-    def pvc_claim(self) -> str | None:
-        source = self.model_source
-        return source.claim if source.scheme == "pvc" else None
-
-    @property
-    def model_path_in_pod(self) -> str:
-        """A claim's folder under the claim's mount, a node's folder where it is on the node; an image's
-        files and the model cache's folder are mounted at the model mount itself."""
-        source = self.model_source
-        if source.scheme == "pvc":
-            return f"{MODEL_MOUNT}/" + source.path.strip("/")
-        if source.scheme == "file":
-            return source.path
-        return MODEL_MOUNT
 
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}

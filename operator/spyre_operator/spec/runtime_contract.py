@@ -9,9 +9,9 @@ from spyre_contract.memory import DTYPE_BYTES, GIB, ModelDims, plan_memory
 from spyre_contract.registry import check_known_config
 from spyre_contract.tasks import POOLING_TASKS, read_pooling_environment
 
-from spyre_operator.model_spec import ModelSpec, quantity_bytes
 from spyre_operator.settings import OperatorSettings
-from spyre_operator.spec import InvalidSpec, UnknownConfiguration
+from spyre_operator.spec.model_spec import InvalidSpec, ModelSpec, quantity_bytes
+from spyre_operator.spec.parse import UnknownConfiguration
 
 CACHE_MOUNT = "/cache"
 
@@ -61,7 +61,7 @@ def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
 def runtime_args(spec: ModelSpec, settings: OperatorSettings) -> list[str]:
     serving = ["--served-model-name", spec.served_model_name, "--host", "$(POD_IP)", "--port"]
     task = ["--task", spec.task] if spec.task != "generate" else []
-    return ["serve", spec.model_path_in_pod, *serving, str(settings.runtime_port), *task, *engine_args(spec)]
+    return ["serve", spec.source.path_in_pod, *serving, str(settings.runtime_port), *task, *engine_args(spec)]
 
 
 def engine_args(spec: ModelSpec) -> list[str]:

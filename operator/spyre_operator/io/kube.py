@@ -13,8 +13,8 @@ import json
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
+from spyre_operator.io.work import Problem
 from spyre_operator.settings import GROUP, PLURAL, POOL_GROUP, POOL_PLURAL, POOL_VERSION, VERSION
-from spyre_operator.status import Problem
 
 # the kinds the operator owns, as the client's method names spell them
 _METHOD_NAMES = {

@@ -9,30 +9,14 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass
 
-from spyre_operator.observe import CacheState, ModelCacheState, PodHealth, lacks_cards, waits_for_claim
-from spyre_operator.plan import PodView
+from spyre_operator.io.work import Problem
+from spyre_operator.kinds.compile_job import CacheState
+from spyre_operator.kinds.inference_pool import PoolState
+from spyre_operator.kinds.loader_job import ModelCacheState
+from spyre_operator.kinds.pods.observe import PodHealth, lacks_cards, waits_for_claim
+from spyre_operator.kinds.pods.plan import PodView
 
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Progressing", "Degraded")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something that went wrong while acting (an API error, a refused object) or was seen (a failing
-    pod): a reason, a message naming the object, and whether progress needs a human (Stalled)."""
-
-    reason: str
-    message: str
-    is_stalled: bool = True
-
-
-@dataclass(frozen=True)
-class PoolState:
-    """The model's InferencePool as the last check left it: there as specified, or why not (condition
-    InferencePoolReady)."""
-
-    is_ready: bool
-    reason: str
-    message: str
 
 
 def now_iso() -> str:

@@ -1,16 +1,16 @@
 """The model's Service: made once; its selector and ports (what the operator owns of it) restored when
-someone changed them. A Service of the model's name that the model does not own is for a human to settle."""
+someone changed them. A Service of the model's name that the model does not own is for a human to settle.
+Its builder is here too."""
 
 from __future__ import annotations
 
 from kubernetes.client.rest import ApiException
 
-from spyre_operator import manifests
-from spyre_operator.events import EventRecorder
-from spyre_operator.kube import Kube, problem_of
-from spyre_operator.settings import OperatorSettings
-from spyre_operator.status import Problem
-from spyre_operator.work import Pass
+from spyre_operator.io.events import EventRecorder
+from spyre_operator.io.kube import Kube, problem_of
+from spyre_operator.io.work import Pass, Problem
+from spyre_operator.kinds.ownership import is_owned_by, owner_reference, selector_labels
+from spyre_operator.settings import MANAGED_BY, OperatorSettings
 
 
 class ServiceStep:
@@ -21,7 +21,7 @@ class ServiceStep:
 
     def ensure(self, model: dict, work: Pass) -> bool:
         """True when the model has its Service as it should be; else a problem in `work`."""
-        want = manifests.build_service(model, self.settings)
+        want = build_service(model, self.settings)
         name, namespace = want["metadata"]["name"], want["metadata"]["namespace"]
         try:
             if self.kube.create_unless_exists(want):
@@ -29,7 +29,7 @@ class ServiceStep:
             have = self.kube.read("Service", name, namespace)
             if have is None:  # removed meanwhile: the next pass makes it
                 raise ApiException(status=409, reason="Service was being removed")
-            if not manifests.is_owned_by(have, model):
+            if not is_owned_by(have, model):
                 work.problems.append(
                     Problem(
                         "ServiceConflict",
@@ -59,3 +59,23 @@ def service_repair(have: dict, want: dict) -> dict | None:
     if have["spec"].get("selector") == want["spec"]["selector"] and ports == want["spec"]["ports"]:
         return None
     return {"spec": {"selector": want["spec"]["selector"], "ports": want["spec"]["ports"]}}
+
+
+def build_service(model: dict, settings: OperatorSettings) -> dict:
+    name = model["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": name,
+            "namespace": model["metadata"]["namespace"],
+            "labels": {**selector_labels(name), **MANAGED_BY},
+            "ownerReferences": [owner_reference(model)],
+        },
+        "spec": {
+            "selector": selector_labels(name),
+            "ports": [
+                {"name": "http", "port": settings.runtime_port, "targetPort": "http", "protocol": "TCP"}
+            ],
+        },
+    }

@@ -1,5 +1,5 @@
-"""What the operator reads off the objects it owns: each pod as a PodView (what the plan needs) and a
-PodHealth (its failures, for the conditions); each compile Job as a CacheState. Pure functions of bodies."""
+"""What the operator reads off the model's pods: each pod as a PodView (what the plan needs) and a PodHealth
+(its failures, for the conditions). Pure functions of bodies."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import datetime
 import re
 from dataclasses import dataclass
 
-from spyre_operator.plan import PodView
+from spyre_operator.kinds.pods.plan import PodView
 from spyre_operator.settings import HASH_LABEL, OperatorSettings
 
 # container waiting reasons that never resolve by waiting; replaced after a grace period
@@ -55,7 +55,7 @@ def waits_for_claim(unschedulable_message: str) -> bool:
     return bool(MISSING_CLAIM.search(unschedulable_message))
 
 
-def _last_line(text: str | None) -> str:
+def last_line(text: str | None) -> str:
     lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
     return lines[-1][:300] if lines else ""
 
@@ -111,7 +111,7 @@ def observe_pod(
         last = (cs.get("lastState") or {}).get("terminated") or {}
         if waiting.get("reason") == "CrashLoopBackOff":
             failure = "CrashLoop"
-            words = _last_line(last.get("message"))
+            words = last_line(last.get("message"))
             message = (
                 f"pod {meta['name']}: container {cs['name']} is crash-looping (last exit: "
                 f"{last.get('reason', 'unknown')}, code {last.get('exitCode', '?')}, restarts "
@@ -127,7 +127,7 @@ def observe_pod(
                 dead = f"stuck in {waiting['reason']} for more than {stuck_grace_seconds:.0f} s"
         elif terminated and terminated.get("exitCode", 0) != 0:
             failure = "ContainerFailed"
-            words = _last_line(terminated.get("message"))
+            words = last_line(terminated.get("message"))
             message = (
                 f"pod {meta['name']}: container {cs['name']} exited: {terminated.get('reason', 'Error')} "
                 f"(code {terminated.get('exitCode')})" + (f": {words}" if words else "")
@@ -161,139 +161,3 @@ def observe_pods(
         observe_pod(p, card_resource, HASH_LABEL, stuck_grace_seconds=settings.stuck_grace_seconds)
         for p in pods
     ]
-
-
-@dataclass(frozen=True)
-class CacheState:
-    """The compile Job of the current cache key, as observed."""
-
-    key: str
-    is_ready: bool
-    is_failed: bool
-    reason: str
-    message: str
-    attempt: int = 1
-    max_attempts: int = 1
-    failed_at: str = ""  # when the current attempt failed
-
-    @property
-    def can_retry(self) -> bool:
-        return self.is_failed and self.attempt < self.max_attempts
-
-
-def observe_job(
-    job: dict | None, key: str, max_attempts: int = 1, attempt_annotation: str = ""
-) -> CacheState:
-    """Reads a compile Job's status (None: not created yet)."""
-    if job is None:
-        return CacheState(key, False, False, "Compiling", f"creating the compile Job for cache key {key}")
-    status = job.get("status") or {}
-    name = job["metadata"]["name"]
-    try:
-        attempt = int((job["metadata"].get("annotations") or {}).get(attempt_annotation, 1))
-    except ValueError:
-        attempt = 1
-    conditions = {c.get("type"): c for c in status.get("conditions") or []}
-    failed = conditions.get("Failed", {})
-    if status.get("succeeded"):
-        return CacheState(key, True, False, "Compiled", f"compile Job {name} filled the cache for key {key}")
-    if failed.get("status") == "True":
-        reason = failed.get("reason") or "JobFailed"
-        detail = failed.get("message") or "the compile Job failed"
-        tail = (
-            f"attempt {attempt} of {max_attempts}, retrying with back-off"
-            if attempt < max_attempts
-            else f"failed {attempt} of {max_attempts} attempts: fix the cause, then delete the Job to retry"
-        )
-        return CacheState(
-            key,
-            False,
-            True,
-            "CompileJobFailed",
-            f"compile Job {name} failed ({reason}): {detail} ({tail})",
-            attempt,
-            max_attempts,
-            failed.get("lastTransitionTime") or "",
-        )
-    return CacheState(
-        key,
-        False,
-        False,
-        "Compiling",
-        f"compile Job {name} is filling the cache for key {key}"
-        + (f" (attempt {attempt} of {max_attempts})" if attempt > 1 else ""),
-        attempt,
-        max_attempts,
-    )
-
-
-@dataclass(frozen=True)
-class ModelCacheState:
-    """The loader Job of the current fetch key (hf://, s3://), as observed: downloading (bytes so far, from
-    its pod's progress annotation), cached, or failed for good (the loader's last words)."""
-
-    key: str
-    is_ready: bool
-    is_failed: bool
-    reason: str  # Downloading | Cached | DownloadFailed
-    message: str
-
-
-def observe_loader(job: dict | None, pods: list[dict], key: str, progress_annotation: str) -> ModelCacheState:
-    """Reads a loader Job and its pods (None: not created yet). Failed means the Job failed, or a pod
-    exited with the loader's permanent code 2 (a cluster without pod failure policies would retry it)."""
-    if job is None:
-        return ModelCacheState(
-            key, False, False, "Downloading", f"creating the loader Job for fetch key {key}"
-        )
-    name = job["metadata"]["name"]
-    status = job.get("status") or {}
-    mine = sorted(
-        (p for p in pods if (p["metadata"].get("labels") or {}).get("job-name") == name),
-        key=lambda p: p["metadata"].get("creationTimestamp") or "",
-    )
-    done, total = _progress(mine, progress_annotation)
-    if status.get("succeeded"):
-        size = f": {total} bytes" if total else ""
-        return ModelCacheState(key, True, False, "Cached", f"loader Job {name} cached the model{size}")
-    failed = {c.get("type"): c for c in status.get("conditions") or []}.get("Failed", {})
-    permanent = next((w for p in mine if (w := _exit_words(p, permanent_only=True))), None)
-    if failed.get("status") == "True" or permanent is not None:
-        words = permanent or next((w for p in reversed(mine) if (w := _exit_words(p))), None)
-        why = words or failed.get("message") or failed.get("reason") or "the loader failed"
-        return ModelCacheState(
-            key,
-            False,
-            True,
-            "DownloadFailed",
-            f"loader Job {name} failed: {why} (fix the cause, then delete the Job to download again)",
-        )
-    so_far = f"{done} of {total} bytes" if total else "starting"
-    for pod in mine[-1:]:
-        for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-            waiting = (cs.get("state") or {}).get("waiting") or {}
-            if waiting.get("reason") in STUCK_REASONS:
-                so_far = f"loader pod cannot start ({waiting['reason']}: {waiting.get('message', '')})"
-    return ModelCacheState(key, False, False, "Downloading", f"{so_far} (loader Job {name})")
-
-
-def _progress(pods: list[dict], annotation: str) -> tuple[int, int]:
-    """The latest pod's "<done>/<total>" bytes, as the loader writes them."""
-    for pod in reversed(pods):
-        value = (pod["metadata"].get("annotations") or {}).get(annotation, "")
-        done, _, total = value.partition("/")
-        if done.isdigit() and total.isdigit():
-            return int(done), int(total)
-    return 0, 0
-
-
-def _exit_words(pod: dict, permanent_only: bool = False) -> str | None:
-    """The last line of a failed loader container's termination message, with its exit code."""
-    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-        terminated = (cs.get("state") or {}).get("terminated") or {}
-        code = terminated.get("exitCode", 0)
-        if code == 0 or (permanent_only and code != 2):
-            continue
-        words = _last_line(terminated.get("message"))
-        return f"exit code {code}" + (f": {words}" if words else "")
-    return None

@@ -8,10 +8,11 @@ from __future__ import annotations
 import re
 
 from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
+from spyre_contract.source_uri import DOWNLOADED, SourceError, parse_source_uri
 from spyre_contract.tasks import POOLING_TASKS, TASKS
 
-from spyre_operator.model_source import SourceError, parse_source
-from spyre_operator.model_spec import (
+from spyre_operator.spec.model_source import model_source
+from spyre_operator.spec.model_spec import (
     DEFAULT_PICKER_PORT,
     EndpointPicker,
     GraphCache,
@@ -21,7 +22,7 @@ from spyre_operator.model_spec import (
     Rollout,
     StaticShape,
 )
-from spyre_operator.pod_fields import DNS_NAME, object_field, parse_pod_fields, string_field
+from spyre_operator.spec.pod_fields import DNS_NAME, object_field, parse_pod_fields, string_field
 
 VALID_CARDS = (1, 2, 4, 8)
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -94,13 +95,12 @@ def _model_section(name: str, spec: dict) -> dict:
     model = spec.get("model")
     if not isinstance(model, dict) or not model.get("source"):
         raise InvalidSpec("model.source", "is required")
-    source = model["source"]
     try:
-        parsed = parse_source(source)
+        parsed = parse_source_uri(model["source"])
     except SourceError as e:
         raise InvalidSpec("model.source", str(e)) from None
-    access = _source_access(model, parsed.scheme)
-    if parsed.is_downloaded and not object_field(spec, "graphCache").get("enabled", True):
+    source = model_source(parsed, **_source_access(model, parsed.scheme))
+    if source.is_downloaded and not object_field(spec, "graphCache").get("enabled", True):
         raise InvalidSpec(
             "graphCache.enabled",
             f"{parsed.scheme}:// models are downloaded into the graph-cache claim (its models/ folder): "
@@ -115,7 +115,6 @@ def _model_section(name: str, spec: dict) -> dict:
         raise InvalidSpec("model.servedModelName", f"must be a non-empty string, got {served!r}")
     return {
         "source": source,
-        **access,
         "served_model_name": served or name,
         "architecture": architecture,
         "model_config": model_config,
@@ -130,7 +129,7 @@ def _source_access(model: dict, scheme: str) -> dict:
     hub's or object store's URL; only the downloaded schemes (hf, s3) use them."""
     secret_ref, endpoint = model.get("secretRef"), model.get("endpoint")
     for key, value in (("secretRef", secret_ref), ("endpoint", endpoint)):
-        if value is not None and scheme not in ("hf", "s3"):
+        if value is not None and scheme not in DOWNLOADED:
             raise InvalidSpec(f"model.{key}", f"applies to hf:// and s3:// sources only, not {scheme}://")
     if secret_ref is not None and (not isinstance(secret_ref, str) or not DNS_NAME.match(secret_ref)):
         raise InvalidSpec("model.secretRef", f"must be a Secret's name (a DNS name), got {secret_ref!r}")
@@ -281,7 +280,7 @@ def _graph_cache_section(gc: dict) -> GraphCache:
 def _inference_pool_section(spec: dict) -> InferencePoolSpec:
     """spec.inferencePool: the model's InferencePool as the Gateway API Inference Extension's v1 API takes it
     (the section present means enabled, unless it says otherwise). Whether the target port is the runtime's
-    is the operator's to say (gateway.check_inference_pool)."""
+    is the operator's to say (kinds.inference_pool.check_inference_pool)."""
     if spec.get("inferencePool") is None:
         return InferencePoolSpec()
     pool = object_field(spec, "inferencePool")

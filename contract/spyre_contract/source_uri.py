@@ -1,19 +1,29 @@
-"""Where a SpyreModel's weights come from (spec.model.source), as the URIs it takes, and how each one reaches
-the pods: a claim (`pvc://CLAIM/PATH`), a folder on the node (`file:///PATH`, admin-enabled), a model image
-(`oci://REGISTRY/REPO[:TAG|@DIGEST]`, mounted read-only), or a download into the shared model cache by the
-loader Job (`hf://ORG/NAME[@REVISION]`, `s3://BUCKET/PREFIX`). `parse_source` is the one grammar; the CRD's
-pattern and CEL rule state the same."""
+"""The one grammar of a model source URI (a SpyreModel's spec.model.source), shared by the operator (which
+checks a spec before anything is made for it) and the runtime's loader (`spyre-runtime fetch-model`, which
+downloads hf:// and s3:// sources). The CRD's pattern and CEL rules state the same (a table test holds the
+three to the same answers).
+
+- `pvc://CLAIM/PATH`: a folder on a PersistentVolumeClaim (CLAIM a DNS name; PATH may be empty: the root);
+- `file:///PATH`: an absolute folder on the node;
+- `oci://REGISTRY/REPO[:TAG|@DIGEST]`: a model image, a reference the kubelet parses, with a registry;
+- `hf://ORG/NAME[@REVISION]`: a Hugging Face Hub repository. ORG and NAME are the Hub's id rules (letters,
+  digits, '-', '_', '.'; 1-96 characters, starting and ending with a letter or digit; no '--' or '..');
+  without `@REVISION` the Hub's default revision, `main`, is meant (as the Hub's own clients do);
+- `s3://BUCKET/PREFIX`: the model's folder in an S3-compatible bucket. BUCKET is S3's bucket name rule
+  (3-63 lower-case letters, digits, '.' and '-'); PREFIX is required (a bucket alone would download whatever
+  else it holds) and a trailing '/' is dropped."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from spyre_operator.image_reference import REFERENCE, image_reference_error
+from spyre_contract.image_reference import REFERENCE, image_reference_error
 
 SCHEMES = ("pvc", "file", "oci", "hf", "s3")
-DOWNLOADED = ("hf", "s3")  # filled into the model cache by the loader Job
+DOWNLOADED = ("hf", "s3")  # downloaded by the loader into the model cache
 USAGE = "pvc://CLAIM/PATH, file:///PATH, oci://REGISTRY/REPO[:TAG|@DIGEST], hf://ORG/NAME[@REVISION] or s3://BUCKET/PREFIX"
+DEFAULT_REVISION = "main"  # the Hub's default revision: what hf://ORG/NAME means
 
 _PVC = re.compile(r"^pvc://(?P<claim>[a-z0-9]([-a-z0-9.]*[a-z0-9])?)/(?P<path>.*)$")
 _FILE = re.compile(r"^file://(?P<path>/.+)$")
@@ -27,28 +37,30 @@ _S3 = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.-]{1,61}[a-z0-9])/(?P<prefix
 
 
 class SourceError(ValueError):
-    """spec.model.source does not parse; the message says what is wrong with it."""
+    """A source URI does not parse; the message says what is wrong with it."""
 
 
 @dataclass(frozen=True)
-class Source:
+class SourceURI:
+    """A parsed source URI: its scheme and the parts that scheme has (the others empty)."""
+
     scheme: str
     uri: str
     claim: str = ""  # pvc: the claim
     path: str = ""  # pvc: the folder in the claim; file: the folder on the node
     image: str = ""  # oci: the model image's reference
     repo: str = ""  # hf: ORG/NAME
-    revision: str = ""  # hf: a branch, tag or commit ("" the default branch)
+    revision: str = ""  # hf: a branch, tag or commit (DEFAULT_REVISION when the URI names none)
     bucket: str = ""  # s3
-    prefix: str = ""  # s3: the model's folder in the bucket
+    prefix: str = ""  # s3: the model's folder in the bucket, without a trailing '/'
 
     @property
     def is_downloaded(self) -> bool:
-        """hf:// and s3://: the loader Job fills the model cache, which the pods mount."""
+        """hf:// and s3://: the loader downloads them."""
         return self.scheme in DOWNLOADED
 
 
-def parse_source(uri: str) -> Source:
+def parse_source_uri(uri: str) -> SourceURI:
     """The source a URI names; SourceError saying what is wrong otherwise."""
     if not isinstance(uri, str):
         raise SourceError(f"must be one of {USAGE}, got {uri!r}")
@@ -61,17 +73,17 @@ def parse_source(uri: str) -> Source:
     if m is None:
         raise SourceError(_malformed(scheme, uri))
     if scheme == "pvc":
-        return Source("pvc", uri, claim=m["claim"], path=m["path"])
+        return SourceURI("pvc", uri, claim=m["claim"], path=m["path"])
     if scheme == "file":
-        return Source("file", uri, path=m["path"])
+        return SourceURI("file", uri, path=m["path"])
     if scheme == "hf":
         if "--" in m["repo"] or ".." in m["repo"]:
             raise SourceError(f"{uri!r}: a Hub repository id has no '--' or '..'")
-        return Source("hf", uri, repo=m["repo"], revision=m["revision"] or "")
-    return Source("s3", uri, bucket=m["bucket"], prefix=m["prefix"].strip("/"))
+        return SourceURI("hf", uri, repo=m["repo"], revision=m["revision"] or DEFAULT_REVISION)
+    return SourceURI("s3", uri, bucket=m["bucket"], prefix=m["prefix"].strip("/"))
 
 
-def _oci(uri: str) -> Source:
+def _oci(uri: str) -> SourceURI:
     reference = uri[len("oci://") :]
     if error := image_reference_error(reference):
         raise SourceError(f"{uri!r} is not oci://REGISTRY/REPO[:TAG|@DIGEST]: {error}")
@@ -80,7 +92,7 @@ def _oci(uri: str) -> Source:
         raise SourceError(
             f"{uri!r} names no registry: write oci://REGISTRY/REPO[:TAG|@DIGEST], e.g. oci://quay.io/org/model:1"
         )
-    return Source("oci", uri, image=reference)
+    return SourceURI("oci", uri, image=reference)
 
 
 def _malformed(scheme: str, uri: str) -> str:
