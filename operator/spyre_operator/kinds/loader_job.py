@@ -56,6 +56,11 @@ class ModelCacheState:
     message: str
 
 
+# what a failed download's condition points at, for a store the cluster cannot reach (offline, a proxy)
+UNREACHABLE = (
+    "where the store cannot be reached from the cluster, set spec.model.endpoint to a mirror it can reach, "
+    "or serve the model from a pvc:// claim or an oci:// image"
+)
 PROGRESS_SECONDS = 2.0  # how often a download's progress is read into the status
 # what holds the pods of a downloaded model whose loader Job could not be read this pass
 UNREAD = ModelCacheState("", False, False, "Downloading", "the loader Job could not be read")
@@ -129,6 +134,21 @@ class LoaderJobStep:
 
 
 PERMANENT_EXIT = 2  # the loader's exit code for what retrying cannot fix
+# where the loader finds spec.model.caBundle's certificates, and the variables its clients read them from
+# (requests: REQUESTS_CA_BUNDLE; botocore: AWS_CA_BUNDLE; httpx, which huggingface_hub uses: SSL_CERT_FILE)
+CA_DIR = "/etc/spyre-serve/ca"
+CA_FILE = f"{CA_DIR}/ca.crt"
+CA_ENV = ("REQUESTS_CA_BUNDLE", "AWS_CA_BUNDLE", "SSL_CERT_FILE")
+# what of spec.env the loader gets: its way out (a proxy) and whom it trusts
+NETWORK_ENV = (
+    "HTTPS_PROXY",
+    "HTTP_PROXY",
+    "NO_PROXY",
+    "https_proxy",
+    "http_proxy",
+    "no_proxy",
+    *CA_ENV,
+)
 
 
 def loader_job_name(name: str, key: str) -> str:
@@ -174,8 +194,9 @@ def build_loader_access(model: dict) -> list[dict]:
 
 
 def loader_env(spec: ModelSpec) -> list[dict]:
-    """Its own pod's name and namespace (for the progress annotation) and the credentials of
-    spec.model.secretRef, key by key."""
+    """Its own pod's name and namespace (for the progress annotation), the credentials of
+    spec.model.secretRef key by key, the CA bundle of spec.model.caBundle, and spec.env's proxy and CA
+    settings (which win over the CA bundle's paths)."""
     env = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
@@ -185,11 +206,16 @@ def loader_env(spec: ModelSpec) -> list[dict]:
         for key, required in spec.source.secret_keys:
             ref = {"name": spec.source.secret_ref, "key": key, **({} if required else {"optional": True})}
             env.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
-    return env
+    user = {v["name"]: v for v in spec.env if v["name"] in NETWORK_ENV}
+    if spec.source.ca_bundle is not None:
+        env += [{"name": n, "value": CA_FILE} for n in CA_ENV if n not in user]
+    return env + [dict(v) for v in user.values()]
 
 
 def build_loader_job(model: dict, spec: ModelSpec, settings: OperatorSettings, key: str) -> dict:
     """The Job that fills `models/<key>` of the graph-cache claim with the model, then ends."""
+    ca = spec.source.ca_bundle
+    ca_items = [{"key": ca.key, "path": CA_FILE.rsplit("/", 1)[1]}] if ca else []
     name = model["metadata"]["name"]
     labels = {FETCH_LABEL: name, CACHE_KEY_LABEL: key, COMPONENT_LABEL: "model-loader", **MANAGED_BY}
     args = spec.source.loader_args(f"{CACHE_MOUNT}/{spec.source.cache_folder}")
@@ -203,6 +229,7 @@ def build_loader_job(model: dict, spec: ModelSpec, settings: OperatorSettings, k
         "volumeMounts": [
             {"name": CACHE_VOLUME, "mountPath": CACHE_MOUNT},
             {"name": "tmp", "mountPath": "/tmp"},
+            *([{"name": "ca-bundle", "mountPath": CA_DIR, "readOnly": True}] if ca else []),
         ],
         # the loader's last stderr line (one sentence) becomes the termination message, and the condition's
         "terminationMessagePolicy": "FallbackToLogsOnError",
@@ -213,6 +240,7 @@ def build_loader_job(model: dict, spec: ModelSpec, settings: OperatorSettings, k
         "volumes": [
             {"name": CACHE_VOLUME, "persistentVolumeClaim": {"claimName": cache_claim_name(name, spec)}},
             {"name": "tmp", "emptyDir": {}},
+            *([{"name": "ca-bundle", "configMap": {"name": ca.config_map, "items": ca_items}}] if ca else []),
         ],
         "restartPolicy": "Never",
         "serviceAccountName": loader_account_name(name),
@@ -267,7 +295,8 @@ def observe_loader(job: dict | None, pods: list[dict], key: str, progress_annota
             False,
             True,
             "DownloadFailed",
-            f"loader Job {name} failed: {why} (fix the cause, then delete the Job to download again)",
+            f"loader Job {name} failed: {why} (fix the cause, then delete the Job to download again; "
+            f"{UNREACHABLE})",
         )
     so_far = f"{done} of {total} bytes" if total else "starting"
     for pod in mine[-1:]:
@@ -275,7 +304,9 @@ def observe_loader(job: dict | None, pods: list[dict], key: str, progress_annota
             waiting = (cs.get("state") or {}).get("waiting") or {}
             if waiting.get("reason") in STUCK_REASONS:
                 so_far = f"loader pod cannot start ({waiting['reason']}: {waiting.get('message', '')})"
-    return ModelCacheState(key, False, False, "Downloading", f"{so_far} (loader Job {name})")
+    last = next((w for p in reversed(mine) if (w := _exit_words(p))), None)
+    retrying = f"; its last attempt failed: {last}; retrying" if last else ""
+    return ModelCacheState(key, False, False, "Downloading", f"{so_far} (loader Job {name}{retrying})")
 
 
 def _progress(pods: list[dict], annotation: str) -> tuple[int, int]:

@@ -113,11 +113,20 @@ class ImageSource(ModelSource):
 
 
 @dataclass(frozen=True)
+class CABundle:
+    """spec.model.caBundle: a ConfigMap's key holding PEM certificates (a proxy's, an in-house store's)."""
+
+    config_map: str
+    key: str = "ca.crt"
+
+
+@dataclass(frozen=True)
 class DownloadedSource(ModelSource):
     """hf:// and s3://: the loader Job downloads the model into the model cache, which the pods mount."""
 
     secret_ref: str | None = None  # spec.model.secretRef: the loader's credentials
     endpoint: str | None = None  # spec.model.endpoint: the hub's or object store's URL
+    ca_bundle: CABundle | None = None  # spec.model.caBundle: the CA certificates the loader trusts
     is_downloaded: ClassVar[bool] = True
 
     @property
@@ -169,15 +178,14 @@ SOURCE_TYPES: dict[str, type[ModelSource]] = {
 }
 
 
-def model_source(
-    parsed: SourceURI, secret_ref: str | None = None, endpoint: str | None = None
-) -> ModelSource:
-    """The source type of a parsed URI; `secret_ref` and `endpoint` only for the downloaded schemes."""
+def model_source(parsed: SourceURI, **access) -> ModelSource:
+    """The source type of a parsed URI; `access` (secret_ref, endpoint, ca_bundle) only for the downloaded
+    schemes."""
     kind = SOURCE_TYPES[parsed.scheme]
     if issubclass(kind, DownloadedSource):
-        return kind(parsed, secret_ref=secret_ref, endpoint=endpoint)
-    if secret_ref is not None or endpoint is not None:
-        raise ValueError(f"{parsed.scheme}:// sources take no secretRef or endpoint")
+        return kind(parsed, **access)
+    if any(v is not None for v in access.values()):
+        raise ValueError(f"{parsed.scheme}:// sources take no secretRef, endpoint or caBundle")
     return kind(parsed)
 
 

@@ -11,7 +11,7 @@ from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
 from spyre_contract.source_uri import DOWNLOADED, SourceError, parse_source_uri
 from spyre_contract.tasks import POOLING_TASKS, TASKS
 
-from spyre_operator.spec.model_source import model_source
+from spyre_operator.spec.model_source import CABundle, model_source
 from spyre_operator.spec.model_spec import (
     DEFAULT_PICKER_PORT,
     EndpointPicker,
@@ -125,17 +125,39 @@ ENDPOINT = re.compile(r"^https?://[^\s/?#@]+(/[^\s]*)?$")
 
 
 def _source_access(model: dict, scheme: str) -> dict:
-    """spec.model.secretRef and spec.model.endpoint: the loader's credentials (a Secret's name) and the
-    hub's or object store's URL; only the downloaded schemes (hf, s3) use them."""
+    """spec.model.secretRef, spec.model.endpoint and spec.model.caBundle: the loader's credentials (a
+    Secret's name), the hub's or object store's URL and the CA certificates it trusts (a ConfigMap's key);
+    only the downloaded schemes (hf, s3) use them."""
     secret_ref, endpoint = model.get("secretRef"), model.get("endpoint")
-    for key, value in (("secretRef", secret_ref), ("endpoint", endpoint)):
+    ca_bundle = model.get("caBundle")
+    for key, value in (("secretRef", secret_ref), ("endpoint", endpoint), ("caBundle", ca_bundle)):
         if value is not None and scheme not in DOWNLOADED:
             raise InvalidSpec(f"model.{key}", f"applies to hf:// and s3:// sources only, not {scheme}://")
     if secret_ref is not None and (not isinstance(secret_ref, str) or not DNS_NAME.match(secret_ref)):
         raise InvalidSpec("model.secretRef", f"must be a Secret's name (a DNS name), got {secret_ref!r}")
     if endpoint is not None and (not isinstance(endpoint, str) or not ENDPOINT.match(endpoint)):
         raise InvalidSpec("model.endpoint", f"must be an http:// or https:// URL, got {endpoint!r}")
-    return {"secret_ref": secret_ref, "endpoint": endpoint}
+    return {"secret_ref": secret_ref, "endpoint": endpoint, "ca_bundle": _ca_bundle(ca_bundle)}
+
+
+CONFIG_MAP_KEY = re.compile(r"^[-._a-zA-Z0-9]+$")
+
+
+def _ca_bundle(value) -> CABundle | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"configMapName", "key"}:
+        raise InvalidSpec("model.caBundle", f"must be an object with configMapName and key, got {value!r}")
+    name, key = value.get("configMapName"), value.get("key", "ca.crt")
+    if not isinstance(name, str) or len(name) > 253 or not DNS_NAME.match(name):
+        raise InvalidSpec(
+            "model.caBundle.configMapName", f"must be a ConfigMap's name (a DNS name), got {name!r}"
+        )
+    if not isinstance(key, str) or len(key) > 253 or not CONFIG_MAP_KEY.match(key):
+        raise InvalidSpec(
+            "model.caBundle.key", f"must be a ConfigMap key (letters, digits, '-', '_', '.'), got {key!r}"
+        )
+    return CABundle(name, key)
 
 
 def _engine_fields(spec: dict) -> dict:

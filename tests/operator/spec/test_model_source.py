@@ -309,6 +309,33 @@ FAILED = {"conditions": [{"type": "Failed", "status": "True", "reason": "Backoff
             (False, True, "DownloadFailed", "exit code 1: hub gone"),
         ),
         ({}, [pod("p1", exit_code=1, message="reset")], (False, False, "Downloading", "starting")),
+        # while the Job retries, the last attempt's one line (issue 37: not "starting" through every retry)
+        (
+            {},
+            [pod("p1", exit_code=1, message="Traceback\nhf://org/tiny: network error: connection refused")],
+            (False, False, "Downloading", "last attempt failed: exit code 1: hf://org/tiny: network error"),
+        ),
+        (
+            {},
+            [pod("p1", exit_code=1, message="dns", created="t1"), pod("p2", "10/40", created="t2")],
+            (
+                False,
+                False,
+                "Downloading",
+                "10 of 40 bytes (loader Job tiny-fetch-k; its last attempt failed: ",
+            ),
+        ),
+        # the final word points at what works without reaching the store
+        (
+            FAILED,
+            [pod("p1", exit_code=1, message="offline")],
+            (False, True, "DownloadFailed", "spec.model.endpoint"),
+        ),
+        (
+            FAILED,
+            [pod("p1", exit_code=1, message="offline")],
+            (False, True, "DownloadFailed", "a pvc:// claim or an oci:// image"),
+        ),
     ],
 )
 def test_observe_loader(job_status, pods, expect):
