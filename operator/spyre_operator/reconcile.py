@@ -120,13 +120,17 @@ class Reconciler:
 
     def _ensure_inference_pool(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> PoolState | None:
         """Checked once per generation and again when its watch reports a change; while the cluster does not
-        serve the InferencePool API, at every pass (asking the API server once per resync period). Pods do not
-        depend on it. The pool's state for the status; None when the model wants none."""
+        serve the InferencePool API, at every pass (asking the API server once per resync period). A model
+        that wants none is asked about only when the watch has seen a pool of its. Pods do not depend on it.
+        The pool's state for the status; None when the model wants none."""
         stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
         is_checked = self.cache.owned_stamp(key, "InferencePool") == stamp
-        if not is_checked and self.inference_pool.ensure(key, model, spec, work):
+        if not is_checked and self.inference_pool.ensure(key, model, spec, work, self.cache.has_pool(key)):
             self.cache.set_owned_stamp(key, "InferencePool", stamp)
-        return self.inference_pool.state(key)
+        state = self.inference_pool.state(key)
+        if state is not None and state.is_ready:
+            self.cache.pool_seen(key)  # made or found: its watch event is no news
+        return state
 
     def _guarded(self, key: Key) -> Result:
         """The model (from the watch, else asked once), reconciled unless it is being deleted; a failure

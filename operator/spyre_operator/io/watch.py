@@ -32,6 +32,7 @@ class WatchCache:
         self._models: dict[Key, dict] = {}
         self._pods: dict[Key, dict[str, dict]] = {}
         self._owned: dict[Key, dict[str, tuple]] = {}  # key -> {what was checked: the model's stamp}
+        self._pools: set[Key] = set()  # models whose InferencePool the watch has seen (and not seen go)
 
     def model(self, key: Key) -> dict | None:
         with self._lock:
@@ -72,6 +73,22 @@ class WatchCache:
     def owned_changed(self, key: Key) -> None:
         with self._lock:
             self._owned.pop(key, None)
+
+    def pool_seen(self, key: Key) -> bool:
+        """Notes that the model has an InferencePool; True when that is news."""
+        with self._lock:
+            is_new = key not in self._pools
+            self._pools.add(key)
+            return is_new
+
+    def pool_gone(self, key: Key) -> None:
+        with self._lock:
+            self._pools.discard(key)
+
+    def has_pool(self, key: Key) -> bool:
+        """Whether the watch has seen an InferencePool of the model (none seen: nothing to remove)."""
+        with self._lock:
+            return key in self._pools
 
 
 class KnownModels:

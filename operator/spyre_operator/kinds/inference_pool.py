@@ -74,13 +74,14 @@ class InferencePoolStep:
     def forget(self, key: Key) -> None:
         self._states.pop(key, None)
 
-    def ensure(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> bool:
+    def ensure(self, key: Key, model: dict, spec: ModelSpec, work: Pass, has_pool: bool = True) -> bool:
         """True when settled for the model's generation (its pool as specified, or none wanted and none
-        left); False when it must be looked at again (the API not served yet, or a problem in `work`)."""
+        left); False when it must be looked at again (the API not served yet, or a problem in `work`).
+        `has_pool` False: the watch has seen no pool of the model, so none is left to remove."""
         want = build_inference_pool(model, spec, self.settings)
         if want is None:
             self._states.pop(key, None)
-            return self._remove(model, work)
+            return self._remove(model, work) if has_pool else True
         state = None
         if time.monotonic() >= self._unserved_until:
             try:

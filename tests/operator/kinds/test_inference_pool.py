@@ -300,3 +300,26 @@ def test_the_pool_condition_says_why_and_never_makes_the_model_unready():
     assert conditions["Ready"] == {c["type"]: c for c in without["conditions"]}["Ready"]
     ready = compute_status(inference_pool=PoolState(True, "Reconciled", "InferencePool granite ..."), **base)
     assert {c["type"]: c for c in ready["conditions"]}["InferencePoolReady"]["status"] == "True"
+
+
+def test_a_model_that_wants_no_pool_is_not_asked_about_one_the_watch_never_saw():
+    """Issue 37: the watch cache knows which models have a pool; one that wants none, and has none, costs
+    no request (at 1,000 models that was a GET of an InferencePool per model)."""
+    off = model(inferencePool={"enabled": False})
+    spec = check_spec("granite", off["spec"], SETTINGS)
+    kube = FakeKube([pool_of(model(inferencePool={}))])
+    step, _ = step_for(kube)
+    assert step.ensure(KEY, off, spec, Pass(), has_pool=False) and kube.calls == []
+    assert step.ensure(KEY, off, spec, Pass(), has_pool=True)  # seen by the watch: removed
+    assert kube.calls == ["read", "delete"] and kube.pools == {}
+
+
+def test_the_watch_cache_says_which_models_have_a_pool():
+    from spyre_operator.io.watch import WatchCache
+
+    cache = WatchCache()
+    assert not cache.has_pool(KEY)
+    assert cache.pool_seen(KEY) and not cache.pool_seen(KEY)  # news once
+    assert cache.has_pool(KEY) and not cache.has_pool(("ml", "other"))
+    cache.pool_gone(KEY)
+    assert not cache.has_pool(KEY) and cache.pool_seen(KEY)
