@@ -1,81 +1,89 @@
-"""graphCache.precompile against the real control plane: a compile Job (no cards) fills the cache before
-serving pods start; a new cache key starts a new Job while the old pods keep serving; a failed Job degrades
-the model and stops the rollout. The kubelet stand-in completes (or fails) the Job's pods."""
+"""The compile Job as built, its cache key, and what is read off it."""
 
 from __future__ import annotations
 
 import pytest
-from kubernetes import client
+from spyre_operator.kinds.pods.plan import PodView
+from spyre_operator.kinds.pods.template import (
+    build_pod,
+)
+from spyre_operator.settings import MODEL_LABEL, OperatorSettings
+from spyre_operator.spec.model_spec import InvalidSpec
+from spyre_operator.status.conditions import compute_status
 
-from tests.conftest import wait_for
-from tests.operator.test_reconcile import SHAPES_A, SHAPES_B, env_of, hashes, spec
-
-pytestmark = pytest.mark.cluster
-
-
-def compile_jobs(ns, name) -> list:
-    batch = client.BatchV1Api(ns.kube)
-    return batch.list_namespaced_job(ns.name, label_selector=f"spyre-serve.io/compile-for={name}").items
+from tests.operator.objects import MODEL, env_of, spec_of
 
 
-def test_compile_job_gates_rollout_and_its_failure_degrades(operator, ns):
-    ns.kubelet.complete_jobs = False
-    ns.apply_model("pc", spec(replicas=2, shapes=SHAPES_A, graphCache={"precompile": True}))
-    (job,) = wait_for(lambda: compile_jobs(ns, "pc") or None, what="compile Job")
-    container = job.spec.template.spec.containers[0]
-    assert container.args[0] == "compile" and container.args[1] == "/models/tiny"
-    assert "ibm.com/spyre_pf" not in (container.resources.requests or {})
-    assert "SENDNN_INFERENCE_REQUIRE_PRECOMPILED_DECODERS" not in env_of(job.spec.template)
-    key = job.metadata.labels["spyre-serve.io/cache-key"]
-    wait_for(lambda: ns.condition("pc", "Progressing").get("reason") == "WaitingForCache", what="waiting")
-    assert ns.condition("pc", "CacheReady")["status"] == "False" and ns.pods("pc") == []
+def test_compile_job_and_cache_key():
+    from spyre_operator.kinds.compile_job import build_compile_job, cache_key
 
-    ns.kubelet.complete_jobs = True
-    model = ns.wait_ready("pc", 2)
-    assert model["status"]["cacheKey"] == key and ns.condition("pc", "CacheReady")["status"] == "True"
-    assert all(env_of(p)["SENDNN_INFERENCE_REQUIRE_PRECOMPILED_DECODERS"] == "1" for p in ns.pods("pc"))
-    old = hashes(ns, "pc")
+    s = OperatorSettings()
+    pre = spec_of(graphCache={"precompile": True})
+    key = cache_key(pre, s)
+    assert key == cache_key(spec_of(graphCache={"precompile": True}), s)  # deterministic
+    other = spec_of(
+        graphCache={"precompile": True},
+        batching={"shapes": [{"promptLength": 128, "newTokens": 8, "batchSize": 1}]},
+    )
+    assert cache_key(other, s) != key
+    assert cache_key(spec_of(graphCache={"precompile": True}, cards=2), s) != key
+    job = build_compile_job(MODEL, pre, s, key)
+    assert job["kind"] == "Job" and job["metadata"]["name"] == f"granite-compile-{key[:10]}"
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert MODEL_LABEL not in labels  # not counted as a replica
+    container = job["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:2] == ["compile", pre.source.path_in_pod]
+    assert s.card_resource not in container["resources"].get("requests", {})
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    job_env = {e["name"] for e in container["env"]}
+    assert (
+        "TORCH_SENDNN_CACHE_DIR" in job_env and "SENDNN_INFERENCE_REQUIRE_PRECOMPILED_DECODERS" not in job_env
+    )
+    pod_env = env_of(build_pod(MODEL, pre, s))
+    assert pod_env["SENDNN_INFERENCE_REQUIRE_PRECOMPILED_DECODERS"] == "1"
+    assert "SENDNN_INFERENCE_REQUIRE_PRECOMPILED_DECODERS" not in env_of(build_pod(MODEL, spec_of(), s))
+    with pytest.raises(InvalidSpec, match=r"graphCache\.precompile"):
+        spec_of(graphCache={"precompile": True, "enabled": False})
 
-    # a new configuration: a new Job; the rollout waits for it and the old pods keep serving
-    ns.kubelet.complete_jobs = False
-    ns.patch_spec("pc", {"batching": {"mode": "static", "shapes": SHAPES_B}})
-    new_job = wait_for(
-        lambda: next(
-            (j for j in compile_jobs(ns, "pc") if j.metadata.labels["spyre-serve.io/cache-key"] != key), None
+
+@pytest.mark.parametrize(
+    ("job_status", "ready", "failed", "reason"),
+    [
+        (None, False, False, "Compiling"),
+        ({}, False, False, "Compiling"),
+        ({"succeeded": 1}, True, False, "Compiled"),
+        (
+            {
+                "failed": 2,
+                "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}],
+            },
+            False,
+            True,
+            "CompileJobFailed",
         ),
-        what="second compile Job",
-    )
-    wait_for(lambda: ns.model("pc")["status"].get("cacheKey") != key, what="status names the new key")
-    assert hashes(ns, "pc") == old and ns.condition("pc", "Progressing")["reason"] == "WaitingForCache"
+    ],
+)
+def test_observe_job_and_cache_status(job_status, ready, failed, reason):
+    from spyre_operator.kinds.compile_job import observe_job
 
-    # the Job fails: Degraded with the Job's reason, still no new pods
-    ns.kubelet.failing_jobs.add(new_job.metadata.name)
-    wait_for(
-        lambda: ns.condition("pc", "Degraded").get("reason") == "CompileJobFailed",
-        timeout=90,
-        what="Degraded",
+    job = None if job_status is None else {"metadata": {"name": "m-compile-k"}, "status": job_status}
+    state = observe_job(job, "k")
+    assert (state.is_ready, state.is_failed, state.reason) == (ready, failed, reason)
+    status = compute_status(
+        generation=3,
+        replicas=1,
+        template_hash="new",
+        pods=[PodView("old-1", "old", is_ready=True, created="2026-01-01T00:00:00Z")],
+        health=[],
+        selector="s",
+        service_address=None,
+        card_resource="ibm.com/spyre_pf",
+        cache=state,
     )
-    degraded = ns.condition("pc", "Degraded")
-    assert degraded["status"] == "True" and new_job.metadata.name in degraded["message"]
-    assert hashes(ns, "pc") == old and len(ns.pods("pc")) == 2
-    assert any(e.reason == "CompileJobFailed" for e in ns.events("pc"))
-
-    # a failed compile does not freeze healing: a serving pod that dies is replaced with its own template
-    victim = ns.pods("pc")[0].metadata.name
-    ns.kubelet.evict(victim)
-    wait_for(
-        lambda: victim not in [p.metadata.name for p in ns.pods("pc")] and len(ns.pods("pc")) == 2,
-        what="the evicted serving pod replaced",
-    )
-    assert hashes(ns, "pc") == old
-    # the Job is retried with back-off, then the model is Stalled, naming the attempts
-    stalled = wait_for(
-        lambda: (c := ns.condition("pc", "Stalled")).get("reason") == "CompileJobFailed" and c,
-        timeout=90,
-        what="Stalled after the last attempt",
-    )
-    assert "failed 3 of 3 attempts" in stalled["message"]
-    attempts = [
-        e for e in ns.events("pc") if e.reason == "CompileJobCreated" and new_job.metadata.name in e.message
-    ]
-    assert len(attempts) == 3
+    conds = {c["type"]: c for c in status["conditions"]}
+    assert status["cacheKey"] == "k" and conds["CacheReady"]["status"] == ("True" if ready else "False")
+    if not ready:
+        assert conds["Progressing"]["reason"] == "WaitingForCache"
+    assert (conds["Degraded"]["reason"] == "CompileJobFailed") is failed
+    if failed:
+        assert "BackoffLimitExceeded" in conds["Degraded"]["message"] and status["phase"] == "Degraded"
