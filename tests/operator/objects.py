@@ -120,3 +120,17 @@ def status_of(pods, replicas=1, generation=2, **kw):
         card_resource="ibm.com/spyre_pf",
         **kw,
     )
+
+
+def kstatus(obj: dict) -> str:
+    """kstatus's documented rules for a custom resource: observedGeneration behind -> InProgress;
+    Stalled=True -> Failed; Reconciling=True -> InProgress; otherwise Current."""
+    st = obj["status"]
+    if st.get("observedGeneration") != obj["metadata"]["generation"]:
+        return "InProgress"
+    conds = {c["type"]: c["status"] for c in st.get("conditions") or []}
+    if conds.get("Stalled") == "True":
+        return "Failed"
+    if conds.get("Reconciling") == "True":
+        return "InProgress"
+    return "Current"

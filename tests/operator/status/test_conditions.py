@@ -9,7 +9,7 @@ from spyre_operator.io.work import Problem
 from spyre_operator.kinds.pods.observe import PodHealth
 from spyre_operator.status.conditions import merge_conditions, status_changed
 
-from tests.operator.objects import cond, pod, pod_dict, status_for, status_of
+from tests.operator.objects import cond, kstatus, pod, pod_dict, status_for, status_of
 
 
 def test_status_cases():
@@ -80,20 +80,6 @@ def test_status_written_only_when_changed_and_transition_times_kept():
     assert status_changed(s2, s1)
     assert cond(s2, "Degraded")["lastTransitionTime"] == cond(s1, "Degraded")["lastTransitionTime"]
     assert PodHealth("x").failure_reason is None
-
-
-def kstatus(obj: dict) -> str:
-    """kstatus's documented rules for a custom resource: observedGeneration behind -> InProgress;
-    Stalled=True -> Failed; Reconciling=True -> InProgress; otherwise Current."""
-    st = obj["status"]
-    if st.get("observedGeneration") != obj["metadata"]["generation"]:
-        return "InProgress"
-    conds = {c["type"]: c["status"] for c in st.get("conditions") or []}
-    if conds.get("Stalled") == "True":
-        return "Failed"
-    if conds.get("Reconciling") == "True":
-        return "InProgress"
-    return "Current"
 
 
 @pytest.mark.parametrize(
