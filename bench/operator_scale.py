@@ -103,7 +103,8 @@ def run(models: int, resync: float, operator_replicas: int) -> dict:
         kc = service_account_kubeconfig(
             cp, kube, "spyre-system", "spyre-operator", work / "operator.kubeconfig"
         )
-        env = {"SPYRE_OPERATOR_RESYNC_SECONDS": str(args.resync)}
+        # the models are file:// ones (no claim to provision per model): host paths allowed, as an admin would
+        env = {"SPYRE_OPERATOR_RESYNC_SECONDS": str(args.resync), "SPYRE_OPERATOR_ALLOW_HOST_PATH": "1"}
         op = OperatorProcess(kc, work / "operator.log", env)
         op.start()
         standbys = [
@@ -149,6 +150,14 @@ def run(models: int, resync: float, operator_replicas: int) -> dict:
                 items = custom.list_namespaced_custom_object(
                     "spyre-serve.io", "v1alpha1", "scale", "spyremodels"
                 )["items"]
+                refused = [m for m in items if (m.get("status") or {}).get("phase") == "Failed"]
+                for m in refused:  # a model the operator refuses measures nothing: say so at once
+                    conditions = {c["type"]: c for c in m["status"].get("conditions") or []}
+                    stalled = conditions.get("Stalled", {})
+                    raise SystemExit(
+                        f"operator_scale: {m['metadata']['name']} was refused ({stalled.get('reason')}: "
+                        f"{stalled.get('message')}): the bench measures nothing"
+                    )
                 return sum((m.get("status") or {}).get("phase") == "Ready" for m in items)
 
             while (n := ready_count()) < args.models:

@@ -252,9 +252,9 @@ def test_the_inference_pool_the_operator_writes_is_stored_as_written(crd_server,
     """Against the published v1 API with its CEL rules (our CRD text of it): the pool the operator builds is
     accepted, and the server's defaults add nothing but the picker's core group, which the operator leaves to
     them (so drift is never a default)."""
-    from spyre_operator import gateway
     from spyre_operator.admission import check_spec
-    from spyre_operator.gateway import build_inference_pool
+    from spyre_operator.kinds import inference_pool as gateway
+    from spyre_operator.kinds.inference_pool import build_inference_pool
     from spyre_operator.settings import OperatorSettings
 
     _, spec = ACCEPTED["inference-pool" if name == "pooled" else "inference-pool-picker-of-another-kind"]

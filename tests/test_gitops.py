@@ -10,7 +10,7 @@ import yaml
 from lupa import LuaRuntime
 
 from tests.conftest import REPO
-from tests.operator.test_rules import kstatus, pod, status_of
+from tests.operator.objects import kstatus, pod, status_of
 from tests.test_chart import by_kind, render
 
 CHECK = REPO / "charts/spyre-operator/files/argocd/spyre-serve.io/SpyreModel"

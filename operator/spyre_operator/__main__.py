@@ -12,8 +12,8 @@ import kopf
 from kubernetes import client, config
 
 from spyre_operator.handlers import build_memo, build_registry
-from spyre_operator.leader import LeaderElection
-from spyre_operator.metrics import OperatorMetrics, serve_health
+from spyre_operator.io.leader import LeaderElection
+from spyre_operator.io.metrics import OperatorMetrics, serve_health
 from spyre_operator.settings import SettingsError, add_flags, load_settings
 
 EXIT_LOST_LEASE = 3

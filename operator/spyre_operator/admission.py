@@ -9,16 +9,17 @@ import time
 
 from kubernetes.client.rest import ApiException
 
-from spyre_operator import manifests
-from spyre_operator.gateway import check_inference_pool
-from spyre_operator.kube import Kube, api_message, is_quota
-from spyre_operator.model_spec import ModelSpec
-from spyre_operator.model_volumes import dropped_image_volumes
-from spyre_operator.placement import DRAUnavailable, check_placement
-from spyre_operator.runtime_contract import check_fit
+from spyre_operator.io.kube import Kube, api_message, is_quota
+from spyre_operator.io.watch import Key
+from spyre_operator.kinds.compile_job import build_compile_job, cache_key
+from spyre_operator.kinds.inference_pool import check_inference_pool
+from spyre_operator.kinds.pods.template import build_pod
 from spyre_operator.settings import HASH_LABEL, OperatorSettings
-from spyre_operator.spec import InvalidSpec, parse_spec
-from spyre_operator.watch import Key
+from spyre_operator.spec.model_source import dropped_image_volumes
+from spyre_operator.spec.model_spec import InvalidSpec, ModelSpec
+from spyre_operator.spec.parse import parse_spec
+from spyre_operator.spec.placement import DRAUnavailable, check_placement
+from spyre_operator.spec.runtime_contract import check_fit
 
 DISCOVERY_SECONDS = 60.0  # how long an answer of the API server's discovery is trusted
 
@@ -27,12 +28,8 @@ def check_spec(name: str, raw: dict, settings: OperatorSettings) -> ModelSpec:
     """Everything the operator can tell from the spec and its own settings alone; raises InvalidSpec naming
     the first rule the spec breaks."""
     spec = parse_spec(name, raw)
-    if spec.model_source.scheme == "file" and not settings.allow_host_path:
-        raise InvalidSpec(
-            "model.source",
-            f"{spec.source}: file:// models (a hostPath on the node) are turned off; an admin turns them on "
-            "with SPYRE_OPERATOR_ALLOW_HOST_PATH=1 (chart value allowHostPathModels)",
-        )
+    if refusal := spec.source.refusal(settings):  # e.g. file:// while host paths are off
+        raise InvalidSpec("model.source", refusal)
     check_placement(spec, settings)
     check_inference_pool(spec, settings)
     check_fit(spec, settings)
@@ -68,7 +65,7 @@ class Admission:
         """Asks the API server (dryRun=All: admission and validation, nothing stored) whether it would
         accept every object of this spec; a refusal is an InvalidSpec. Done once per generation."""
         meta = model["metadata"]
-        pod = manifests.build_pod(model, spec, self.settings)
+        pod = build_pod(model, spec, self.settings)
         # a fixed name, so the API server's message (and the condition) is the same at every pass
         pod["metadata"]["name"] = pod["metadata"].pop("generateName").rstrip("-")
         stamp = (meta["uid"], meta.get("generation"), pod["metadata"]["labels"][HASH_LABEL])
@@ -80,8 +77,8 @@ class Admission:
         # the Service and the claim are built from fields checked above; their creation reports the rest
         attempts = [("Pod", pod)]
         if spec.cache.precompile:
-            key_of_cache = manifests.cache_key(spec, self.settings)
-            attempts.append(("Job", manifests.build_compile_job(model, spec, self.settings, key_of_cache)))
+            key_of_cache = cache_key(spec, self.settings)
+            attempts.append(("Job", build_compile_job(model, spec, self.settings, key_of_cache)))
         for kind, body in attempts:
             try:
                 stored = self.kube.create(body, dry_run=True)
@@ -94,9 +91,9 @@ class Admission:
             if dropped := dropped_image_volumes(body, stored):
                 # an API server without image volumes keeps the pod, the volume an empty emptyDir
                 refusal = (
-                    f"{spec.source}: this cluster does not serve image volumes (its API server turned volume "
-                    f"{dropped[0]!r} into an empty emptyDir; Kubernetes 1.31+ with the ImageVolume feature, "
-                    "subPath 1.33+): set the operator's SPYRE_OPERATOR_OCI_MODE=modelcar"
+                    f"{spec.source.uri}: this cluster does not serve image volumes (its API server turned "
+                    f"volume {dropped[0]!r} into an empty emptyDir; Kubernetes 1.31+ with the ImageVolume "
+                    "feature, subPath 1.33+): set the operator's SPYRE_OPERATOR_OCI_MODE=modelcar"
                 )
                 self._validated[key] = (stamp, refusal, "model.source")
                 raise InvalidSpec("model.source", refusal)

@@ -8,7 +8,9 @@ import logging
 import kopf
 from kubernetes import client
 
-from spyre_operator.metrics import OperatorMetrics
+from spyre_operator.io.metrics import OperatorMetrics
+from spyre_operator.io.watch import KnownModels, Resync, WatchCache, plain
+from spyre_operator.io.workqueue import WorkQueue
 from spyre_operator.reconcile import Reconciler
 from spyre_operator.settings import (
     COMPILE_LABEL,
@@ -23,10 +25,34 @@ from spyre_operator.settings import (
     VERSION,
     OperatorSettings,
 )
-from spyre_operator.watch import KnownModels, Resync, WatchCache, plain
-from spyre_operator.workqueue import WorkQueue
 
 POOLS = (POOL_GROUP, POOL_VERSION, POOL_PLURAL)
+
+
+def login(**kwargs):
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+def configure(settings: kopf.OperatorSettings, memo, **_):
+    # kopf's bookkeeping lives in annotations, never in the (pruned, schema-checked) status
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration"
+    )
+    settings.posting.level = logging.INFO
+    # a line per handled watch event costs more than the handler (which only enqueues) at fleet scale
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
+    # server-side filtering: the operator never streams the cluster's other pods and Jobs
+    settings.watching.label_selectors["pods"] = MODEL_LABEL
+    settings.watching.label_selectors["services"] = MODEL_LABEL
+    settings.watching.label_selectors["persistentvolumeclaims"] = MODEL_LABEL
+    # compile and loader Jobs (both carry the managed-by label)
+    managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
+    settings.watching.label_selectors["batch", "jobs"] = managed
+    settings.watching.label_selectors[POOL_GROUP, POOL_PLURAL] = MODEL_LABEL
+    memo.queue.start()
+    memo.resync.start()
 
 
 def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
@@ -34,31 +60,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     only enqueues its model's key; the work queue's workers reconcile."""
     registry = kopf.OperatorRegistry()
 
-    @kopf.on.login(registry=registry)
-    def login(**kwargs):
-        return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
-
-    @kopf.on.startup(registry=registry)
-    def configure(settings: kopf.OperatorSettings, memo, **_):
-        # kopf's bookkeeping lives in annotations, never in the (pruned, schema-checked) status
-        settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-        settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-            prefix=GROUP, key="last-handled-configuration"
-        )
-        settings.posting.level = logging.INFO
-        # a line per handled watch event costs more than the handler (which only enqueues) at fleet scale
-        if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-            logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-        # server-side filtering: the operator never streams the cluster's other pods and Jobs
-        settings.watching.label_selectors["pods"] = MODEL_LABEL
-        settings.watching.label_selectors["services"] = MODEL_LABEL
-        settings.watching.label_selectors["persistentvolumeclaims"] = MODEL_LABEL
-        # compile and loader Jobs (both carry the managed-by label)
-        managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
-        settings.watching.label_selectors["batch", "jobs"] = managed
-        settings.watching.label_selectors[POOL_GROUP, POOL_PLURAL] = MODEL_LABEL
-        memo.queue.start()
-        memo.resync.start()
+    kopf.on.login(registry=registry)(login)
+    kopf.on.startup(registry=registry)(configure)
 
     # Event handlers, not create/update handlers: no finalizer and no bookkeeping writes on the model;
     # the reconcile decides from what it reads, whatever the event was.
@@ -87,13 +90,23 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
     @kopf.on.event(
         "", "v1", "persistentvolumeclaims", labels={MODEL_LABEL: kopf.PRESENT}, id="claim", registry=registry
     )
-    # watched from the moment its CRD is installed (kopf follows CRDs): a cluster without it is no error
-    @kopf.on.event(*POOLS, labels={MODEL_LABEL: kopf.PRESENT}, id="pool", registry=registry)
     async def owned_event(type, namespace, labels, memo, **_):
         if type not in ("MODIFIED", "DELETED"):
             return  # listed at start-up (checked anyway) or just created (by us, or after a deletion)
         key = (namespace, labels[MODEL_LABEL])
         memo.cache.owned_changed(key)  # drifted or deleted by someone: check it again
+        memo.queue.add(key)
+
+    # watched from the moment its CRD is installed (kopf follows CRDs): a cluster without it is no error. The
+    # cache knows which models have a pool, so a model that wants none is never asked about one it has not.
+    @kopf.on.event(*POOLS, labels={MODEL_LABEL: kopf.PRESENT}, id="pool", registry=registry)
+    async def pool_event(type, namespace, labels, memo, **_):
+        key = (namespace, labels[MODEL_LABEL])
+        if type == "DELETED":
+            memo.cache.pool_gone(key)
+        elif not memo.cache.pool_seen(key) and type != "MODIFIED":
+            return  # known already, and listed at start-up (checked anyway) or just created
+        memo.cache.owned_changed(key)  # new to the cache, drifted or deleted: check it again
         memo.queue.add(key)
 
     @kopf.on.event("batch", "v1", "jobs", id="job", registry=registry)

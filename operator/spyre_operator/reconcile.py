@@ -1,9 +1,16 @@
-"""The one idempotent reconcile the work queue runs per model key, read as a table of contents: observe (the
-watch's cached view of the model and its pods), admit the spec, then one step per owned kind (Service,
-graph-cache claim, InferencePool, compile Job, pods: each decides from what it observed and acts through
-`kube.Kube`), then the status and its Events, written once. Whatever fails while acting ends in the model's
-status (a condition naming the object and the API server's message) and one Event per distinct error, and the
-key is retried with back-off; nothing raises into kopf."""
+"""The one idempotent reconcile the work queue runs per model key, read as a table of contents:
+
+1. observe: the watch's cached view of the model and its pods (io/watch.py);
+2. admit the spec (admission.py; spec/ parses it, its source into one type per scheme);
+3. one step per owned kind, each in its own file under kinds/ holding its decide-and-ensure step and its
+   builder, acting through io/kube.py: the Service (service.py), the graph-cache claim
+   (graph_cache_claim.py), the InferencePool (inference_pool.py), the loader Job that fills the model cache
+   (loader_job.py), the compile Job (compile_job.py), the ResourceClaimTemplate of DRA cards
+   (resource_claim_template.py) and the pods (pods/);
+4. the status and its Events, written once (status/).
+
+Whatever fails while acting ends in the model's status (a condition naming the object and the API server's
+message) and one Event per distinct error, and the key is retried with back-off; nothing raises into kopf."""
 
 from __future__ import annotations
 
@@ -13,26 +20,24 @@ import time
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from spyre_operator import manifests
 from spyre_operator.admission import Admission
-from spyre_operator.card_claim import CardClaimStep
-from spyre_operator.claim import ClaimStep
-from spyre_operator.compile_job import CompileJobStep
-from spyre_operator.events import EventRecorder
-from spyre_operator.inference_pool import InferencePoolStep
-from spyre_operator.kube import Kube, api_message, problem_of
-from spyre_operator.metrics import OperatorMetrics
-from spyre_operator.model_cache import UNREAD, ModelCacheStep
-from spyre_operator.model_spec import ModelSpec
-from spyre_operator.pods import PodStep
-from spyre_operator.report import Conflict, Reporter
-from spyre_operator.service import ServiceStep
+from spyre_operator.io.events import EventRecorder
+from spyre_operator.io.kube import Kube, api_message, problem_of
+from spyre_operator.io.metrics import OperatorMetrics
+from spyre_operator.io.watch import Key, WatchCache
+from spyre_operator.io.work import Pass, Problem
+from spyre_operator.io.workqueue import Result
+from spyre_operator.kinds.compile_job import CompileJobStep
+from spyre_operator.kinds.graph_cache_claim import GraphCacheClaimStep
+from spyre_operator.kinds.inference_pool import InferencePoolStep, PoolState
+from spyre_operator.kinds.loader_job import UNREAD, LoaderJobStep
+from spyre_operator.kinds.pods.step import PodStep
+from spyre_operator.kinds.pods.template import pod_template, template_hash
+from spyre_operator.kinds.resource_claim_template import ResourceClaimTemplateStep
+from spyre_operator.kinds.service import ServiceStep
 from spyre_operator.settings import OperatorSettings
-from spyre_operator.spec import InvalidSpec
-from spyre_operator.status import PoolState, Problem
-from spyre_operator.watch import Key, WatchCache
-from spyre_operator.work import Pass
-from spyre_operator.workqueue import Result
+from spyre_operator.spec.model_spec import InvalidSpec, ModelSpec
+from spyre_operator.status.report import Conflict, Reporter
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +57,10 @@ class Reconciler:
         events = EventRecorder(self.kube.core, settings.api_timeout_seconds)
         self.admission = Admission(settings, self.kube)
         self.service = ServiceStep(settings, self.kube, events)
-        self.claim = ClaimStep(settings, self.kube, events)
-        self.card_claim = CardClaimStep(settings, self.kube, events)
+        self.graph_cache_claim = GraphCacheClaimStep(settings, self.kube, events)
+        self.resource_claim_template = ResourceClaimTemplateStep(settings, self.kube, events)
         self.inference_pool = InferencePoolStep(settings, self.kube, events)
-        self.model_cache = ModelCacheStep(settings, self.kube, events)
+        self.loader_job = LoaderJobStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
         self.pods = PodStep(settings, self.kube, events)
         self.report = Reporter(settings, self.kube, events, self.metrics)
@@ -79,15 +84,15 @@ class Reconciler:
         work = Pass()
         has_claim = self._ensure_service_and_claim(key, model, spec, work)
         pool = self._ensure_inference_pool(key, model, spec, work)
-        downloads = spec.model_source.is_downloaded and not spec.suspend
-        model_cache = self.model_cache.ensure(model, spec, work) if downloads and has_claim else None
+        downloads = spec.source.is_downloaded and not spec.suspend
+        model_cache = self.loader_job.ensure(model, spec, work) if downloads and has_claim else None
         has_model = not downloads or (model_cache is not None and model_cache.is_ready)
         cache = None
         if spec.cache.precompile and not spec.suspend and has_claim and has_model:
             cache = self.compile_job.ensure(model, spec, work)
-        thash = manifests.template_hash(manifests.pod_template(key[1], spec, self.settings))
+        thash = template_hash(pod_template(key[1], spec, self.settings))
         pods = self.cache.pods(key)
-        has_claim = has_claim and self.card_claim.ensure(model, spec, pods, work)
+        has_claim = has_claim and self.resource_claim_template.ensure(model, spec, pods, work)
         if has_claim:
             # the new template waits for its model (also when its loader Job was unread), then its graphs
             gate = cache if has_model else (model_cache or UNREAD)
@@ -108,20 +113,24 @@ class Reconciler:
         if self.cache.owned_stamp(key, "service-and-claim") == stamp:
             return True
         has_service = self.service.ensure(model, work)
-        has_claim = self.claim.ensure(model, spec, work)
+        has_claim = self.graph_cache_claim.ensure(model, spec, work)
         if has_service and has_claim and not work.problems:
             self.cache.set_owned_stamp(key, "service-and-claim", stamp)
         return has_claim
 
     def _ensure_inference_pool(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> PoolState | None:
         """Checked once per generation and again when its watch reports a change; while the cluster does not
-        serve the InferencePool API, at every pass (asking the API server once per resync period). Pods do not
-        depend on it. The pool's state for the status; None when the model wants none."""
+        serve the InferencePool API, at every pass (asking the API server once per resync period). A model
+        that wants none is asked about only when the watch has seen a pool of its. Pods do not depend on it.
+        The pool's state for the status; None when the model wants none."""
         stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
         is_checked = self.cache.owned_stamp(key, "InferencePool") == stamp
-        if not is_checked and self.inference_pool.ensure(key, model, spec, work):
+        if not is_checked and self.inference_pool.ensure(key, model, spec, work, self.cache.has_pool(key)):
             self.cache.set_owned_stamp(key, "InferencePool", stamp)
-        return self.inference_pool.state(key)
+        state = self.inference_pool.state(key)
+        if state is not None and state.is_ready:
+            self.cache.pool_seen(key)  # made or found: its watch event is no news
+        return state
 
     def _guarded(self, key: Key) -> Result:
         """The model (from the watch, else asked once), reconciled unless it is being deleted; a failure
@@ -158,4 +167,4 @@ class Reconciler:
         self.admission.forget(key)
         self.pods.forget(key)
         self.inference_pool.forget(key)
-        self.model_cache.forget(key)
+        self.loader_job.forget(key)

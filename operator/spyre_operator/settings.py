@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from spyre_operator.image_reference import image_reference_error
+from spyre_contract.image_reference import image_reference_error
 
 GROUP = "spyre-serve.io"
 VERSION = "v1alpha1"
@@ -116,6 +116,28 @@ ENV = {
     "loader_retries": "SPYRE_OPERATOR_LOADER_RETRIES",
 }
 OCI_MODES = ("modelcar", "image-volume")
+
+# every container the operator makes (runtime, compile, loader, modelcar) runs so
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "runAsNonRoot": True,
+    "readOnlyRootFilesystem": True,  # the runtime writes only to /tmp, /dev/shm and the cache volume
+}
+
+
+def pod_security(settings: OperatorSettings) -> dict:
+    """No fixed user or group unless the settings ask for one: OpenShift's restricted SCC assigns them."""
+    security = {
+        "runAsNonRoot": True,
+        "seccompProfile": {"type": "RuntimeDefault"},
+        "fsGroupChangePolicy": "OnRootMismatch",  # no recursive chown of a large graph cache at each start
+    }
+    if settings.run_as_user is not None:
+        security["runAsUser"] = settings.run_as_user
+    if settings.fs_group is not None:
+        security["fsGroup"] = settings.fs_group
+    return security
 
 
 def add_flags(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from spyre_operator.image_reference import image_reference_error
+from spyre_contract.image_reference import image_reference_error
 
 
 def _missing(core: client.CoreV1Api, kind: str, namespace: str, name: str, key: str | None) -> str | None:

@@ -372,6 +372,7 @@ CATALOG = [
         "source-hf-double-dash",
         {"model": {"source": "hf://ibm--granite/model"}},
         "spec.model.source: 'hf://ibm--granite/model': a Hub repository id has no '--' or '..'",
+        at_create="'hf://ibm--granite/model': a Hub repository id has no '--' or '..'",
     ),
     Row(
         "source-oci-upper-case",

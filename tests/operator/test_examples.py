@@ -13,7 +13,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from spyre_operator.admission import check_spec
-from spyre_operator.gateway import build_inference_pool
+from spyre_operator.kinds.inference_pool import build_inference_pool
 from spyre_operator.settings import OperatorSettings
 
 from tests.conftest import REPO

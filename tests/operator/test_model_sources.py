@@ -16,8 +16,7 @@ import subprocess
 import openai
 import pytest
 from kubernetes import client
-from spyre_operator.model_volumes import fetch_key
-from spyre_operator.spec import parse_spec
+from spyre_operator.spec.parse import parse_spec
 from spyre_runtime.testing.models import write_tiny_model
 
 from tests.cluster.hfhub import HfHub
@@ -114,7 +113,7 @@ def loader_jobs(stack: LocalStack, name: str) -> list:
 
 def cache_dir(stack: LocalStack, name: str, body: dict):
     """Where the pod runner keeps the model's cache folder: models/<fetch key> of its graph-cache claim."""
-    key = fetch_key(parse_spec(name, body))
+    key = parse_spec(name, body).source.fetch_key
     return stack.model_claim_dir(NS, f"{name}-graph-cache") / "models" / key
 
 
@@ -201,7 +200,7 @@ def test_hf_model_with_a_token_from_an_empty_cache(world):
     assert any(r.path.startswith("/org/tiny/resolve/") for r in hub.file_gets())
     pod = client.CoreV1Api(stack.kube).list_namespaced_pod(NS, label_selector="spyre-serve.io/model=from-hub")
     (mount,) = [m for m in pod.items[0].spec.containers[0].volume_mounts if m.mount_path == "/models"]
-    assert mount.read_only and mount.sub_path == f"models/{fetch_key(parse_spec('from-hub', body))}"
+    assert mount.read_only and mount.sub_path == f"models/{parse_spec('from-hub', body).source.fetch_key}"
     assert len(ask(stack, "from-hub")) == 1
 
 

@@ -101,7 +101,7 @@ def clean_hub(hub):
         ),
         ("hf://org/m@v1.2", HfSource("hf://org/m@v1.2", "org/m", "v1.2")),
         ("s3://bucket/a/b/", S3Source("s3://bucket/a/b/", "bucket", "a/b")),
-        ("s3://bucket", S3Source("s3://bucket", "bucket", "")),
+        ("s3://bucket", None),  # a prefix is required (issue 37: one grammar with the operator and the CRD)
         ("gs://bucket/x", None),
         ("hf://only-name", None),
         ("s3://Bad_Bucket/x", None),

@@ -1,0 +1,65 @@
+"""The spec parser: every rule names the field and the rule it breaks."""
+
+from __future__ import annotations
+
+import pytest
+from spyre_operator.spec.model_spec import InvalidSpec
+
+from tests.operator.objects import spec_of
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "rule"),
+    [
+        ({"model": {}}, "model.source", "is required"),
+        (
+            {"model": {"source": "http://hub/model"}},
+            "model.source",
+            "must be one of pvc://CLAIM/PATH, file:///PATH",
+        ),
+        ({"cards": 3}, "cards", "must be one of 1, 2, 4, 8"),
+        ({"replicas": -1}, "replicas", "must be at least 0"),
+        ({"backend": "cuda"}, "backend", "must be one of sendnn, inductor, eager"),
+        ({"batching": {"mode": "dynamic"}}, "batching.mode", "must be static or continuous"),
+        ({"batching": {"mode": "static", "shapes": []}}, "batching.shapes", "at least one shape"),
+        (
+            {"batching": {"shapes": [{"promptLength": 100, "newTokens": 1, "batchSize": 1}]}},
+            "batching.shapes[0].promptLength",
+            "multiple of 64",
+        ),
+        (
+            {"batching": {"shapes": [{"promptLength": 64, "newTokens": 0, "batchSize": 1}]}},
+            "batching.shapes[0].newTokens",
+            "at least 1",
+        ),
+        (
+            {"batching": {"mode": "continuous", "maxNumSeqs": 4}},
+            "batching",
+            "needs maxNumSeqs and maxModelLen",
+        ),
+        (
+            {
+                "batching": {
+                    "mode": "continuous",
+                    "maxNumSeqs": 4,
+                    "maxModelLen": 256,
+                    "maxNumBatchedTokens": 100,
+                }
+            },
+            "batching.maxNumBatchedTokens",
+            "multiple of 64",
+        ),
+        (
+            {"graphCache": {"existingClaim": "c", "storageClassName": "nfs"}},
+            "graphCache",
+            "exclude each other",
+        ),
+        ({"graphCache": {"size": "lots"}}, "graphCache.size", "quantity"),
+        ({"env": [{"value": "x"}]}, "env[0]", "must be an object with a name"),
+    ],
+)
+def test_every_rule_names_field_and_rule(changes, field, rule):
+    with pytest.raises(InvalidSpec) as err:
+        spec_of(**changes)
+    assert err.value.field_path == field and rule in err.value.rule
+    assert str(err.value).startswith(f"spec.{field}: ")
