@@ -16,9 +16,9 @@ from spyre_runtime.engine.pooling import PoolingEngine
 from spyre_runtime.engine.sched.pooling import PoolingScheduler, PoolItem
 from spyre_runtime.entrypoints.errors import APIError, model_not_found
 from spyre_runtime.entrypoints.state import ServingState
+from spyre_runtime.executor.families.pooling import PoolingModel, PoolingSpec, check_shapes, detect_pooling
 from spyre_runtime.executor.graph_cache import warmup_with_cache
 from spyre_runtime.executor.model_executor import configure_threads
-from spyre_runtime.executor.pooling_model import PoolingModel, PoolingSpec, check_shapes, detect_pooling
 
 
 class PoolingState(ServingState):

@@ -23,7 +23,7 @@ from spyre_runtime.entrypoints.pooling_protocol import (
     ScoreRequest,
 )
 from spyre_runtime.entrypoints.pooling_state import PoolingState, pooling_state
-from spyre_runtime.executor.pooling_model import shapes_str
+from spyre_runtime.executor.families.pooling import shapes_str
 
 router = APIRouter()
 
