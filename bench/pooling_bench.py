@@ -69,7 +69,7 @@ def main() -> int:
     from sentence_transformers import SentenceTransformer
     from spyre_contract import Shape
     from spyre_runtime.config import RuntimeConfig
-    from spyre_runtime.executor.pooling_model import PoolingModel, detect_pooling
+    from spyre_runtime.executor.families.pooling import PoolingModel, detect_pooling
     from spyre_runtime.testing.models import prepare_minilm
     from transformers import AutoTokenizer
 

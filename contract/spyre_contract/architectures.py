@@ -6,27 +6,74 @@ supported. Pure dict checks: the runtime calls them at start-up, the operator ma
 FP8 checkpoints: fms-model-optimizer's format, which is llm-compressor's compressed-tensors with
 `format: float-quantized` and `quantization_status: compressed` (one group, float weights of 8 bits, a
 `weight_scale` beside each quantized `weight`; FMS 1.13.1 hands such configs to fms_mo's `fp8` linear type,
-`_infer_quantization_config`). The runtime dequantizes them at load (executor/loader.py)."""
+`_infer_quantization_config`). The runtime dequantizes them at load (executor/families/fp8.py).
+
+The registry (`ARCHITECTURES`) declares, per architecture, what the runtime supports (batching modes, FP8,
+tensor parallelism, hybrid state, vision) and which room of the runtime's executor/families/ holds what is
+specific to the family. The runtime reads it; the operator may read it; neither imports the other."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
-from spyre_contract.environment import ContractError
+from spyre_contract.environment import ENV_PREFIX, ContractError
 
-# HF architecture -> what serves it (FMS 1.13.1 model code unless said otherwise)
-DECODER_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "GraniteForCausalLM": "granite (3.x)",
+
+@dataclass(frozen=True)
+class Architecture:
+    """What the runtime supports of one HF architecture, declared here rather than found by branches through
+    the executor. `room`: the module of runtime/spyre_runtime/executor/families/ holding what is specific to
+    the family (its FMS overrides, its own loading, its per-sequence state, its vision tower); "" for a
+    decoder FMS loads and runs as it is."""
+
+    serves: str  # the FMS model code that serves it (1.13.1 unless said otherwise)
+    room: str = ""
+    static: bool = True  # static batching over the warm-up shapes
+    continuous: bool = True  # continuous batching
+    fp8: bool = True  # FP8 checkpoints (dequantized at load, executor/families/fp8.py)
+    hybrid_state: bool = False  # Mamba-2 layers: one state slot per sequence beside the KV cache (hybrid.py)
+    vision: bool = False  # an image-text model: a vision tower runs beside the language model
+    sliding_window: bool = False  # a sliding window the KV cache frees blocks behind (kv_window)
+    pooling: bool = False  # an encoder serving embed / score (spyre_contract.tasks)
+
+
+# The registry: HF architecture -> what serves it and what it supports. Adding a family is one line here, its
+# room (when it needs one) and its tiny-model writer (runtime/spyre_runtime/testing/).
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("llama"),
+    "GraniteForCausalLM": Architecture("granite (3.x)"),
     # Granite 4 dense (every layer attention) through FMS's granite_moe_hybrid; with Mamba layers
-    # (granite-4 "H") through runtime/spyre_runtime/hybrid.py, which decides what of those it serves
-    "GraniteMoeHybridForCausalLM": "granite_moe_hybrid (Granite 4: no experts)",
-    "GraniteSWAForCausalLM": "granite_swa (sliding-window and full attention layers, attention sinks)",
-    "Qwen3ForCausalLM": "qwen3",
-    "MistralForCausalLM": "mistral (a sliding_window, if any, at least --max-model-len)",
-    "BambaForCausalLM": "bamba (Mamba-2 beside attention; runtime/spyre_runtime/hybrid.py)",
-    "LlavaNextForConditionalGeneration": "llava_next (granite-vision; executor/vision.py)",
+    # (granite-4 "H") through the hybrid room, which decides what of those it serves (hybrid.py)
+    "GraniteMoeHybridForCausalLM": Architecture(
+        "granite_moe_hybrid (Granite 4: no experts)", room="granite4", hybrid_state=True
+    ),
+    "GraniteSWAForCausalLM": Architecture(
+        "granite_swa (sliding-window and full attention layers, attention sinks)", sliding_window=True
+    ),
+    "Qwen3ForCausalLM": Architecture("qwen3", room="qwen3"),
+    "MistralForCausalLM": Architecture("mistral (a sliding_window, if any, at least --max-model-len)"),
+    "BambaForCausalLM": Architecture(
+        "bamba (Mamba-2 beside attention; hybrid.py)", room="hybrid", hybrid_state=True, fp8=False
+    ),
+    "LlavaNextForConditionalGeneration": Architecture(
+        "llava_next (granite-vision; executor/families/vision.py)", room="vision", vision=True, fp8=False
+    ),
 }
+# encoders (pooling tasks), by config.json's model_type: the FMS family that runs them
+ENCODER_MODEL_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
+# HF architecture -> what serves it, for messages
+DECODER_ARCHITECTURES = {name: arch.serves for name, arch in ARCHITECTURES.items()}
+
+
+def architecture_of(model_config: Mapping) -> str:
+    """config.json's first architecture ("" when it names none)."""
+    return (model_config.get("architectures") or [""])[0]
+
+
+def lookup(model_config: Mapping) -> Architecture | None:
+    """The registry's record of config.json's architecture (None: not a decoder we serve)."""
+    return ARCHITECTURES.get(architecture_of(model_config))
 
 
 def supported_line() -> str:
@@ -59,7 +106,24 @@ def check_decoder_config(model_config: Mapping, max_model_len: int) -> str:
             f"architecture {arch} with use_sliding_window=true is not supported (FMS's qwen3)"
         )
     check_quantization(model_config)
+    if is_fp8(model_config) and not ARCHITECTURES[arch].fp8:
+        raise ContractError(
+            f"architecture {arch} is not supported as an FP8 checkpoint (its weights in bf16 are)"
+        )
     return arch
+
+
+def check_batching(model_config: Mapping, use_cb: bool) -> None:
+    """ContractError when the registry says the architecture does not run the batching asked for."""
+    record = lookup(model_config)
+    if record is None:
+        return
+    mode, supported = ("continuous", record.continuous) if use_cb else ("static", record.static)
+    if not supported:
+        raise ContractError(
+            f"architecture {architecture_of(model_config)} does not run {mode} batching; "
+            f"set {ENV_PREFIX}USE_CB={0 if use_cb else 1}"
+        )
 
 
 def kv_window(model_config: Mapping) -> tuple[int, str]:
@@ -68,8 +132,8 @@ def kv_window(model_config: Mapping) -> tuple[int, str]:
     every block)."""
     window = int(model_config.get("sliding_window") or 0)
     kinds = model_config.get("layer_types") or []
-    arch = (model_config.get("architectures") or [""])[0]
-    if arch != "GraniteSWAForCausalLM" or not window:
+    record = lookup(model_config)
+    if record is None or not record.sliding_window or not window:
         return 0, ""
     if not kinds or any(kind != "sliding_attention" for kind in kinds):
         return (

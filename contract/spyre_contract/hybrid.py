@@ -1,12 +1,13 @@
 """A hybrid (Mamba) decoder's shape, read from its config.json: which layers are Mamba-2 layers, and what one
-sequence's state holds in each (the conv window and the SSM state). No torch, no other module of ours: the
-settings (prefix caching, the memory plan), the executor and the engine all read it.
+sequence's state holds in each (the conv window and the SSM state). Pure (no torch): the runtime's settings
+(prefix caching off, the memory plan) and its hybrid room (runtime/spyre_runtime/executor/families/hybrid/)
+read it; the architectures with Mamba layers are the registry's `hybrid_state` ones (architectures.py).
 
 Hybrid models: `BambaForCausalLM` (FMS's `bamba`: Mamba-2 layers beside attention layers,
 `attn_layer_indices`) and `GraniteMoeHybridForCausalLM` with Mamba layers in `layer_types` (granite-4 "H";
 "mamba" in hub configs, "linear_attention" in transformers 5's), built as FMS `bamba` blocks
-(executor/hybrid_loader.py). A GraniteMoeHybridForCausalLM whose layers are all attention is the dense
-Granite 4, not hybrid."""
+(executor/families/hybrid/loader.py). A GraniteMoeHybridForCausalLM whose layers are all attention is the
+dense Granite 4, not hybrid."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-HYBRID_ARCHITECTURES = ("BambaForCausalLM", "GraniteMoeHybridForCausalLM")
+from spyre_contract.architectures import ARCHITECTURES, lookup
+
+HYBRID_ARCHITECTURES = tuple(name for name, arch in ARCHITECTURES.items() if arch.hybrid_state)
 MAMBA_LAYER_TYPES = ("mamba", "linear_attention")
 
 
@@ -55,6 +58,9 @@ class HybridSpec:
     @classmethod
     def from_config(cls, config: dict) -> HybridSpec | None:
         """None for a model without Mamba layers; HybridModelError for a hybrid one we cannot serve."""
+        record = lookup(config)
+        if record is None or not record.hybrid_state:
+            return None
         arch = (config.get("architectures") or [""])[0]
         kinds = config.get("layer_types") or []
         if arch == "GraniteMoeHybridForCausalLM" and any(k in MAMBA_LAYER_TYPES for k in kinds):

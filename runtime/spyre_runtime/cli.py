@@ -193,7 +193,7 @@ def _config(args):
     model_dir = Path(args.model_dir)
     if not (model_dir / "config.json").is_file():
         raise ConfigError(f"model directory {model_dir} has no config.json")
-    from spyre_runtime.executor.pooling_model import detect_task
+    from spyre_runtime.executor.families.pooling import detect_task
 
     task = check_task(args.task) or detect_task(model_dir)
     config = load_config(

@@ -32,7 +32,8 @@ from spyre_contract import (
     read_environment,
     round_up,
 )
-from spyre_contract.architectures import check_decoder_config
+from spyre_contract.architectures import check_batching, check_decoder_config
+from spyre_contract.hybrid import HybridModelError, HybridSpec
 from spyre_contract.memory import (
     DEFAULT_CARD_MEMORY_GIB,
     DTYPE_BYTES,
@@ -44,8 +45,6 @@ from spyre_contract.memory import (
 )
 from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
 from spyre_contract.tasks import is_pooling_task, read_pooling_environment
-
-from spyre_runtime.hybrid import HybridModelError, HybridSpec
 
 log = logging.getLogger(__name__)
 
@@ -289,7 +288,8 @@ def hybrid_settings(config: RuntimeConfig) -> RuntimeConfig:
 
 
 def hybrid_state_bytes(config: RuntimeConfig, dtype_bytes: int) -> int:
-    """The Mamba state slots of a hybrid model (executor/mamba_state.py), for the memory plan; else 0."""
+    """The Mamba state slots of a hybrid model (executor/families/hybrid/state.py), for the memory plan;
+    else 0."""
     spec = HybridSpec.from_model_dir(config.model_dir)
     if spec is None:
         return 0
@@ -311,6 +311,7 @@ def check_known_configuration(config: RuntimeConfig, environ: Mapping[str, str] 
         raise ConfigError(f"model directory {config.model_dir}: cannot read config.json ({e})") from None
     if not is_pooling_task(config.task):  # an architecture we cannot serve stops start-up here, in one line
         check_decoder_config(model_config, config.max_model_len)
+        check_batching(model_config, config.use_cb)
     verdict = check_known_config(
         (model_config.get("architectures") or ["unknown"])[0],
         task=config.task,

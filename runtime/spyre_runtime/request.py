@@ -22,7 +22,7 @@ class Status(enum.Enum):
 class ImageInput:
     """A request's images as the model's processor made them, and their features once the vision tower
     ran: on the server's worker thread before the request is submitted (entrypoints/chat/images.py), else at
-    the request's first prefill step (executor/vision.py)."""
+    the request's first prefill step (executor/families/vision.py)."""
 
     pixel_values: torch.Tensor  # [num_images, tiles, channels, height, width] (tiles padded per image)
     image_sizes: torch.Tensor  # [num_images, 2]: each image's (height, width) before processing

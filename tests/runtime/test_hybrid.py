@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+from spyre_contract.hybrid import HybridSpec
 from spyre_contract.memory import ModelDims, plan_memory
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape, check_memory, load_config
 from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.engine.state_slots import StateSlots
-from spyre_runtime.hybrid import HybridSpec
 from spyre_runtime.sampling.params import SamplingParams
 from spyre_runtime.testing.models import write_tiny_model
 

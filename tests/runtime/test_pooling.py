@@ -16,7 +16,7 @@ import torch
 from spyre_contract import ContractError, Shape
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.sched.pooling import PoolingScheduler, PoolItem
-from spyre_runtime.executor.pooling_model import PoolingModel, detect_pooling, detect_task
+from spyre_runtime.executor.families.pooling import PoolingModel, detect_pooling, detect_task
 from spyre_runtime.testing.models import prepare_minilm, write_tiny_cross_encoder
 
 TOLERANCE = 1e-5

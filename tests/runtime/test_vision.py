@@ -21,7 +21,6 @@ from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.entrypoints.chat.images import ImageLimits, ImagePrompter
 from spyre_runtime.entrypoints.chat.prompts import chat_prompt
 from spyre_runtime.entrypoints.completions.protocol import ChatCompletionRequest
-from spyre_runtime.entrypoints.completions.validator import Validator
 from spyre_runtime.entrypoints.server.errors import APIError
 from spyre_runtime.sampling.params import SamplingParams
 from spyre_runtime.testing.models import build_tokenizer, write_tiny_model

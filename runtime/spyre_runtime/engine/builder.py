@@ -15,10 +15,7 @@ from dataclasses import dataclass
 
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.llm_engine import LLMEngine
-from spyre_runtime.executor.graph_cache import WarmupResult, warmup_with_cache
-from spyre_runtime.executor.kv_cache import BLOCK_SIZE
-from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
-from spyre_runtime.executor.pooling_model import (
+from spyre_runtime.executor.families.pooling import (
     PoolingModel,
     PoolingSpec,
     check_shapes,
@@ -26,6 +23,9 @@ from spyre_runtime.executor.pooling_model import (
     load_pooling_model,
     shapes_str,
 )
+from spyre_runtime.executor.graph_cache import WarmupResult, warmup_with_cache
+from spyre_runtime.executor.kv_cache import BLOCK_SIZE
+from spyre_runtime.executor.model_executor import ModelExecutor, configure_threads
 
 KV_BLOCK_SIZE = BLOCK_SIZE  # token slots per KV-cache block (the prefix cache's unit)
 

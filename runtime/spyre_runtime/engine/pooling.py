@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from spyre_runtime.engine.sched.pooling import PoolingScheduler, PoolingStep, PoolItem
-from spyre_runtime.executor.pooling_model import PoolingModel, shape_str
+from spyre_runtime.executor.families.pooling import PoolingModel, shape_str
 
 log = logging.getLogger(__name__)
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 
 from spyre_runtime.config import RuntimeConfig, Shape
-from spyre_runtime.executor import kv_cache, linear, mamba_state
+from spyre_runtime.executor import kv_cache, linear
 from spyre_runtime.executor.compiler import (
     BlockCompiler,
     cache_tag,
@@ -25,11 +26,11 @@ from spyre_runtime.executor.compiler import (
     compiler_for,
     mark_dynamic_chunk,
 )
+from spyre_runtime.executor.families.rooms import family_of, load_model
 from spyre_runtime.executor.kv_cache import KVCachePool, blocks_for
 from spyre_runtime.executor.loader import configure_threads as configure_threads  # re-exported
-from spyre_runtime.executor.loader import load_model, model_dims, pack_weights, prime_rotary
+from spyre_runtime.executor.loader import model_dims, pack_weights, prime_rotary
 from spyre_runtime.executor.step_inputs import StepInputs, TokenSpan
-from spyre_runtime.executor.vision import split_vision
 from spyre_runtime.executor.warmup import WarmupProgress, graphs_to_warm, warm_continuous, warm_static
 from spyre_runtime.executor.workers import WorkerGroup
 from spyre_runtime.sampling.sampler import SamplerOutput, sample
@@ -48,8 +49,9 @@ class ModelExecutor:
         kv_cache.register()
         tp = config.tensor_parallel_size > 1
         self.workers = WorkerGroup(config, type(self)) if tp and rank == 0 else None
-        self.model, self.dtype = load_model(config, mamba_state.load_if_hybrid(config, model))
-        self.model, self.vision = split_vision(self.model, config.tensor_parallel_size)  # vision.py
+        family = family_of(config.model_dir)  # the registry's record and its room (families/)
+        self.model, self.dtype = load_model(config, model)
+        self.model, self.vision = family.split_model(self.model, config.tensor_parallel_size)
         if tp:
             # every rank has loaded (and left its load slot) before rank 0 may take a slot to compile
             torch.distributed.barrier()
@@ -64,7 +66,7 @@ class ModelExecutor:
         self.kv = KVCachePool(
             self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=self.dtype
         )
-        self.mamba = mamba_state.attach(self.model, config, self.dtype)  # a hybrid model's state slots
+        self.mamba = family.attach_state(self.model, config, self.dtype)  # a hybrid model's state slots
         self.cache_states = self.mamba.cache_states(self.kv.layers) if self.mamba else self.kv.layers
         self.blocks = None
         if config.backend == "inductor" and self.mamba is None:  # hybrid: the whole forward in one graph
@@ -198,7 +200,12 @@ class ModelExecutor:
     def execute(self, step: StaticStep | ContinuousStep) -> SamplerOutput:
         """Runs one step; returns one sampled token (and its logprobs, when asked) per request of
         `step.requests`, from the first rows of the logits (the rest are padding rows)."""
-        with mamba_state.step_context(self.mamba, step, self.config.prefill_pieces):
+        state = (
+            self.mamba.step_context(step, self.config.prefill_pieces)
+            if self.mamba is not None
+            else nullcontext()
+        )
+        with state:
             if isinstance(step, ContinuousStep):
                 return self.execute_continuous(step)
             return self.execute_static(step)

@@ -17,7 +17,7 @@ from spyre_runtime.steps import ContinuousStep, PrefillChunk, StaticStep
 
 class TokenSpan(NamedTuple):
     """Tokens [start, start + length) of `request`'s sequence sit in row `row` of the step's input, from
-    column `col` on (where an image-text model puts their image features: executor/vision.py)."""
+    column `col` on (where an image-text model puts their image features: executor/families/vision.py)."""
 
     row: int
     col: int

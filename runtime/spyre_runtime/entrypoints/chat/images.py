@@ -1,7 +1,7 @@
 """Images of chat requests for an image-text model: OpenAI's `image_url` content parts, decoded, checked
 and run through the model's own processor (transformers' AutoProcessor, its PIL image processor), which
 tiles each image and expands each image token of the rendered prompt into as many tokens as the image has
-features (executor/vision.py puts the features there).
+features (executor/families/vision.py puts the features there).
 
 Only inline `data:` URLs are accepted: remote URLs are refused (a pod need not reach the internet). A URL
 that is not an image, an image of a type other than PNG, JPEG, WebP or GIF, or one above the byte or pixel

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from spyre_contract.architectures import ENCODER_MODEL_TYPES
 
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
 from spyre_runtime.executor.compiler import compile_settings, compile_step
@@ -30,7 +31,7 @@ from spyre_runtime.executor.warmup import WarmupProgress
 log = logging.getLogger(__name__)
 
 POOLING_MODES = ("mean", "cls", "max", "last")
-_FAMILIES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
+_FAMILIES = ENCODER_MODEL_TYPES  # the registry's encoders (spyre_contract.architectures)
 _ST_POOLING_KEYS = {
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_cls_token": "cls",

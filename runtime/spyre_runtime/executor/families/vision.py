@@ -75,3 +75,6 @@ def split_vision(model: torch.nn.Module, tensor_parallel_size: int = 1):
         )
     log.info("image-text model: the vision tower runs eagerly on CPU, the language model as configured")
     return model.language_model, VisionEncoder(model)
+
+
+split_model = split_vision  # the room's hook (families/__init__.py)

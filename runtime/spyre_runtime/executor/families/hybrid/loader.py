@@ -18,10 +18,10 @@ import json
 import re
 
 import torch
+from spyre_contract.hybrid import HybridSpec
 
 from spyre_runtime.config import ConfigError, RuntimeConfig
 from spyre_runtime.executor.graph_cache import loading
-from spyre_runtime.hybrid import HybridSpec
 
 
 def load_hybrid_model(config: RuntimeConfig, spec: HybridSpec, dtype: torch.dtype) -> torch.nn.Module:

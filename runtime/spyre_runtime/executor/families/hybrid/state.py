@@ -1,6 +1,6 @@
 """A hybrid model's per-sequence Mamba state: one slot per sequence, beside the paged KV cache.
 
-Every Mamba layer owns two fixed tensors, written in place by `mamba_mix` (mamba_mixer.py):
+Every Mamba layer owns two fixed tensors, written in place by `mamba_mix` (mixer.py):
 
     conv [num_slots, conv_dim, conv_kernel]          ssm [num_slots, heads, head_dim, state_size]
 
@@ -8,7 +8,7 @@ Slot 0 is scratch. Continuous batching: the scheduler gives each admitted reques
 (engine/state_slots.py, `Request.state_slot`) and frees it when the request finishes, is aborted or
 preempted (a preempted request prefills again from its first token, so its state is recomputed). Static
 batching: row r of the running batch is slot r + 1. The model is built of FMS's `bamba` blocks (Mamba-2
-layers beside attention layers; hybrid_loader.py); its Mamba blocks run `mamba_block_forward`, which reads
+layers beside attention layers; loader.py); its Mamba blocks run `mamba_block_forward`, which reads
 the slot tensors handed to the model as those layers' `past_key_value_states` (the attention layers get
 their paged KV cache tensors). The
 layout of a step's tokens over sequences and slots (`static_layout`, `continuous_layout`) is Python beside
@@ -22,18 +22,18 @@ import functools
 import logging
 
 import torch
+from spyre_contract.hybrid import HybridModelError, HybridSpec
 
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
-from spyre_runtime.executor.hybrid_loader import load_hybrid_model
-from spyre_runtime.executor.loader import resolve_dtype
-from spyre_runtime.executor.mamba_mixer import (
+from spyre_runtime.executor.families.hybrid.loader import load_hybrid_model
+from spyre_runtime.executor.families.hybrid.mixer import (
     MambaLayout,
     mamba_mix,
     mamba_mix_stateless,
     mixer_weights,
     step_layout,
 )
-from spyre_runtime.hybrid import HybridModelError, HybridSpec
+from spyre_runtime.executor.loader import resolve_dtype
 from spyre_runtime.steps import ContinuousStep, StaticStep
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,10 @@ class MambaStates:
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes + s.nbytes for c, s in self.layers.values())
+
+    def step_context(self, step, prefill_pieces: int):
+        """Within: `step`'s layout for the Mamba layers."""
+        return step_context(self, step, prefill_pieces)
 
     def cache_states(self, kv_layers: list) -> list:
         """One entry per block: a Mamba block's slot tensors, an attention block's KV cache tensors."""
