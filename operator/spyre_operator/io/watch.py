@@ -1,6 +1,7 @@
 """What the operator knows without asking: kopf's watches (with server-side label selectors) fill an
-informer-style cache of models, their pods, and their Service and claim changes; the resync walks the models
-the watch has seen. The reconcile decides from this and reads the API server only before it acts."""
+informer-style cache of models, their pods, their Service and claim changes and which of them have an
+InferencePool; the resync walks the models the watch has seen. The reconcile decides from this and reads the
+API server only before it acts."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ rule only the operator's settings can check (the pool's port is the runtime's), 
 check. The pool selects exactly the model's serving pods (never its compile Job's) on the runtime's port; the
 pods carry llm-d's engine-type label, which tells the picker that they speak vLLM's metric names.
 
-The model's InferencePool: made once; what the operator owns of it (selector, target
+The step: the pool is made once; what the operator owns of it (selector, target
 ports, protocol, endpoint picker) restored when someone changed it; removed when the spec no longer wants it.
 A cluster that does not serve the InferencePool API (the Gateway API Inference Extension's CRDs are not
 installed) is no error: the model serves through its Service, condition InferencePoolReady says why it has no
