@@ -52,6 +52,7 @@ class Request:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (not EOS)
     num_computed_tokens: int = 0  # continuous batching: tokens whose KV is in the cache
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission found in the prefix cache
     state_slot: int = 0  # continuous batching, hybrid models: its Mamba state slot (0: none; state_slots.py)
     images: ImageInput | None = None  # an image-text model's images, placed at its image tokens
 

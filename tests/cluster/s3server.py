@@ -3,6 +3,7 @@
 
     s3 = S3Server(tmp_path / "s3").start()        # moto on a free port (stopped by PID) behind a proxy thread
     s3.put_folder("models", "tiny", folder)       # bucket created if needed; files >= part_size go multipart
+    s3.put_parts("models", "big", data, [70_000, 65_536])  # one multipart upload, parts as given
     env = {**s3.credentials, "AWS_ENDPOINT_URL": s3.endpoint}  # AWS_ACCESS_KEY_ID, ..._SECRET_..., AWS_REGION
     s3.requests                                   # "GET /models/tiny/config.json", ... from moto's own log
     s3.object_gets()                              # the GETs of object contents (not listings), same log
@@ -20,7 +21,8 @@ bodies on request. put_folder and client() talk to moto directly.
 The server accepts only the access key it made at start (moto's IAM auth: INITIAL_NO_AUTH_ACTION_COUNT,
 turned on through /moto-api/reset-auth once the user exists); any other key gets InvalidAccessKeyId and
 a wrong secret SignatureDoesNotMatch, as on AWS. Multipart parts may be as small as MIN_PART_SIZE
-(S3_UPLOAD_PART_MIN_SIZE), so tiny models exercise multipart ETags."""
+(S3_UPLOAD_PART_MIN_SIZE), so tiny models exercise multipart ETags. moto runs patched (motoserver.py) so
+that an SSE-KMS object's ETag is not its MD5, as on AWS."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from typing import NamedTuple
 from tests.cluster.controlplane import Proc, _die_with_parent, free_port, terminate
 
 MIN_PART_SIZE = 64 << 10
+_MOTO_SERVER = Path(__file__).with_name("motoserver.py")  # moto.server, SSE-KMS ETags as on AWS
 REGION = "us-east-1"
 _LINE = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d{3})')
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "server", "date"}
@@ -79,7 +82,7 @@ class S3Server:
         env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(MIN_PART_SIZE), "MOTO_PORT": str(self.port)}
         with open(self.log_path, "ab") as log:
             popen = subprocess.Popen(
-                [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+                [sys.executable, str(_MOTO_SERVER), "-H", "127.0.0.1", "-p", str(self.port)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -157,6 +160,35 @@ class S3Server:
             key = "/".join(filter(None, [prefix.strip("/"), file.relative_to(path).as_posix()]))
             s3.upload_file(str(file), bucket, key, Config=config)
         return len(files)
+
+    def put_parts(self, bucket: str, key: str, data: bytes, part_sizes: list[int], **extra: str) -> str:
+        """One multipart upload of `data` cut into parts of `part_sizes` (the last takes the rest; every
+        part but the last at least MIN_PART_SIZE); `extra` as for create_multipart_upload
+        (ServerSideEncryption="aws:kms", ChecksumAlgorithm="SHA256"...). Returns the ETag."""
+        s3 = self.client()
+        upload = s3.create_multipart_upload(Bucket=bucket, Key=key, **extra)["UploadId"]
+        algorithm = {"ChecksumAlgorithm": extra["ChecksumAlgorithm"]} if "ChecksumAlgorithm" in extra else {}
+        parts, start = [], 0
+        for number, size in enumerate([*part_sizes, len(data) - sum(part_sizes)], 1):
+            body = data[start : start + size]
+            start += size
+            sent = s3.upload_part(
+                Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=body, **algorithm
+            )
+            parts.append(
+                {
+                    "PartNumber": number,
+                    **{
+                        k: v
+                        for k, v in sent.items()
+                        if k == "ETag" or (k.startswith("Checksum") and k != "ChecksumType")
+                    },
+                }
+            )
+        done = s3.complete_multipart_upload(
+            Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": parts}
+        )
+        return done["ETag"].strip('"')
 
     @property
     def requests(self) -> list[str]:

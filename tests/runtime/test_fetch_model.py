@@ -300,7 +300,7 @@ def test_truncated_transfer_then_resume(clean_hub, tiny_model, tmp_path):
         ("s3", "s3://models/llama/tiny", "models/llama/tiny/config.json", "md5"),
     ],
 )
-def test_checksum_mismatch_is_transient_and_unpublished(
+def test_checksum_mismatch_is_permanent_and_unpublished(
     scheme, source, key, kind, request, tiny_model, tmp_path
 ):
     server = request.getfixturevalue("clean_hub" if scheme == "hf" else "s3")
@@ -311,7 +311,7 @@ def test_checksum_mismatch_is_transient_and_unpublished(
         res = fetch(source, into, {**env, "SPYRE_FETCH_RETRIES": "1"})
     finally:
         server.corrupt.clear()
-    assert res.returncode == 1, res.stderr
+    assert res.returncode == 2, res.stderr  # issue 37: permanent (after one retry when the tries allow)
     assert f"{source}: file {name}: checksum mismatch ({kind} expected" in last_line(res)
     assert not into.exists() and not (tmp_path / "tiny.partial" / name).exists()
     assert fetch(source, into, env).returncode == 0

@@ -31,6 +31,7 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # on the final output, when asked
     error: str | None = None  # finish_reason "error": what went wrong
     stop_reason: str | int | None = None  # the stop string or stop token id that ended the request
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property
     def cumulative_logprob(self) -> float:
@@ -170,6 +171,7 @@ class OutputProcessor:
             prompt_logprobs=tuple(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             error=req.error,
             stop_reason=req.stop_reason,
+            num_cached_tokens=req.num_cached_tokens,
         )
         if req.is_finished:
             self._sent.pop(req.request_id, None)

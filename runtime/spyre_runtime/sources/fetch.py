@@ -81,15 +81,18 @@ def tries_from_env(env: Mapping[str, str]) -> int:
 
 
 def with_retries(what: str, tries: int, action: Callable[[], object]):
-    """Runs `action`; a transient FetchError is retried after 0.5 s, 1 s, 2 s, ... up to `tries` runs."""
+    """Runs `action`; a transient FetchError is retried after 0.5 s, 1 s, 2 s, ... up to `tries` runs, an
+    error that sets `retries` (an unreachable endpoint, a checksum mismatch) at most that often."""
     for attempt in range(tries):
         try:
             return action()
         except FetchError as e:
-            if not e.transient or attempt == tries - 1:
+            allowed = e.retries if e.retries is not None else (tries - 1 if e.transient else 0)
+            runs = min(allowed + 1, tries)
+            if attempt >= runs - 1:
                 raise
             delay = BACKOFF_SECONDS * 2**attempt
-            log.warning("%s (try %d of %d; again in %.1f s)", e, attempt + 1, tries, delay)
+            log.warning("%s (try %d of %d; again in %.1f s)", e, attempt + 1, runs, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
 
@@ -150,7 +153,8 @@ def fetch_file(store: Store, staging: Staging, file: RemoteFile, progress: Progr
         raise FetchError(
             f"{uri}: file {file.name}: checksum mismatch ({file.checksum_kind} expected {file.checksum}, "
             f"got {digest})",
-            transient=True,
+            transient=False,
+            retries=1,
         )
     staging.mark_verified(file)
 

@@ -3,17 +3,53 @@
 
 The revision is resolved once to its commit and every file is fetched at that commit, so a branch that
 moves during the fetch cannot mix two versions. Checksums: sha256 of LFS files, the git blob sha1 of the
-others, as the hub gives them. Token: HF_TOKEN; endpoint: --endpoint, else HF_ENDPOINT, else the hub."""
+others, as the hub gives them. Token: HF_TOKEN; endpoint: --endpoint, else HF_ENDPOINT, else the hub.
+
+Only the files the runtime reads are fetched (and counted in the space check): the top-level `*.json`
+(config, tokenizer, generation config, the safetensors index, processor and sentence-transformers files),
+`*.jinja` chat templates, the tokenizer's `*.model`, `*.tiktoken`, `vocab.txt` and `merges.txt`,
+`*.safetensors` but `consolidated*.safetensors` (Mistral's own format, a second copy of the weights), and
+the sentence-transformers modules' `<n>_<Name>/config.json`. Not `original/*.pth`, `*.gguf`, `*.bin`,
+`*.pt` or anything else. SPYRE_FETCH_INCLUDE adds glob patterns, comma-separated (`original/*.pth,*.gguf`;
+`**` takes the whole repository); a pattern matches a path of as many `/`-separated parts as it has.
+
+HF_HUB_OFFLINE=1 fails at once (exit 2): the loader would only reach the hub."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from fnmatch import fnmatchcase
 
-from spyre_runtime.sources.errors import FetchError
+from spyre_runtime.sources.errors import NO_ROUTE_HINT, FetchError, unreachable
 from spyre_runtime.sources.remote import Listing, RemoteFile
 from spyre_runtime.sources.uri import HfSource
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
+INCLUDE_ENV = "SPYRE_FETCH_INCLUDE"
+RUNTIME_FILES = (
+    "*.json",
+    "*.jinja",
+    "additional_chat_templates/*.jinja",
+    "*.model",
+    "*.tiktoken",
+    "vocab.txt",
+    "merges.txt",
+    "*.safetensors",
+    "[0-9]*_*/config.json",
+)
+NOT_READ = ("consolidated*.safetensors",)
+
+
+def matches(name: str, pattern: str) -> bool:
+    """fnmatch on a whole path of as many parts as the pattern: `*.json` is top-level only."""
+    return pattern == "**" or (name.count("/") == pattern.count("/") and fnmatchcase(name, pattern))
+
+
+def wanted(name: str, extra: tuple[str, ...] = ()) -> bool:
+    """Whether the runtime reads `name` (or SPYRE_FETCH_INCLUDE asks for it)."""
+    if any(matches(name, p) for p in extra):
+        return True
+    return any(matches(name, p) for p in RUNTIME_FILES) and not any(matches(name, p) for p in NOT_READ)
 
 
 class HfStore:
@@ -22,6 +58,13 @@ class HfStore:
         self.endpoint = (endpoint or env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).rstrip("/")
         self.token = env.get("HF_TOKEN") or None
         self.commit: str | None = None
+        self.include = tuple(p.strip() for p in env.get(INCLUDE_ENV, "").split(",") if p.strip())
+        if env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+            raise FetchError(
+                f"{source.uri}: HF_HUB_OFFLINE={env['HF_HUB_OFFLINE']} forbids reaching the hub at "
+                f"{self.endpoint}; unset it, or {NO_ROUTE_HINT}",
+                transient=False,
+            )
 
     def listing(self) -> Listing:
         from huggingface_hub import HfApi
@@ -34,6 +77,8 @@ class HfStore:
         self.commit = info.sha or src.revision
         files = []
         for sibling in info.siblings or []:
+            if not wanted(sibling.rfilename, self.include):
+                continue
             if sibling.size is None:
                 raise FetchError(f"{src.uri}: the hub gave no size for {sibling.rfilename}", transient=True)
             if sibling.lfs is not None:
@@ -43,7 +88,12 @@ class HfStore:
             else:
                 files.append(RemoteFile(sibling.rfilename, sibling.size))
         if not files:
-            raise FetchError(f"{src.uri}: the repository has no files at {src.revision}", transient=False)
+            listed = len(info.siblings or [])
+            raise FetchError(
+                f"{src.uri}: the repository has no files the runtime reads at {src.revision} ({listed} "
+                f"files listed; {INCLUDE_ENV} adds patterns)",
+                transient=False,
+            )
         return Listing(revision=src.revision, commit=self.commit, files=tuple(files))
 
     def open(self, file: RemoteFile, offset: int) -> Iterator[bytes]:
@@ -103,6 +153,12 @@ class _HfErrors:
             if status == 404:
                 raise FetchError(f"{what}: not found {at}", transient=False)
             raise FetchError(f"{what}: HTTP {status} {at}", transient=status >= 500 or status == 429)
+        if isinstance(error, errors.OfflineModeIsEnabled):
+            raise FetchError(
+                f"{src.uri}: offline mode forbids reaching {at}; {NO_ROUTE_HINT}", transient=False
+            )
+        if isinstance(error, httpx2.ConnectError | httpx2.ConnectTimeout | ConnectionRefusedError):
+            raise unreachable(src.uri, self.store.endpoint, error) from error
         if isinstance(error, httpx2.TransportError | OSError):
             raise FetchError(f"{what}: network error {at}: {error!r}", transient=True) from error
         return False

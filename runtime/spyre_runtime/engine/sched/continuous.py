@@ -182,6 +182,7 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
             req.state_slot = self.slots.allocate(req.request_id)
             self.num_cached_tokens += allocation.num_cached_tokens
             if self.blocks.enable_prefix_caching and req.num_preemptions == 0:
+                req.num_cached_tokens = allocation.num_cached_tokens
                 self.num_prefix_queries += len(tokens)
                 self.num_prefix_hits += allocation.num_cached_tokens
             req.status = Status.RUNNING

@@ -10,6 +10,7 @@ restart, or MAX_STORED newer stored responses, forgets it: previous_response_id 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -17,6 +18,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from spyre_runtime.engine.outputs import RequestOutput, decode_output
 from spyre_runtime.entrypoints.chat.chat_output import OutputParser
 from spyre_runtime.entrypoints.chat.prompts import render_chat, tokenize
 from spyre_runtime.entrypoints.chat.tools import ChatSettings, plan_tools
@@ -87,8 +89,9 @@ async def create_response(body: ResponsesRequest, request: Request):
     sub = state.submit(meta.id, choices, [ids])
     output = OutputParser(plan, reasoning)
     kept = [m for m, o in zip(messages, origins, strict=True) if o != "instructions"]
+    usage_of = functools.partial(_usage, ids, reasoning, tokenizer, params.skip_special_tokens)
     if body.stream:
-        events = stream_response(meta, sub, output, store, kept)
+        events = stream_response(meta, sub, output, store, kept, usage_of)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         finals = await collect(request, sub)
@@ -102,14 +105,31 @@ async def create_response(body: ResponsesRequest, request: Request):
     parsed = output.final(out.text)
     status = "incomplete" if out.finish_reason == "length" else "completed"
     items = output_items(parsed, out.finish_reason)
-    result = response_object(meta, status, items, usage(len(ids), len(out.token_ids)))
+    result = response_object(meta, status, items, usage_of(out))
     if meta.store:
         store.put(meta.id, result, [*kept, assistant_turn(parsed)])
     return result
 
 
+def _usage(prompt: list[int], reasoning, tokenizer, skip_special_tokens: bool, out: RequestOutput) -> dict:
+    """The response's usage: the prefix cache's hits among the input tokens, the reasoning parser's count
+    of the output tokens the reasoning took."""
+    tokens = list(out.token_ids)
+    counted = 0
+    if reasoning is not None:
+        counted = reasoning.count_tokens(
+            tokens, lambda ids: decode_output(tokenizer, prompt, ids, skip_special_tokens)
+        )
+    return usage(len(prompt), len(tokens), out.num_cached_tokens, counted)
+
+
 async def stream_response(
-    meta: ResponseMeta, sub: Submission, output: OutputParser, store: ResponseStore, kept: list[dict]
+    meta: ResponseMeta,
+    sub: Submission,
+    output: OutputParser,
+    store: ResponseStore,
+    kept: list[dict],
+    usage_of,
 ) -> AsyncIterator[str]:
     writer = EventWriter(meta)
     stream = output.stream()
@@ -130,7 +150,7 @@ async def stream_response(
             for event in writer.delta(stream.feed(out.text, out.finished)):
                 yield event
             if out.finished:
-                for event in writer.finish(out.finish_reason, usage(len(sub.prompts[0]), len(out.token_ids))):
+                for event in writer.finish(out.finish_reason, usage_of(out)):
                     yield event
                 if meta.store:
                     store.put(meta.id, writer.final, [*kept, assistant_turn(stream.sent())])

@@ -107,6 +107,19 @@ TABLE = [
         "Sure.",
         [("get_weather", W), ("get_time", T)],
     ),
+    (
+        "mistral",
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}',
+        None,
+        [("get_weather", W)],
+    ),
+    (
+        "mistral",
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+        '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"timezone": "Europe/Paris"}',
+        "Sure.",
+        [("get_weather", W), ("get_time", T)],
+    ),
     ("mistral", "It is sunny in Paris.", "It is sunny in Paris.", []),
     (
         "mistral",

@@ -45,6 +45,25 @@ class MarkerReasoningParser:
         i, marker = min(at)
         return body[:i], body[i + len(marker) :]
 
+    def count_tokens(self, token_ids: list[int], decode) -> int:
+        """How many of the output's tokens its reasoning took: those up to the end of the closing marker
+        (all of them while the reasoning is open; none without reasoning). `decode(ids)` -> their text."""
+        text = decode(token_ids)
+        reasoning, answer = self.split(text, True)
+        if reasoning is None:
+            return 0
+        start = len(text) - len(answer)  # where the answer begins
+        if not any(text[:start].endswith(m) for m in self.end_markers):
+            return len(token_ids)
+        low, high = 0, len(token_ids)
+        while low < high:  # the fewest tokens whose text reaches the answer
+            mid = (low + high) // 2
+            if len(decode(token_ids[:mid])) >= start:
+                high = mid
+            else:
+                low = mid + 1
+        return low
+
 
 class DeepSeekR1ReasoningParser(MarkerReasoningParser):
     name = "deepseek_r1"

@@ -1,6 +1,7 @@
 """Mistral: content, then `[TOOL_CALLS]` (a special token: the text must keep special tokens) and either
-a JSON array of {"name", "arguments"} objects (tokenizers before v11) or, from v11 on, each call as
-`name{...arguments...}`, each after its own `[TOOL_CALLS]`."""
+a JSON array of {"name", "arguments"} objects (tokenizers before v11) or each call after its own
+`[TOOL_CALLS]`, as `name[ARGS]{...arguments...}` (v11 on; `[ARGS]` is a special token too, and a
+`[CALL_ID]<id>` may stand before it) or as `name{...arguments...}`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from spyre_runtime.entrypoints.chat.tool_parsers.json_array import scan_array
 from spyre_runtime.entrypoints.chat.tool_parsers.json_scan import CallScan, Malformed, scan_value, skip_ws
 
 TOOL_CALLS = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
+CALL_ID = re.compile(r"\[CALL_ID\][A-Za-z0-9]*")
 NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
@@ -37,12 +40,19 @@ class MistralToolParser(ToolParser):
 
 
 def _named_call(text: str, i: int) -> CallScan:
-    """`name{...}` at text[i]: the name is complete once the arguments open."""
+    """`name{...}` or `name[ARGS]{...}` (or `name[CALL_ID]id[ARGS]{...}`) at text[i]: the name is complete
+    once the arguments open."""
     match = NAME.match(text, i)
     end = match.end() if match else i
-    if end == len(text):
-        return CallScan(None, None, None, None)
+    if match and (call_id := CALL_ID.match(text, end)) and call_id.end() < len(text):
+        end = call_id.end()
+    if match and text.startswith(ARGS, end):
+        end += len(ARGS)
+    rest = text[end:]
+    growing = any(m.startswith(rest) for m in (ARGS, "[CALL_ID]")) or CALL_ID.fullmatch(rest)
+    if not rest or (match and growing):
+        return CallScan(None, None, None, None)  # the name, an id or [ARGS] may still be growing
     if not match or text[end] != "{":
-        raise Malformed(f"expected name{{arguments}} at {i}")
+        raise Malformed(f"expected name{{arguments}} or name[ARGS]{{arguments}} at {i}")
     args_end = scan_value(text, end)
     return CallScan(match.group(), end, args_end, args_end)
