@@ -63,6 +63,8 @@ def world(tmp_path_factory):
         stack.start({"models": {"loaderRetries": 1}})
         stack.create_namespace(NS)
         stack.runner.image_folders[IMAGE] = tiny
+        # its USER: the modelcar runs under the pod's runAsNonRoot, which a root image (no USER line) fails
+        stack.runner.image_users[IMAGE] = "65532"
         s3.start()
         s3.put_folder("models", "tiny", tiny)
         hub.start()
