@@ -161,11 +161,12 @@ def test_a_write_through_a_read_only_mount_fails(stack):
     """The same emptyDir mounted twice: writable at /data, readOnly at /view. Written at /data, the file
     reads back through /view; a write through /view fails with EROFS, as in a container."""
     batch, core = client.BatchV1Api(stack.kube), client.CoreV1Api(stack.kube)
-    script = (
-        "import errno, sys\n"
-        "open('/data/f', 'w').write('x')\n"
-        "assert open('/view/f').read() == 'x'\n"
-        "for path in ('/view/f', '/view/new'):\n"
+    script = (  # the paths come through env, which the runner rewrites to the local folders
+        "import errno, os, sys\n"
+        "data, view = os.environ['DATA'], os.environ['VIEW']\n"
+        "open(data + '/f', 'w').write('x')\n"
+        "assert open(view + '/f').read() == 'x'\n"
+        "for path in (view + '/f', view + '/new'):\n"
         "    try:\n"
         "        open(path, 'w').write('y')\n"
         "    except OSError as e:\n"
@@ -181,6 +182,7 @@ def test_a_write_through_a_read_only_mount_fails(stack):
             {"name": "scratch", "mountPath": "/data"},
             {"name": "scratch", "mountPath": "/view", "readOnly": True},
         ],
+        env=[{"name": "DATA", "value": "/data"}, {"name": "VIEW", "value": "/view"}],
     )
     batch.create_namespaced_job(
         NS, {"metadata": {"name": "ro"}, "spec": {"backoffLimit": 0, "template": {"spec": spec}}}
