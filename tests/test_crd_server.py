@@ -1,9 +1,9 @@
-"""The CRD against a current API server: the CRD API server (k8s.io/apiextensions-apiserver, 1.34 or newer:
-tests/cluster/build-crd-server.sh checks and records the version it built) beside the 1.20 control plane, which
-it delegates authentication and authorization to. 1.20 ignores CEL (`x-kubernetes-validations`); the current
-server compiles every rule, checks its cost budget when the CRD is written, and enforces it on every create
-and update. A rule that fails either way would break `kubectl apply -f crds/` on every modern cluster while the
-1.20 tests stay green."""
+"""The CRD against a current API server: the CRD API server (k8s.io/apiextensions-apiserver, 1.34 or
+newer: tests/cluster/build-crd-server.sh checks and records the version it built) beside the 1.20 control
+plane, which it delegates authentication and authorization to. 1.20 ignores CEL (`x-kubernetes-validations`);
+the current server compiles every rule, checks its cost budget when the CRD is written, and enforces it on
+every create and update. A rule that fails either way would break `kubectl apply -f crds/` on every modern
+cluster while the 1.20 tests stay green."""
 
 from __future__ import annotations
 
