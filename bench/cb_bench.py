@@ -2,6 +2,7 @@
 A script with a report, not a timed test; every figure comes from one run.
 
     .venv/bin/python bench/cb_bench.py [--requests 48] [--rate 1.0] [--prefix-requests 12]
+                                       [--model DIR] [--backend inductor] [--out bench/results-cb.json]
 
 1. Mixed workload: prompts of 32-256 tokens, max_tokens 16-128 (ignore_eos), greedy, streaming, Poisson
    arrivals (seeded) -- the same jobs against a static-batching server (shapes 128/256 x 128 x 8) and a
@@ -29,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from serve_bench import MODEL_DIR, SHAPES, run_load, workload  # noqa: E402
+from serve_bench import SHAPES, add_model_args, bench_model, run_load, with_backend, workload  # noqa: E402
 
 from tests.runtime.serverproc import ServerProcess  # noqa: E402
 
@@ -64,12 +65,12 @@ def shared_prefix_jobs(tokenizer, n: int, seed: int = 2) -> list[tuple[list[int]
     return jobs
 
 
-def serve(name: str, env: dict, args: tuple, work) -> tuple[float, object]:
+def serve_one(name: str, env: dict, args: tuple, work, model_dir: Path, backend: str) -> tuple[float, object]:
     """Starts a server, runs `work(base)`, stops it; returns (seconds to ready, work's result)."""
     t0 = time.perf_counter()
     server = ServerProcess(
-        MODEL_DIR,
-        {"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **env},
+        model_dir,
+        with_backend(env, backend),
         Path(f"/tmp/spyre-bench-{name}.log"),
         served_name="smollm2",
         extra_args=args,
@@ -92,18 +93,19 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--rate", type=float, default=1.0, help="Poisson arrivals per second")
-    ap.add_argument("--prefix-requests", type=int, default=12)
+    ap.add_argument("--prefix-requests", type=int, default=12, help="at least 2 (the first is cold)")
+    add_model_args(ap)
     args = ap.parse_args()
-    from spyre_runtime.testing.models import prepare_smollm2
     from transformers import AutoTokenizer
 
-    prepare_smollm2(MODEL_DIR)
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model_dir = bench_model(args.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     jobs = workload(tok, args.requests, seed=3)
     arrivals = poisson_arrivals(len(jobs), args.rate)
     prefix_jobs = shared_prefix_jobs(tok, args.prefix_requests)
     results: dict = {
-        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, SmolLM2-135M fp32, inductor",
+        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{'SmolLM2-135M' if args.model is None else model_dir.name} fp32, {args.backend}",
         "mixed_workload": {"requests": len(jobs), "poisson_rate_per_s": args.rate},
     }
 
@@ -112,6 +114,9 @@ def main() -> int:
 
     def mixed_then_prefix(base):
         return mixed(base), prefix_ttft(asyncio.run(run_load(base, prefix_jobs, concurrency=1)))
+
+    def serve(name, env, flags, work):
+        return serve_one(name, env, flags, work, model_dir, args.backend)
 
     ready, results["static"] = serve("static", SHAPES, (), mixed)
     results["static"]["ready_s"] = ready
@@ -131,7 +136,7 @@ def main() -> int:
     results["cb_vs_static_ttft_p99"] = c["ttft_p99"] / s["ttft_p99"]
     on, off = results["prefix_caching_on"], results["prefix_caching_off"]
     results["prefix_ttft_speedup"] = off["ttft_median_s"] / on["ttft_median_s"]
-    (REPO / "bench/results-cb.json").write_text(json.dumps(results, indent=2))
+    (args.out or REPO / "bench/results-cb.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
 

@@ -4,7 +4,8 @@ a timed test: only the ratios of one run count (the machine is shared).
 
     .venv/bin/python bench/matrix_bench.py [--dtypes float32,bfloat16] [--streams 1,8,32] [--no-vllm-client]
                                            [--mixed-prefill-tokens 64] [--systems ours,vllm]
-                                           [--out bench/results-matrix.json]
+                                           [--out bench/results-matrix.json] [--model DIR]
+                                           [--backend inductor] [--bandwidth-gib 1]
 
 It prints the CPU model, its ISA flags (AVX2, AVX-512 and its bf16/VNNI extensions, AMX) and the machine's
 measured read bandwidth (a 1 GiB sum, median of 5), with the float32 and bfloat16 decode floors of SmolLM2
@@ -43,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import vllm_bench  # noqa: E402
-from serve_bench import MODEL_DIR, run_load, workload  # noqa: E402
+from serve_bench import bench_model, run_load, workload  # noqa: E402
 from vllm_bench import (  # noqa: E402
     PHASE_PAUSE_S,
     VLLM_ENV,
@@ -96,13 +97,13 @@ print("RESULT " + json.dumps(keep))
 """
 
 
-def machine() -> dict:
-    """The CPU model, its ISA flags, and the read bandwidth of a 1 GiB float32 sum (median of 5)."""
+def machine(gib: float = 1.0) -> dict:
+    """The CPU model, its ISA flags, and the read bandwidth of a `gib` GiB float32 sum (median of 5)."""
     info = Path("/proc/cpuinfo").read_text()
     model = re.search(r"^model name\s*:\s*(.*)$", info, re.M)
     flags_line = re.search(r"^flags\s*:\s*(.*)$", info, re.M)
     flags = set(flags_line.group(1).split()) if flags_line else set()
-    x = torch.ones(256 * 1024 * 1024, dtype=torch.float32)  # 1 GiB
+    x = torch.ones(int(gib * 256 * 1024 * 1024), dtype=torch.float32)
     x.sum()
     times = []
     for _ in range(5):
@@ -141,7 +142,7 @@ def vllm_client(python: Path, base: str, log_dir: Path, concurrency: int = 8, pr
         "--model",
         "smollm2",
         "--tokenizer",
-        str(MODEL_DIR),
+        str(vllm_bench.MODEL_DIR),
         "--dataset-name",
         "random",
         "--random-input-len",
@@ -172,7 +173,7 @@ def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict
     """Both systems up (float32 cold first), then every phase on each in turn."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(vllm_bench.MODEL_DIR)
     systems: dict = {}
     if "ours" in args.systems:
         env, flags = ours_config(args)
@@ -260,15 +261,19 @@ def main() -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--systems", default="ours,vllm")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results-matrix.json")
+    ap.add_argument(
+        "--model", type=Path, default=None, help="a model folder instead of SmolLM2 (both systems)"
+    )
+    ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="ours")
+    ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="the size of the bandwidth probe")
     args = ap.parse_args()
     args.systems = args.systems.split(",")
     args.streams = [int(s) for s in args.streams.split(",")]
-    from spyre_runtime.testing.models import prepare_smollm2
-
-    prepare_smollm2(MODEL_DIR)
+    vllm_bench.use_model(bench_model(args.model))
+    OURS_ENV["SENDNN_INFERENCE_DYNAMO_BACKEND"] = args.backend
     vllm_python = ensure_vllm_venv() if "vllm" in args.systems or args.vllm_client else None
     env, flags = ours_config(args)
-    results: dict = {"machine": machine(), "ours_env": env, "ours_args": list(flags)}
+    results: dict = {"machine": machine(args.bandwidth_gib), "ours_env": env, "ours_args": list(flags)}
     print(json.dumps(results["machine"]), flush=True)
     with tempfile.TemporaryDirectory(prefix="spyre-matrix-") as tmp:
         for dtype in args.dtypes.split(","):

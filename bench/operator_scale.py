@@ -1,6 +1,7 @@
 """Scale benchmark of the operator: N SpyreModels applied at once on the real control plane.
 
-    .venv/bin/python bench/operator_scale.py [--models 100,300,1000] [--replicas 1]
+    .venv/bin/python bench/operator_scale.py [--models 100,300,1000] [--operator-replicas 1] [--resync 10]
+                                             [--timeout 600] [--out bench/results-operator.json]
 
 One run per count, each on a fresh control plane sized for it (N/8 pseudo nodes of 8 cards).
 Reports the time until every model has its pod created and a Ready status, the API requests the operator
@@ -66,16 +67,17 @@ def main() -> int:
     ap.add_argument("--resync", type=float, default=10.0)
     ap.add_argument("--operator-replicas", type=int, default=1, help="2: a leader and a standby")
     ap.add_argument("--out", default=str(REPO / "bench/results-operator.json"))
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds for every model to be Ready")
     args = ap.parse_args()
     rows = []
     for count in [int(c) for c in args.models.split(",")]:
-        rows.append(run(count, args.resync, args.operator_replicas))
+        rows.append(run(count, args.resync, args.operator_replicas, args.timeout))
         print(json.dumps(rows[-1], indent=2), flush=True)
     Path(args.out).write_text(json.dumps(rows if len(rows) > 1 else rows[0], indent=2))
     return 0
 
 
-def run(models: int, resync: float, operator_replicas: int) -> dict:
+def run(models: int, resync: float, operator_replicas: int, timeout: float = 600.0) -> dict:
     args = argparse.Namespace(models=models, resync=resync)
     work = Path(tempfile.mkdtemp(prefix="spyre-scale-"))
     (work / "audit.yaml").write_text(AUDIT_POLICY)
@@ -100,6 +102,10 @@ def run(models: int, resync: float, operator_replicas: int) -> dict:
         kubectl(cp, "apply", "-f", str(REPO / "deploy/rbac/clusterrole.yaml"))
         kubectl(cp, "create", "namespace", "scale")
         core, custom = client.CoreV1Api(kube), client.CustomObjectsApi(kube)
+        models_claim = {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}}
+        core.create_namespaced_persistent_volume_claim(
+            "scale", {"metadata": {"name": "models"}, "spec": models_claim}
+        )
         kc = service_account_kubeconfig(
             cp, kube, "spyre-system", "spyre-operator", work / "operator.kubeconfig"
         )
@@ -123,7 +129,7 @@ def run(models: int, resync: float, operator_replicas: int) -> dict:
         threading.Thread(target=watch_rss, daemon=True).start()
         time.sleep(5)  # operator up and watching
         spec = {
-            "model": {"source": "file:///models/tiny"},
+            "model": {"source": "pvc://models/tiny"},  # file:// is refused unless host paths are allowed
             "replicas": 1,
             "backend": "inductor",
             "batching": {"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 16, "batchSize": 1}]},
@@ -161,11 +167,12 @@ def run(models: int, resync: float, operator_replicas: int) -> dict:
                 return sum((m.get("status") or {}).get("phase") == "Ready" for m in items)
 
             while (n := ready_count()) < args.models:
-                if time.time() - t0 > 600:
-                    results["not_converged_ready_after_600_s"] = n
+                if time.time() - t0 > timeout:
+                    results[f"not_converged_ready_after_{timeout:.0f}_s"] = n
                     break
                 time.sleep(1)
             converged = time.time() - t0
+            results["ready_models"] = n
             results["after_last_create_seconds"] = converged - applied
             pods = len(core.list_namespaced_pod("scale").items)
             time.sleep(3)

@@ -1,7 +1,8 @@
 """Embeddings per second of all-MiniLM-L6-v2: spyre-serve's pooling runtime against sentence-transformers,
 at batch 1 and batch 32, on the same machine in the same run. A script with a report, not a timed test.
 
-    .venv/bin/python bench/pooling_bench.py [--rounds 3]
+    .venv/bin/python bench/pooling_bench.py [--rounds 3] [--backends inductor,eager] [--model DIR]
+                                            [--out bench/results-pooling.json]
 
 In process: sentence-transformers `encode` (batch_size 1 and 32; it pads each batch to its longest input)
 (batch 1 over the first 16 texts, batch 32 over all 64)
@@ -61,7 +62,13 @@ def main() -> int:
         help="torch threads, for both sides and the server (1: on this shared machine two threads under "
         "load ran 10x slower than one, spinning against other processes)",
     )
+    parser.add_argument(
+        "--backends", default="inductor,eager", help="ours, in process; the server runs the first"
+    )
+    parser.add_argument("--model", type=Path, default=None, help="a sentence-transformers folder, not MiniLM")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results-pooling.json")
     args = parser.parse_args()
+    backends = args.backends.split(",")
     sys.path.insert(0, str(REPO / "runtime"))
     import torch
 
@@ -73,21 +80,21 @@ def main() -> int:
     from spyre_runtime.testing.models import prepare_minilm
     from transformers import AutoTokenizer
 
-    prepare_minilm(MODEL_DIR)
+    model_dir = args.model or prepare_minilm(MODEL_DIR)
     load_start = round(os.getloadavg()[0], 1)
     texts = workload()
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     enc = tok(texts)
     rows = [(ids, enc["token_type_ids"][i]) for i, ids in enumerate(enc["input_ids"])]
     lengths = [len(ids) for ids, _ in rows]
     assert max(lengths) <= 64, max(lengths)
-    st = SentenceTransformer(str(MODEL_DIR), device="cpu")
-    spec = detect_pooling(MODEL_DIR)
+    st = SentenceTransformer(str(model_dir), device="cpu")
+    spec = detect_pooling(model_dir)
     one, wide = Shape(64, 0, 1), Shape(64, 0, 32)
     models = {}
-    for backend in ("inductor", "eager"):
+    for backend in backends:
         config = RuntimeConfig(
-            model_dir=MODEL_DIR, served_model_name="m", backend=backend, shapes=(one, wide)
+            model_dir=model_dir, served_model_name="m", backend=backend, shapes=(one, wide)
         )
         model = PoolingModel(config, spec, tok.pad_token_id)
         t0 = time.perf_counter()
@@ -95,7 +102,7 @@ def main() -> int:
         models[backend] = (model, time.perf_counter() - t0)
 
     reference = st.encode(texts, convert_to_tensor=True, batch_size=32)
-    ours = torch.cat([models["inductor"][0].run(wide, rows[i : i + 32]) for i in range(0, NUM_TEXTS, 32)])
+    ours = torch.cat([models[backends[0]][0].run(wide, rows[i : i + 32]) for i in range(0, NUM_TEXTS, 32)])
     max_diff = (ours - reference).abs().max().item()
 
     def run_ours(model, batch: int):
@@ -110,10 +117,11 @@ def main() -> int:
     cases = {
         "sentence-transformers batch 1": run_st(1),
         "sentence-transformers batch 32": run_st(32),
-        "spyre-serve inductor batch 1": run_ours(models["inductor"][0], 1),
-        "spyre-serve inductor batch 32": run_ours(models["inductor"][0], 32),
-        "spyre-serve eager batch 1": run_ours(models["eager"][0], 1),
-        "spyre-serve eager batch 32": run_ours(models["eager"][0], 32),
+        **{
+            f"spyre-serve {backend} batch {batch}": run_ours(models[backend][0], batch)
+            for backend in backends
+            for batch in (1, 32)
+        },
     }
     for fn, _ in cases.values():
         fn()  # one untimed pass each
@@ -122,7 +130,7 @@ def main() -> int:
         for name, (fn, count) in cases.items():
             in_process[name].append(rate(fn, count))
         print({k: round(v[-1], 1) for k, v in in_process.items()}, flush=True)
-    served, startup = serve_rates(texts[:32], args.rounds, args.threads)
+    served, startup = serve_rates(texts[:32], args.rounds, args.threads, model_dir, backends[0])
     print(served, flush=True)
 
     def med(values: list[float]) -> float:
@@ -132,7 +140,7 @@ def main() -> int:
         "machine": f"{os.cpu_count()} vCPUs, {platform.machine()}, torch {torch.__version__}",
         "load_average_start_end": [load_start, round(os.getloadavg()[0], 1)],
         "threads": torch.get_num_threads(),
-        "model": "all-MiniLM-L6-v2 (fp32)",
+        "model": f"{'all-MiniLM-L6-v2' if args.model is None else model_dir.name} (fp32)",
         "texts": NUM_TEXTS,
         "tokens_min_mean_max": [min(lengths), round(sum(lengths) / len(lengths), 1), max(lengths)],
         "max_abs_diff_vs_sentence_transformers": max_diff,
@@ -145,33 +153,32 @@ def main() -> int:
     }
     ip = results["in_process_embeddings_per_second"]
     results["ratios"] = {
-        "batch 1: inductor / sentence-transformers": round(
-            ip["spyre-serve inductor batch 1"] / ip["sentence-transformers batch 1"], 2
-        ),
-        "batch 32: inductor / sentence-transformers": round(
-            ip["spyre-serve inductor batch 32"] / ip["sentence-transformers batch 32"], 2
-        ),
+        f"batch {batch}: {backends[0]} / sentence-transformers": round(
+            ip[f"spyre-serve {backends[0]} batch {batch}"] / ip[f"sentence-transformers batch {batch}"], 2
+        )
+        for batch in (1, 32)
     }
-    out = REPO / "bench" / "results-pooling.json"
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
     return 0
 
 
-def serve_rates(texts: list[str], rounds: int, threads: int) -> tuple[dict[str, list[float]], float]:
-    """Starts `spyre-runtime serve` (inductor, shapes (64, 1) and (64, 32)) and measures through HTTP."""
+def serve_rates(
+    texts: list[str], rounds: int, threads: int, model_dir: Path = MODEL_DIR, backend: str = "inductor"
+) -> tuple[dict[str, list[float]], float]:
+    """Starts `spyre-runtime serve` (`backend`, shapes (64, 1) and (64, 32)) and measures through HTTP."""
     import httpx
     import openai
 
     env = {
         **os.environ,
-        "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": backend,
         "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": "64,64",
         "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "1,32",
         "HF_HUB_OFFLINE": "1",
         "SENDNN_INFERENCE_NUM_CPUS": str(threads),
     }
-    argv = [sys.executable, "-m", "spyre_runtime.cli", "serve", str(MODEL_DIR), "--port", str(PORT)]
+    argv = [sys.executable, "-m", "spyre_runtime.cli", "serve", str(model_dir), "--port", str(PORT)]
     with tempfile.TemporaryFile() as log:
         proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -3,6 +3,7 @@ through the runtime's own ModelExecutor on SmolLM2 (inductor). A script with a r
 
     .venv/bin/python bench/profile_step.py [--batch 8] [--kv 256] [--chunk 256] [--dtype float32]
                                            [--iters 20] [--trace DIR] [--out bench/results-profile.json]
+                                           [--model DIR]
 
 Prints the median time of the compiled forward and of the whole executor step (inputs built, forward,
 sampling), and torch.profiler's top operators for both. The chunk runs as a mixed step (the chunk and the
@@ -58,6 +59,7 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--model", type=Path, default=None, help="a model folder instead of SmolLM2")
     args = ap.parse_args()
     import dataclasses
 
@@ -72,8 +74,12 @@ def main() -> int:
         "SENDNN_INFERENCE_CB_KV_LENS": str(args.kv),
         "SENDNN_INFERENCE_DTYPE": args.dtype,
     }
+    if args.model is None:
+        from spyre_runtime.testing.models import prepare_smollm2
+
+        prepare_smollm2(MODEL_DIR)
     cfg = load_config(
-        MODEL_DIR,
+        args.model or MODEL_DIR,
         environ=env,
         max_num_seqs=args.batch,
         max_model_len=args.kv,
@@ -100,7 +106,7 @@ def main() -> int:
     mixed = dataclasses.replace(decode, chunks=(chunk,), mixed=True, pieces=ex.config.prefill_pieces)
     chunk_args = ex.inputs.mixed(mixed)
     res = {
-        "config": vars(args) | {"out": None},
+        "config": vars(args) | {"out": None, "model": str(args.model or MODEL_DIR)},
         "load_s": load_s,
         "warmup_s": warm_s,
         "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters),

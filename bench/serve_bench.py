@@ -2,6 +2,11 @@
 same run on the same model and prompts. A script with a report, not a timed test.
 
     .venv/bin/python bench/serve_bench.py [--requests 64] [--concurrency 8] [--hf-requests 16] [--cb]
+                                          [--model DIR] [--backend inductor] [--out bench/results-serve.json]
+
+`--model DIR` serves another model folder instead of SmolLM2 (served as "smollm2"; tests/test_bench_smoke.py
+runs every bench on a tiny model with one request, `--backend eager`, so that a bench cannot stop measuring
+unnoticed).
 
 Workload: prompts of 32-256 tokens, max_tokens 16-128 (ignore_eos, so every system generates the same
 counts), greedy, streaming, concurrency 8. Writes bench/results-serve.json and prints a markdown table.
@@ -33,6 +38,26 @@ SHAPES = {
     "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "128,128",
     "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "8,8",
 }
+
+
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The flags every serving bench shares: which model, which backend, where the JSON goes."""
+    ap.add_argument("--model", type=Path, default=None, help="a model folder instead of SmolLM2")
+    ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"))
+    ap.add_argument("--out", type=Path, default=None, help="where the results go (default: bench/results-*)")
+
+
+def bench_model(model: Path | None) -> Path:
+    """The folder to serve: `--model`, else SmolLM2 (built from its wheel once)."""
+    if model is not None:
+        return model
+    from spyre_runtime.testing.models import prepare_smollm2
+
+    return prepare_smollm2(MODEL_DIR)
+
+
+def with_backend(env: dict, backend: str) -> dict:
+    return {**env, "SENDNN_INFERENCE_DYNAMO_BACKEND": backend}
 
 
 def pct(values: list[float], q: float) -> float:
@@ -133,10 +158,10 @@ def summarize(records: list[dict], wall: float) -> dict:
     }
 
 
-def hf_baselines(jobs, batch: int) -> dict:
+def hf_baselines(jobs, batch: int, model_dir: Path = MODEL_DIR) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     res = {}
     t0, toks = time.perf_counter(), 0
     with torch.inference_mode():
@@ -167,13 +192,13 @@ def hf_baselines(jobs, batch: int) -> dict:
     return res
 
 
-def step_overhead(jobs) -> dict:
+def step_overhead(jobs, model_dir: Path = MODEL_DIR, backend: str = "inductor") -> dict:
     """Pure compiled forward of a decode step vs the engine's full step, in process, same shape."""
     from spyre_runtime.config import load_config
     from spyre_runtime.engine.llm_engine import LLMEngine
     from spyre_runtime.sampling.params import SamplingParams
 
-    cfg = load_config(MODEL_DIR, environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES})
+    cfg = load_config(model_dir, environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": backend, **SHAPES})
     engine = LLMEngine(cfg)
     engine.executor.warmup()
     step_times: list[float] = []
@@ -208,23 +233,26 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--hf-requests", type=int, default=16, help="baselines run on the first N requests")
     ap.add_argument("--cb", action="store_true", help="also serve the workload with continuous batching")
+    add_model_args(ap)
     args = ap.parse_args()
-    from spyre_runtime.testing.models import prepare_smollm2
     from transformers import AutoTokenizer
 
-    prepare_smollm2(MODEL_DIR)
-    tok = AutoTokenizer.from_pretrained(MODEL_DIR)
+    model_dir = bench_model(args.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
     jobs = workload(tok, args.requests)
-    results: dict = {"machine": f"{os.cpu_count()} cores, torch {torch.__version__}, SmolLM2-135M fp32"}
-    modes = {"spyre_serve": ({"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **SHAPES}, ())}
+    name = "SmolLM2-135M" if args.model is None else model_dir.name
+    results: dict = {
+        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, {name} fp32, {args.backend}"
+    }
+    modes = {"spyre_serve": (with_backend(SHAPES, args.backend), ())}
     if args.cb:
         from cb_bench import CB_ARGS, CB_ENV
 
-        modes["spyre_serve_continuous"] = ({"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **CB_ENV}, CB_ARGS)
+        modes["spyre_serve_continuous"] = (with_backend(CB_ENV, args.backend), CB_ARGS)
     for label, (env, extra) in modes.items():
         t0 = time.perf_counter()
         server = ServerProcess(
-            MODEL_DIR, env, Path(f"/tmp/spyre-bench-{label}.log"), served_name="smollm2", extra_args=extra
+            model_dir, env, Path(f"/tmp/spyre-bench-{label}.log"), served_name="smollm2", extra_args=extra
         )
         try:
             server.wait_ready(timeout=3600)
@@ -233,12 +261,12 @@ def main() -> int:
             results[label]["ready_s"] = ready
         finally:
             server.stop()
-    results.update(hf_baselines(jobs[: args.hf_requests], 8))
-    results["step_overhead"] = step_overhead(jobs)
+    results.update(hf_baselines(jobs[: args.hf_requests], 8, model_dir))
+    results["step_overhead"] = step_overhead(jobs, model_dir, args.backend)
     hf1 = results["hf_one_at_a_time"]["tok_per_s"]
     for label in modes:
         results[f"{label}_vs_hf_one_at_a_time"] = results[label]["tok_per_s"] / hf1
-    (REPO / "bench/results-serve.json").write_text(json.dumps(results, indent=2))
+    (args.out or REPO / "bench/results-serve.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
 

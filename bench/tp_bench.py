@@ -1,7 +1,7 @@
 """Tensor parallelism on this 2-core machine: decode step time and throughput at N = 1 and N = 2, and the
 per-step cost of sending the step to the other rank. A script with a report, not a timed test.
 
-    .venv/bin/python bench/tp_bench.py
+    .venv/bin/python bench/tp_bench.py [--models tiny,small] [--backend inductor] [--out FILE]
 
 Models with heads that divide by 2 (8 attention heads, 4 KV heads), seeded random weights: the tiny test
 model (hidden 64, 2 layers) and a small one (hidden 512, 8 layers) where compute is less dwarfed by
@@ -12,6 +12,7 @@ Writes bench/results-tp.json.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -24,14 +25,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def measure(model_dir: Path, tp: int) -> dict:
+def measure(model_dir: Path, tp: int, backend: str = "inductor") -> dict:
     from spyre_runtime.config import RuntimeConfig, Shape
     from spyre_runtime.engine.llm_engine import LLMEngine
     from spyre_runtime.executor.loader import configure_threads
     from spyre_runtime.sampling.params import SamplingParams
 
     config = RuntimeConfig(
-        model_dir=model_dir, served_model_name="m", backend="inductor", shapes=(Shape(64, 64, 4),)
+        model_dir=model_dir, served_model_name="m", backend=backend, shapes=(Shape(64, 64, 4),)
     )
     config = replace(config, tensor_parallel_size=tp)
     threads = configure_threads(config)
@@ -69,27 +70,35 @@ def measure(model_dir: Path, tp: int) -> dict:
     }
 
 
+SIZES = {"tiny": ("tiny (hidden 64, 2 layers)", 64, 2), "small": ("small (hidden 512, 8 layers)", 512, 8)}
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="tiny,small", help=f"a comma list of {', '.join(SIZES)}")
+    ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"))
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results-tp.json")
+    args = ap.parse_args()
     sys.path.insert(0, str(REPO / "runtime"))
     from spyre_runtime.testing.models import write_tiny_model
 
-    results: dict = {"machine": f"{os.cpu_count()} cores, inductor, static shape (64, 64, 4)"}
+    results: dict = {"machine": f"{os.cpu_count()} cores, {args.backend}, static shape (64, 64, 4)"}
     with tempfile.TemporaryDirectory() as tmp:
-        models = {
-            "tiny (hidden 64, 2 layers)": write_tiny_model(Path(tmp) / "tiny", heads=8, kv_heads=4, seed=3),
-            "small (hidden 512, 8 layers)": write_tiny_model(
-                Path(tmp) / "small", heads=8, kv_heads=4, hidden=512, num_layers=8, seed=3
-            ),
-        }
+        models = {}
+        for size in args.models.split(","):
+            label, hidden, layers = SIZES[size]
+            models[label] = write_tiny_model(
+                Path(tmp) / size, heads=8, kv_heads=4, hidden=hidden, num_layers=layers, seed=3
+            )
         for label, model_dir in models.items():
-            one, two = measure(model_dir, 1), measure(model_dir, 2)
+            one, two = measure(model_dir, 1, args.backend), measure(model_dir, 2, args.backend)
             results[label] = {
                 "n1": one,
                 "n2": two,
                 "step_ratio_n2_over_n1": two["decode_step_ms_median"] / one["decode_step_ms_median"],
             }
             print(label, json.dumps(results[label]), flush=True)
-    (REPO / "bench/results-tp.json").write_text(json.dumps(results, indent=2))
+    args.out.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
     return 0
 

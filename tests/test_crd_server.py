@@ -1,8 +1,9 @@
-"""The CRD against a current API server: the 1.36 CRD API server (k8s.io/apiextensions-apiserver, built by
-tests/cluster/build-crd-server.sh) beside the 1.20 control plane, which it delegates authentication and
-authorization to. 1.20 ignores CEL (`x-kubernetes-validations`); 1.36 compiles every rule, checks its cost
-budget when the CRD is written, and enforces it on every create and update. A rule that fails either way would
-break `kubectl apply -f crds/` on every modern cluster while the 1.20 tests stay green."""
+"""The CRD against a current API server: the CRD API server (k8s.io/apiextensions-apiserver, 1.34 or
+newer: tests/cluster/build-crd-server.sh checks and records the version it built) beside the 1.20 control
+plane, which it delegates authentication and authorization to. 1.20 ignores CEL (`x-kubernetes-validations`);
+the current server compiles every rule, checks its cost budget when the CRD is written, and enforces it on
+every create and update. A rule that fails either way would break `kubectl apply -f crds/` on every modern
+cluster while the 1.20 tests stay green."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import copy
 import pytest
 import yaml
 
-from tests.cluster.crdserver import CRDServer
+from tests.cluster.crdserver import CRDServer, crd_server_version
 from tests.conftest import REPO
 from tests.operator.catalog import BASE, CATALOG
 
@@ -55,6 +56,16 @@ def create(server: CRDServer, body: dict, dry_run: bool = True):
     return server.request("POST", MODELS + ("?dryRun=All" if dry_run else ""), body)
 
 
+def test_the_server_is_the_recorded_version_and_current_enough(crd_server):
+    """The build checked what Debian sid shipped and recorded it; the running binary answers that version."""
+    recorded = crd_server_version()
+    assert tuple(int(p) for p in recorded.split(".")[:2]) >= (1, 34), recorded
+    answer = crd_server.request("GET", "/version")
+    assert answer.code == 200, answer
+    assert answer.body["gitVersion"] == f"v{recorded}" and answer.body["minor"] == recorded.split(".")[1]
+    assert crd_server.version == recorded
+
+
 @pytest.mark.parametrize("path", SHIPPED_CRDS + TEST_CRDS, ids=lambda p: str(p.relative_to(REPO)))
 def test_every_crd_we_ship_is_accepted_and_established(crd_server, path):
     for crd in yaml.safe_load_all(path.read_text()):
@@ -86,7 +97,7 @@ def test_a_valid_model_is_created_with_the_schema_defaults(crd_server, spyremode
 
 CB = {"mode": "continuous", "maxNumSeqs": 4, "maxModelLen": 256}
 
-# What the 1.36 server refuses when the SpyreModel is created, with (part of) its message.
+# What the current server refuses when the SpyreModel is created, with (part of) its message.
 REFUSED_AT_CREATE = [
     ("static-without-shapes", {"batching": {"mode": "static"}}, "static batching needs at least one shape"),
     (

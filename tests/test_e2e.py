@@ -14,6 +14,7 @@ import pytest
 from spyre_runtime.testing.models import write_tiny_model
 
 from tests.cluster.stack import LocalStack
+from tests.hf_greedy import hf_greedy_text
 
 pytestmark = pytest.mark.cluster
 
@@ -50,7 +51,7 @@ def ask(ip: str, prompt: str | list[int] = "The capital of France") -> str:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     with LocalStack(tmp_path_factory.mktemp("e2e")).running(NS) as s:
-        write_tiny_model(s.create_models_claim(NS) / "tiny")
+        s.tiny_dir = write_tiny_model(s.create_models_claim(NS) / "tiny")
         yield s
 
 
@@ -59,7 +60,7 @@ def test_model_becomes_ready_and_answers_through_its_service(stack):
     stack.wait(lambda: stack.is_ready(NS, "tiny", 1), 180, "tiny Ready", lambda: stack.diagnose(NS, "tiny"))
     ips = stack.wait(lambda: stack.endpoints(NS, "tiny"), 30, "a ready endpoint")
     assert ips[0].startswith("127.0.0.")
-    assert isinstance(ask(ips[0]), str)
+    assert ask(ips[0]) == hf_greedy_text(stack.tiny_dir, "The capital of France", 4)
     out = stack.kubectl("get", "spyremodels", "-n", NS)
     assert "tiny" in out and "Ready" in out
 
@@ -73,7 +74,8 @@ def test_scale_to_two_replicas_both_answer(stack):
         lambda: len(stack.endpoints(NS, "tiny")) == 2 and stack.endpoints(NS, "tiny"), 30, "2 endpoints"
     )
     answers = {ip: ask(ip) for ip in ips}
-    assert len(answers) == 2 and len(set(answers.values())) == 1  # same weights, greedy: same answer
+    assert len(answers) == 2  # same weights, greedy: the same, known answer
+    assert set(answers.values()) == {hf_greedy_text(stack.tiny_dir, "The capital of France", 4)}
 
 
 def test_rollout_under_load_fails_no_request(stack):
@@ -114,7 +116,7 @@ def test_rollout_under_load_fails_no_request(stack):
     assert served[0] > 10
     # the new shapes are live: a 100-token prompt now fits
     ip = stack.endpoints(NS, "tiny")[0]
-    assert isinstance(ask(ip, [5] * 100), str)
+    assert ask(ip, [5] * 100) == hf_greedy_text(stack.tiny_dir, [5] * 100, 4)
 
 
 def test_delete_stops_processes_and_removes_objects(stack):
@@ -192,6 +194,13 @@ def test_embedding_example_answers_the_openai_client_through_its_service(stack):
     norm = sum(x * x for x in vectors[0]) ** 0.5
     assert abs(norm - 1.0) < 1e-3  # normalized, as the folder's sentence-transformers config says
     assert out.usage.prompt_tokens > 0
+    # what they say: sentence-transformers' own vectors of the same texts, from the same folder
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["a cat sat on the mat", "the stock market fell"]
+    expected = SentenceTransformer(str(folder), device="cpu").encode(texts)
+    for vector, reference in zip(vectors, expected, strict=True):
+        assert max(abs(a - float(b)) for a, b in zip(vector, reference, strict=True)) < 1e-4
 
 
 def test_model_converges_through_an_etcd_stall_and_an_api_server_restart(stack):
@@ -241,7 +250,5 @@ def test_model_converges_through_an_etcd_stall_and_an_api_server_restart(stack):
     assert status["status"]["observedGeneration"] == status["metadata"]["generation"]
     ip = stack.wait(lambda: stack.endpoints(NS, "chaos"), 30, "a ready chaos endpoint")[0]
     c = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0, timeout=30)
-    assert (
-        c.completions.create(model="chaos", prompt="Hi", max_tokens=2, temperature=0).choices[0].text
-        is not None
-    )
+    answer = c.completions.create(model="chaos", prompt="Hi", max_tokens=2, temperature=0).choices[0].text
+    assert answer == hf_greedy_text(stack.tiny_dir, "Hi", 2)

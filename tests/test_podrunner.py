@@ -155,3 +155,79 @@ def test_a_pod_starts_once_its_missing_secret_exists(stack):
         )
         == "t0ken"
     )
+
+
+def test_a_write_through_a_read_only_mount_fails(stack):
+    """The same emptyDir mounted twice: writable at /data, readOnly at /view. Written at /data, the file
+    reads back through /view; a write through /view fails with EROFS, as in a container."""
+    batch, core = client.BatchV1Api(stack.kube), client.CoreV1Api(stack.kube)
+    script = (  # the paths come through env, which the runner rewrites to the local folders
+        "import errno, os, sys\n"
+        "data, view = os.environ['DATA'], os.environ['VIEW']\n"
+        "open(data + '/f', 'w').write('x')\n"
+        "assert open(view + '/f').read() == 'x'\n"
+        "for path in (view + '/f', view + '/new'):\n"
+        "    try:\n"
+        "        open(path, 'w').write('y')\n"
+        "    except OSError as e:\n"
+        "        assert e.errno == errno.EROFS, e\n"
+        "    else:\n"
+        "        sys.exit(f'wrote {path}')\n"
+    )
+    spec = pod_spec(
+        ["python", "-c", script],
+        "Never",
+        volumes=[{"name": "scratch", "emptyDir": {}}],
+        mounts=[
+            {"name": "scratch", "mountPath": "/data"},
+            {"name": "scratch", "mountPath": "/view", "readOnly": True},
+        ],
+        env=[{"name": "DATA", "value": "/data"}, {"name": "VIEW", "value": "/view"}],
+    )
+    batch.create_namespaced_job(
+        NS, {"metadata": {"name": "ro"}, "spec": {"backoffLimit": 0, "template": {"spec": spec}}}
+    )
+
+    def finished():
+        job = batch.read_namespaced_job("ro", NS).status
+        return (job.succeeded or job.failed) and job
+
+    job = stack.wait(finished, 90, "the Job to finish")
+    (pod,) = core.list_namespaced_pod(NS, label_selector="job-name=ro").items
+    rp = next(rp for rp in stack.runner.pods.values() if rp.name == pod.metadata.name)
+    assert job.succeeded == 1, rp.log.read_text(errors="replace")
+
+
+def test_run_as_non_root_with_an_image_that_runs_as_root_never_starts(stack):
+    core = client.CoreV1Api(stack.kube)
+    root_image = "registry.example.com/tools/busybox:1"  # no USER line: root
+    for name, image in (("as-root", root_image), ("as-1001", "spyre-serve/runtime:dev")):
+        spec = pod_spec(["python", "-c", "import time; time.sleep(600)"], "Always")
+        spec["securityContext"] = {"runAsNonRoot": True}
+        spec["containers"][0]["image"] = image
+        core.create_namespaced_pod(NS, {"metadata": {"name": name}, "spec": spec})
+    waiting = stack.wait(lambda: _waiting(core, "as-root"), 60, "as-root waiting")
+    assert waiting.reason == "CreateContainerConfigError"
+    assert waiting.message.startswith("container has runAsNonRoot and image will run as root (pod: ")
+    assert not [a for a in stack.runner.admitted if a[:2] == (NS, "as-root")]
+    # the runtime image's user (Containerfile.runtime: USER 1001) passes; so does a root image given a user
+    stack.wait(lambda: core.read_namespaced_pod("as-1001", NS).status.phase == "Running", 60, "as-1001")
+    stack.runner.image_users[root_image] = "65532"
+    stack.wait(lambda: core.read_namespaced_pod("as-root", NS).status.phase == "Running", 60, "as-root")
+
+
+def test_an_init_container_the_kubelet_refuses_keeps_the_pod_initializing(stack):
+    core = client.CoreV1Api(stack.kube)
+    spec = pod_spec(["python", "-c", "import time; time.sleep(600)"], "Always")
+    spec["initContainers"] = [{"name": "modelcar", "image": "quay.io/Org/model:1", "command": ["true"]}]
+    core.create_namespaced_pod(NS, {"metadata": {"name": "bad-init"}, "spec": spec})
+
+    def init_waiting():
+        statuses = core.read_namespaced_pod("bad-init", NS).status.init_container_statuses or []
+        return statuses and statuses[0].state.waiting
+
+    waiting = stack.wait(init_waiting, 60, "the init container waiting")
+    assert waiting.reason == "InvalidImageName"
+    assert "repository name (Org/model) must be lowercase" in waiting.message
+    assert _waiting(core, "bad-init").reason == "PodInitializing"
+    assert not [a for a in stack.runner.admitted if a[:2] == (NS, "bad-init")]

@@ -1,4 +1,5 @@
-"""The standalone CRD API server of Kubernetes 1.36 (k8s.io/apiextensions-apiserver), run beside the 1.20
+"""The standalone CRD API server of a current Kubernetes (k8s.io/apiextensions-apiserver, at least 1.34: the
+build checks it and records the version beside the binary, `crd_server_version()`), run beside the 1.20
 control plane: its own etcd prefix in the control plane's etcd, authentication and authorization delegated
 to the 1.20 API server (TokenReview, SubjectAccessReview). It serves only /apis/apiextensions.k8s.io and the
 custom resources, so it is spoken to with plain HTTPS requests and the admin's bearer token, not kubectl.
@@ -21,7 +22,7 @@ from pathlib import Path
 from tests.cluster.controlplane import ControlPlane, ControlPlaneError, Proc, free_port, tail, terminate
 
 REPO = Path(__file__).resolve().parents[2]
-CRD_SERVER_VERSION = "1.36"
+MIN_VERSION = (1, 34)  # what build-crd-server.sh accepts
 # admission plugins that wait for informers of APIs the 1.20 server does not serve (they would keep the
 # server "not yet ready to handle request" forever), and namespace lifecycle (no /api to read namespaces from)
 DISABLED_ADMISSION = (
@@ -37,9 +38,24 @@ def crd_server_binary() -> Path:
     return Path(cache, "crd-server", "bin", "apiextensions-apiserver")
 
 
+def crd_server_version() -> str:
+    """The Kubernetes version the build found, checked and stamped into the binary (e.g. "1.34.1")."""
+    record = crd_server_binary().with_name("apiextensions-apiserver.version")
+    try:
+        version = record.read_text().strip()
+    except FileNotFoundError:
+        raise ControlPlaneError(
+            f"{record} is missing: run tests/cluster/build-crd-server.sh (it checks and records the version)"
+        ) from None
+    parts = version.split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts) or tuple(map(int, parts[:2])) < MIN_VERSION:
+        raise ControlPlaneError(f"{record} says {version!r}: the CRD server must be Kubernetes 1.34 or newer")
+    return version
+
+
 def ensure_crd_server_binary() -> Path:
     binary = crd_server_binary()
-    if not binary.exists():
+    if not binary.exists() or not binary.with_name("apiextensions-apiserver.version").exists():
         subprocess.run(["bash", str(REPO / "tests/cluster/build-crd-server.sh")], check=True)
     return binary
 
@@ -65,6 +81,7 @@ class CRDServer:
         self.ready_timeout = ready_timeout
         self.port = free_port()
         self.proc: Proc | None = None
+        self.version = ""  # the recorded Kubernetes version, once started
         self._ctx = ssl.create_default_context()
         self._ctx.check_hostname = False
         self._ctx.verify_mode = ssl.CERT_NONE  # it serves a self-signed certificate of its own
@@ -75,6 +92,7 @@ class CRDServer:
 
     def start(self) -> CRDServer:
         binary = ensure_crd_server_binary()
+        self.version = crd_server_version()
         self.workdir.mkdir(parents=True, exist_ok=True)
         kubeconfig = str(self.cluster.kubeconfig)
         argv = [
@@ -115,7 +133,7 @@ class CRDServer:
         while time.monotonic() < deadline:
             if not self.proc.is_alive():
                 raise ControlPlaneError(
-                    f"the {CRD_SERVER_VERSION} CRD server exited during start-up; last log lines of "
+                    f"the {self.version} CRD server exited during start-up; last log lines of "
                     f"{self.proc.log}:\n{tail(self.proc.log)}"
                 )
             last = self.request("GET", "/readyz")
@@ -123,7 +141,7 @@ class CRDServer:
                 return
             time.sleep(0.5)
         raise ControlPlaneError(
-            f"the {CRD_SERVER_VERSION} CRD server was not ready within {self.ready_timeout:.0f} s "
+            f"the {self.version} CRD server was not ready within {self.ready_timeout:.0f} s "
             f"(last answer: {last}); last log lines of {self.proc.log}:\n{tail(self.proc.log)}"
         )
 
@@ -154,7 +172,7 @@ class CRDServer:
             }
             answer = self.request("PUT", f"{path}/{name}", crd)
         if answer.code not in (200, 201):
-            raise AssertionError(f"the {CRD_SERVER_VERSION} CRD server refused CRD {name}: {answer}")
+            raise AssertionError(f"the {self.version} CRD server refused CRD {name}: {answer}")
         deadline = time.monotonic() + timeout
         conditions: dict = {}
         while time.monotonic() < deadline:

@@ -2,8 +2,9 @@
 Pods bound to a node are reported Running and become Ready `ready_delay` seconds later (unless held back
 with `ready = False`); and, as a real cluster does to them: crash-loop with a termination message
 (`crashing`, `messages`), get evicted (`evict`: phase Failed), never pull their image (`bad_images`), or
-fail a kubelet's checks before starting (tests/cluster/kubelet_checks.py: an invalid image, an image in
-`unpullable`, a missing Secret or ConfigMap key), stay Pending with nothing reported when their node's
+fail a kubelet's checks before starting, init containers first (tests/cluster/kubelet_checks.py: an invalid
+image, an image in `unpullable`, a missing Secret or ConfigMap key, `runAsNonRoot` with an image that runs as
+root: `image_users`), stay Pending with nothing reported when their node's
 kubelet is gone (`stopped_nodes`: bound, never started), or
 lose readiness when their node goes NotReady (`set_node_ready`). Run-to-completion pods
 (restartPolicy Never, e.g. a Job's) are reported Succeeded once `complete_jobs` is set, or Failed when their
@@ -22,18 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from tests.cluster.kubelet_checks import start_blocker, waiting_status
+from tests.cluster.kubelet_checks import start_blocker, waiting_reason, waiting_status
 
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _waiting_reason(pod) -> str | None:
-    for cs in pod.status.container_statuses or []:
-        if cs.state and cs.state.waiting:
-            return cs.state.waiting.reason
-    return None
 
 
 def provision_pending_claims(
@@ -92,6 +86,7 @@ class FakeKubelet:
         self.evicted: set[str] = set()
         self.bad_images: set[str] = set()
         self.unpullable: set[str] = set()  # images that fail with ErrImagePull (kubelet_checks)
+        self.image_users: dict[str, str] = {}  # image -> its USER (kubelet_checks.image_user: else root)
         self.not_ready_nodes: set[str] = set()
         self.stopped_nodes: set[str] = set()  # no kubelet there: pods bound to them are never started
         self._running_since: dict[str, float] = {}
@@ -171,8 +166,8 @@ class FakeKubelet:
             if name in self.evicted:
                 self.core.patch_namespaced_pod_status(name, self.namespace, self._evicted(pod))
                 continue
-            if blocked := start_blocker(self.core, pod, self.unpullable):
-                if _waiting_reason(pod) != blocked[1]:
+            if blocked := start_blocker(self.core, pod, self.unpullable, self.image_users):
+                if waiting_reason(pod) != blocked[1]:
                     self.core.patch_namespaced_pod_status(
                         name, self.namespace, waiting_status(pod, *blocked, _now())
                     )

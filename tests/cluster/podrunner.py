@@ -16,8 +16,11 @@ status back to the API server. The mappings, in one place:
   all pods that mount it; emptyDir is a fresh directory per pod; configMap and secret are written as files;
   an image volume (`image: {reference}`) is the local folder `image_folders` gives for that reference, as the
   image's `/models` folder (a model image's files); a mount's `subPath` is that folder of the volume (made
-  when missing, as the kubelet does). A process cannot mount, so every env value and arg that starts with a
-  container mountPath is rewritten to the local directory (longest mount path first).
+  when missing, as the kubelet does). A `readOnly` mount (or any mount of a claim volume with `readOnly`)
+  is a read-only bind mount of that folder under the pod's folder, so a write through it fails (EROFS) as in
+  a container; binding needs root, as `make test` runs here (without root the folder is used as it is, and
+  the pod's log says so). The process is not in a mount namespace, so every env value and arg that starts
+  with a container mountPath is rewritten to the local directory (longest mount path first).
 - init containers (the modelcar pattern) run in order before the first container, each to completion: the
   command's first word from the venv's bin/ or the system's PATH, its mounts rewritten likewise, and paths
   under `/models` (a model image's files) rewritten to its image's folder in `image_folders`; one that fails
@@ -27,8 +30,9 @@ status back to the API server. The mappings, in one place:
 - status: Pending -> Running -> Succeeded/Failed; `Ready` follows the readinessProbe (HTTP GET on the pod IP);
   restarts per restartPolicy with restartCount, lastState and CrashLoopBackOff; a failed container's log tail
   becomes its termination message under `terminationMessagePolicy: FallbackToLogsOnError`.
-- before the first start, a kubelet's checks (kubelet_checks.py): InvalidImageName, ErrImagePull for an
-  image in `unpullable`, CreateContainerConfigError for a missing Secret or ConfigMap key.
+- before the first start, a kubelet's checks (kubelet_checks.py), init containers first: InvalidImageName,
+  ErrImagePull for an image in `unpullable`, CreateContainerConfigError for a missing Secret or ConfigMap key
+  or for `runAsNonRoot` with an image that runs as root (`image_users`, else kubelet_checks.image_user).
 - deletion: SIGTERM, the grace period, SIGKILL, then the pod object is removed. stop() stops every process.
 """
 
@@ -89,6 +93,8 @@ class RunningPod:
     probe: dict | None = None
     log: Path | None = None
     volumes: dict[str, Path] = field(default_factory=dict)
+    read_only: set[str] = field(default_factory=set)  # volumes every mount of which is read-only
+    bind_mounts: list[Path] = field(default_factory=list)  # read-only bind mounts, unmounted at the end
 
 
 class PodRunner:
@@ -113,6 +119,7 @@ class PodRunner:
         self.period = period
         self.pods: dict[str, RunningPod] = {}
         self.unpullable: set[str] = set()  # images that fail with ErrImagePull (kubelet_checks)
+        self.image_users: dict[str, str] = {}  # image -> its USER (kubelet_checks.image_user: else root)
         self.blocked: dict[str, tuple[str, str, str]] = {}  # pod uid -> what keeps it from starting
         self.admitted: list[tuple[str, str, str]] = []  # (namespace, name, uid) of every pod ever started
         self.failed_passes = 0
@@ -138,6 +145,7 @@ class PodRunner:
         self._thread.join(timeout=30)
         for rp in list(self.pods.values()):
             self._kill(rp, grace=5)
+            _unmount(rp)
 
     def __enter__(self) -> PodRunner:
         return self.start()
@@ -176,14 +184,16 @@ class PodRunner:
             if rp is not None:
                 self._tick(pod, rp)
         for uid in [u for u in self.pods if u not in seen]:  # removed behind our back
-            self._kill(self.pods.pop(uid), grace=5)
+            rp = self.pods.pop(uid)
+            self._kill(rp, grace=5)
+            _unmount(rp)
         for ns in namespaces:
             provision_pending_claims(self.core, ns, str(self.root / "pv"))
 
     def _blocked(self, pod) -> bool:
         """A kubelet's checks before the first start (kubelet_checks); the waiting status is written once
         per distinct reason and the pod is checked again next pass."""
-        blocked = start_blocker(self.core, pod, self.unpullable)
+        blocked = start_blocker(self.core, pod, self.unpullable, self.image_users)
         if blocked is None:
             self.blocked.pop(pod.metadata.uid, None)
             return False
@@ -227,13 +237,19 @@ class PodRunner:
         )
         try:
             rp.argv, rp.env = self._process_spec(pod, rp)
+            failure = self._run_init_containers(pod, rp)
         except NotYet:
+            _unmount(rp)
             self._next_ip -= 1
             return None
         except ValueError as e:
+            _unmount(rp)
             self._report(pod, rp, phase="Failed", reason="RunnerError", message=str(e))
             return None
-        if failure := self._run_init_containers(pod, rp):
+        except BaseException:  # an API error: tried again next pass, with no mount left behind
+            _unmount(rp)
+            raise
+        if failure:
             rp.phase = "Failed"
             rp.last_exit = {"exitCode": 1, "reason": "Init:Error", "message": failure, "finishedAt": _now()}
             self._report(pod, rp, phase="Failed", reason="Init:Error", message=failure)
@@ -260,6 +276,8 @@ class PodRunner:
     def _volumes(self, pod, rp: RunningPod) -> dict[str, Path]:
         local: dict[str, Path] = {}
         for v in pod.spec.volumes or []:
+            if v.persistent_volume_claim and v.persistent_volume_claim.read_only:
+                rp.read_only.add(v.name)
             if v.persistent_volume_claim:
                 local[v.name] = self.root / "pvc" / rp.namespace / v.persistent_volume_claim.claim_name
             elif v.empty_dir is not None:
@@ -291,22 +309,24 @@ class PodRunner:
         return local
 
     @staticmethod
-    def _mounts(container, volumes: dict[str, Path]) -> list[tuple[str, Path]]:
-        """(mountPath, local folder), longest path first; a subPath is that folder of the volume."""
+    def _mounts(container, rp: RunningPod) -> list[tuple[str, Path]]:
+        """(mountPath, local folder), longest path first; a subPath is that folder of the volume; a read-only
+        mount is a read-only bind mount of it (`_read_only_view`)."""
         mounts = []
         for m in container.volume_mounts or []:
-            if m.name not in volumes:
+            if m.name not in rp.volumes:
                 continue
-            local = volumes[m.name] / m.sub_path if m.sub_path else volumes[m.name]
+            local = rp.volumes[m.name] / m.sub_path if m.sub_path else rp.volumes[m.name]
             local.mkdir(parents=True, exist_ok=True)
+            if m.read_only or m.name in rp.read_only:
+                local = _read_only_view(rp, local, f"{container.name}-{len(mounts)}")
             mounts.append((m.mount_path, local))
         return sorted(mounts, key=lambda x: -len(x[0]))
 
     def _process_spec(self, pod, rp: RunningPod) -> tuple[list[str], dict[str, str]]:
         c = pod.spec.containers[0]
-        volumes = self._volumes(pod, rp)
-        rp.volumes = volumes
-        mounts = self._mounts(c, volumes)
+        rp.volumes = self._volumes(pod, rp)
+        mounts = self._mounts(c, rp)
 
         def rewrite(value: str) -> str:
             return _rewrite(value, mounts)
@@ -348,7 +368,7 @@ class PodRunner:
     def _run_init_containers(self, pod, rp: RunningPod) -> str:
         """Runs each init container to completion; what the failing one said ("" when all succeeded)."""
         for c in pod.spec.init_containers or []:
-            mounts = self._mounts(c, rp.volumes)
+            mounts = self._mounts(c, rp)
             if c.image in self.image_folders:  # the model image's own files
                 mounts = sorted(
                     [*mounts, ("/models", Path(self.image_folders[c.image]))], key=lambda x: -len(x[0])
@@ -491,6 +511,7 @@ class PodRunner:
             self._kill(rp, grace=0)
         if rp is not None:
             self.pods.pop(rp.uid, None)
+            _unmount(rp)  # before the folder goes: nothing is removed through a mount
             shutil.rmtree(rp.workdir, ignore_errors=True)
         with contextlib.suppress(ApiException):
             self.core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)
@@ -507,6 +528,31 @@ class PodRunner:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(rp.proc.pid, signal.SIGKILL)
             rp.proc.wait(timeout=10)
+
+
+def _read_only_view(rp: RunningPod, folder: Path, key: str) -> Path:
+    """`folder` seen through a read-only bind mount at <pod folder>/ro/<key> (root only: otherwise the folder
+    itself, and a line in the pod's log says the mount is not read-only here)."""
+    target = rp.workdir / "ro" / key
+    if target in rp.bind_mounts:
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    bound = subprocess.run(["mount", "--bind", str(folder), str(target)], capture_output=True)
+    if bound.returncode != 0:
+        with (rp.workdir / "container.log").open("a") as log:
+            log.write(f"[pod runner] readOnly not enforced for {folder}: {bound.stderr.decode().strip()}\n")
+        return folder
+    rp.bind_mounts.append(target)
+    remounted = subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], capture_output=True)
+    if remounted.returncode != 0:
+        raise ValueError(f"cannot make the mount of {folder} read-only: {remounted.stderr.decode().strip()}")
+    return target
+
+
+def _unmount(rp: RunningPod) -> None:
+    """Undoes the pod's read-only bind mounts (lazily: a process still inside one does not keep it)."""
+    while rp.bind_mounts:
+        subprocess.run(["umount", "-l", str(rp.bind_mounts.pop())], capture_output=True)
 
 
 def _rewrite(value: str, mounts: list[tuple[str, Path]]) -> str:

@@ -23,6 +23,12 @@ REFUSED = [
     ("a___b", "invalid reference format"),
     ("runtime:" + "t" * 129, "invalid reference format"),  # tags have at most 128 characters
     ("x/" + "y" * 260, "must not be more than 255 characters"),
+    ("a" * 240, "must not be more than 255 characters"),  # counted as docker.io/library/aaa...
+    ("runtime@sha256:" + "a" * 40, "invalid checksum digest length"),
+    ("runtime@sha256:" + "0123456789ABCDEF" * 4, "invalid checksum digest format"),
+    ("runtime@md5:" + "a" * 32, "unsupported digest algorithm"),
+    ("[::ffff:10.0.0.1]:5000/runtime", "invalid reference format"),
+    ("0123456789abcdef" * 4, "is not a repository name"),
 ]
 
 

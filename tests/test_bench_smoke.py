@@ -1,0 +1,163 @@
+"""Every script in bench/ run through its command line at its smallest size: a tiny seeded model (MiniLM for
+the pooling bench), the eager backend where compiling is not what is measured, one request (two where a
+figure needs a second), the JSON written to a temporary file (never over bench/results-*.json). Each must
+finish and report figures that are there and non-zero, so a bench cannot stop measuring unnoticed (issue 37:
+operator_scale.py ran to its 600 s limit with no pod for a round). vLLM, the peer of vllm_bench and
+matrix_bench, is left out where its environment is not built; the scripts still run, with our side only."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from spyre_runtime.testing.models import write_tiny_model
+
+from tests.conftest import REPO, ensure_k8s_binaries
+
+VLLM_READY = (
+    Path(os.environ.get("SPYRE_VLLM_VENV", Path.home() / ".cache/spyre-serve/vllm-venv")) / ".vllm-ready"
+)
+PEER = ["ours,vllm"] if VLLM_READY.is_file() else ["ours"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("bench-model") / "tiny")
+
+
+def bench(script: str, tmp_path: Path, *args: str, timeout: float = 600) -> dict:
+    """Runs bench/<script> with `args` and --out in tmp_path; returns the JSON it wrote."""
+    out = tmp_path / f"{script}.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert run.returncode == 0, (
+        f"{script} exited with {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    )
+    assert out.is_file(), f"{script} wrote no results:\n{run.stdout[-2000:]}"
+    return json.loads(out.read_text())
+
+
+def positive(*values) -> bool:
+    return all(isinstance(v, int | float) and v > 0 for v in values)
+
+
+def served(summary: dict, requests: int) -> None:
+    """A load summary of `requests` streamed requests that really produced tokens."""
+    assert summary["requests"] == requests and summary["output_tokens"] >= requests, summary
+    assert positive(summary["tok_per_s"], summary["wall_s"], summary["ttft_p50"]), summary
+
+
+def test_serve_bench(tiny, tmp_path):
+    res = bench(
+        "serve_bench.py",
+        tmp_path,
+        *("--model", str(tiny), "--backend", "eager", "--requests", "1", "--concurrency", "1"),
+        *("--hf-requests", "1"),
+    )
+    served(res["spyre_serve"], 1)
+    assert positive(res["spyre_serve"]["ready_s"], res["hf_one_at_a_time"]["tok_per_s"])
+    assert positive(res["hf_static_batches_of_8"]["tok_per_s"], res["spyre_serve_vs_hf_one_at_a_time"])
+    step = res["step_overhead"]
+    assert positive(step["engine_decode_step_ms"], step["compiled_forward_ms"]), step
+
+
+def test_cb_bench(tiny, tmp_path):
+    res = bench(
+        "cb_bench.py",
+        tmp_path,
+        *("--model", str(tiny), "--backend", "eager", "--requests", "1", "--rate", "100"),
+        *("--prefix-requests", "2"),  # the first is cold: one measured
+    )
+    served(res["static"], 1)
+    served(res["continuous"], 1)
+    for side in ("prefix_caching_on", "prefix_caching_off"):
+        assert res[side]["requests"] == 1 and positive(res[side]["ttft_median_s"]), res[side]
+    assert positive(res["cb_vs_static_throughput"], res["prefix_ttft_speedup"])
+
+
+def test_cache_bench_compiles_once_then_loads(tiny, tmp_path):
+    """The one bench whose subject is compiling: inductor, one shape."""
+    res = bench("cache_bench.py", tmp_path, "--model", str(tiny), "--shapes", "1", timeout=900)
+    assert res["cold"]["cache"] == "miss" and res["cold"]["graphs_compiled"] > 0, res["cold"]
+    assert res["warm"]["cache"] == "hit" and res["warm"]["graphs_compiled"] == 0, res["warm"]
+    assert positive(res["entry_bytes"], res["cold"]["warmup_seconds"], res["warmup_speedup"])
+
+
+def test_profile_step(tiny, tmp_path):
+    res = bench(
+        "profile_step.py",
+        tmp_path,
+        *("--model", str(tiny), "--backend", "eager", "--batch", "1", "--kv", "64", "--chunk", "64"),
+        *("--iters", "2"),
+    )
+    assert positive(res["decode_forward_ms"], res["chunk_forward_ms"], res["decode_inputs_ms"]), res
+    assert res["decode_top_ops"] and positive(res["decode_top_ops"][0]["self_ms_per_step"])
+
+
+def test_tp_bench(tmp_path):
+    res = bench("tp_bench.py", tmp_path, "--models", "tiny", "--backend", "eager")
+    row = res["tiny (hidden 64, 2 layers)"]
+    for tp in ("n1", "n2"):
+        assert positive(row[tp]["decode_step_ms_median"], row[tp]["output_tok_per_s"]), row[tp]
+    assert positive(row["n2"]["send_step_ms_median"], row["step_ratio_n2_over_n1"])  # rank 2 was sent steps
+
+
+def test_pooling_bench(tmp_path):
+    res = bench("pooling_bench.py", tmp_path, "--rounds", "1", "--backends", "eager")
+    assert res["max_abs_diff_vs_sentence_transformers"] < 1e-4
+    assert positive(*res["in_process_embeddings_per_second"].values())
+    assert len(res["served_embeddings_per_second"]) == 3
+    assert positive(*res["served_embeddings_per_second"].values(), res["server_startup_seconds"])
+
+
+@pytest.mark.parametrize("systems", PEER)
+def test_vllm_bench(tiny, tmp_path, systems):
+    res = bench(
+        "vllm_bench.py",
+        tmp_path,
+        *("--model", str(tiny), "--backend", "eager", "--requests", "1", "--single-requests", "1"),
+        *("--skip-cold", "--systems", systems),
+        timeout=900,
+    )
+    for name in systems.split(","):
+        served(res[name]["c8"], 1)
+        served(res[name]["c1"], 1)
+        assert positive(res[name]["ready_warm_s"], res[name]["c1"]["tpot_p50"])
+
+
+@pytest.mark.parametrize("systems", PEER)
+def test_matrix_bench(tiny, tmp_path, systems):
+    res = bench(
+        "matrix_bench.py",
+        tmp_path,
+        *("--model", str(tiny), "--backend", "eager", "--dtypes", "float32", "--streams", "1,2"),
+        *("--single-requests", "1", "--requests-per-stream", "1", "--max-model-len", "384"),
+        *("--chunk", "256", "--bandwidth-gib", "0.0625", "--systems", systems),
+        *(() if "vllm" in systems else ("--no-vllm-client",)),
+        timeout=900,
+    )
+    assert positive(res["machine"]["read_gb_per_s"])
+    for name in systems.split(","):
+        served(res["float32"][name]["c1"], 1)
+        served(res["float32"][name]["c2"], 2)
+        assert positive(res["float32"][name]["ready_s"])
+
+
+@pytest.mark.cluster
+def test_operator_scale(tmp_path):
+    """One model on a fresh control plane: created, its pod made, Ready, the operator's requests counted."""
+    ensure_k8s_binaries()
+    res = bench("operator_scale.py", tmp_path, "--models", "1", "--resync", "1", "--timeout", "120")
+    assert res["ready_models"] == 1 and res["pods"] == 1, res
+    assert not [k for k in res if k.startswith("not_converged")], res
+    assert positive(res["operator_requests_per_model"], res["operator_peak_rss_mb"], res["converge_seconds"])
+    assert res["operator_requests_by_kind"].get("create pods", 0) >= 1  # the pod (and its dry runs)
