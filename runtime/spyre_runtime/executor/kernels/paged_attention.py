@@ -8,17 +8,19 @@ reads the copy again, three passes over the KV per layer; bench/README.md run 20
 Setting: SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL, 1 (default) uses the kernel wherever it builds, 0 keeps the
 ATen ops. Only the CPU backends' paged decode calls it (sendnn lowers the static twin itself).
 
-Build: `torch.utils.cpp_extension.load`, with the vector ISA that inductor picks for this CPU
-(`cpu_vec_isa.pick_vec_isa`: its CPU_CAPABILITY_* macro selects at::vec's AVX2, AVX-512, VSX or Z vector
-path, its flags the compiler's; an unknown CPU gets at::vec's portable scalar path), -O3 and OpenMP (torch's
-own parallel backend, whose libgomp the process already holds). It needs what inductor already needs, a C++
-compiler, and ninja (the `ninja` wheel, a runtime dependency). The extension's name carries the ISA and
-torch's version, so hosts with different CPUs that share a cache directory never load each other's build.
+Build: `torch.utils.cpp_extension.load`, for the vector ISA that ATen dispatches to on this CPU, with
+inductor's macro and flags for it (the CPU_CAPABILITY_* macro selects at::vec's AVX2, AVX-512, VSX or Z
+vector path, the flags the compiler's; another CPU gets at::vec's portable scalar path), -O3 and OpenMP
+(torch's own parallel backend, whose libgomp the process already holds). It needs what inductor already
+needs, a C++ compiler, and ninja (the `ninja` wheel, a runtime dependency). The extension's name carries
+the ISA and torch's version, so hosts with different CPUs that share a cache directory never load each
+other's build.
+
 Cache: TORCH_EXTENSIONS_DIR (torch's variable; unset: torch's user cache, `torch_extensions/py311_cpu`
 under XDG_CACHE_HOME or ~/.cache); the runtime image sets it beside TORCHINDUCTOR_CACHE_DIR. The build
 starts in a background thread when the executor starts (`start_build`), so it overlaps loading the
-weights; a cached build loads in about a second. Any failure (no compiler, a compile error, an unsupported
-platform) logs one line and the ATen ops serve.
+weights; a cached build loads in well under a second. Any failure (no compiler, a compile error, an
+unsupported platform) logs one line and the ATen ops serve.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-
 from spyre_contract.environment import Env
 
 log = logging.getLogger(__name__)
@@ -82,23 +83,30 @@ def disabled() -> Iterator[None]:
 
 def extension_name() -> str:
     """The extension's name: its source's, this CPU's vector ISA's and torch's version's."""
-    isa = str(_vec_isa()) or "scalar"
-    return re.sub(r"\W", "_", f"spyre_paged_attention_{isa}_torch{torch.__version__}")
+    isa = _vec_isa()  # (never truth-tested: inductor's VecISA does a trial compile for that)
+    return re.sub(
+        r"\W", "_", f"spyre_paged_attention_{'scalar' if isa is None else isa}_torch{torch.__version__}"
+    )
 
 
 def build_flags() -> list[str]:
     """The compiler flags: inductor's for this CPU's vector ISA, -O3 and OpenMP."""
     isa = _vec_isa()
     flags = ["-O3", "-fopenmp", "-DNDEBUG"]
-    if isa:
+    if isa is not None:
         flags += [f"-D{macro}" for macro in isa.build_macro()] + isa.build_arch_flags().split()
     return flags
 
 
 def _vec_isa():
+    """Inductor's description of the vector ISA that ATen itself dispatches to on this CPU
+    (`torch.backends.cpu.get_cpu_capability`, which ATEN_CPU_CAPABILITY can lower), without inductor's
+    trial compiles; None (at::vec's scalar path) where at::vec has no path of its own."""
     from torch._inductor import cpu_vec_isa
 
-    return cpu_vec_isa.pick_vec_isa()
+    names = {"AVX512": "VecAVX512", "AVX2": "VecAVX2", "VSX": "VecVSX", "ZVECTOR": "VecZVECTOR"}
+    name = names.get(torch.backends.cpu.get_cpu_capability())
+    return getattr(cpu_vec_isa, name)() if name else None
 
 
 def _load():
@@ -118,13 +126,23 @@ def _load():
         )
         op = torch.ops.spyre_kernels.paged_decode.default
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
-    except Exception as exc:  # noqa: BLE001 - any failure to build or load means the ATen ops serve
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        log.warning("Paged attention kernel unavailable, the ATen ops serve (%s: %s)", type(exc).__name__, first)
+    except Exception as exc:  # any failure to build or load: the ATen ops serve
+        log.warning(
+            "Paged attention kernel unavailable, the ATen ops serve (%s: %s)",
+            type(exc).__name__,
+            _one_line(exc),
+        )
         log.debug("Paged attention kernel build output:\n%s", exc)
         return None
     log.info("Paged attention kernel %s ready in %.1f s", name, time.monotonic() - started)
     return op
+
+
+def _one_line(exc: Exception) -> str:
+    """The compiler's first error line of a failed build, else the message's first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error:" in line]
+    return (errors or lines or [""])[0][:300]
 
 
 def _ninja_on_path() -> None:
