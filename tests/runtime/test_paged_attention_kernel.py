@@ -179,3 +179,4 @@ def test_a_failed_build_logs_one_line_and_the_aten_ops_serve(tmp_path):
     warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1, done.stderr
     assert "Paged attention kernel unavailable, the ATen ops serve" in warnings[0]
+    assert "no-such-compiler: not found" in warnings[0]  # the cause, not the echoed command

@@ -25,6 +25,7 @@ from spyre_runtime.executor.compiler import (
     compiler_for,
     mark_dynamic_chunk,
 )
+from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.executor.kv_cache import KVCachePool, blocks_for
 from spyre_runtime.executor.loader import configure_threads as configure_threads  # re-exported
 from spyre_runtime.executor.loader import load_model, model_dims, pack_weights, prime_rotary
@@ -46,6 +47,8 @@ class ModelExecutor:
         this class for its shard (see workers.py)."""
         self.config = config
         kv_cache.register()
+        if config.backend != "sendnn":  # the CPU decode attention kernel builds while the weights load
+            paged_attention.start_build()
         tp = config.tensor_parallel_size > 1
         self.workers = WorkerGroup(config, type(self)) if tp and rank == 0 else None
         self.model, self.dtype = load_model(config, mamba_state.load_if_hybrid(config, model))

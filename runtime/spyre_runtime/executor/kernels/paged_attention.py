@@ -139,10 +139,12 @@ def _load():
 
 
 def _one_line(exc: Exception) -> str:
-    """The compiler's first error line of a failed build, else the message's first line."""
+    """The first error line of a failed build (the compiler's, or the shell's when there is no compiler),
+    skipping the echoed command lines; else the message's first line."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    errors = [line for line in lines if "error:" in line]
-    return (errors or lines or [""])[0][:300]
+    short = [line for line in lines if len(line) < 300 and not line.startswith(("[", "FAILED", "ninja:"))]
+    errors = [line for line in short if "error" in line.lower() or "not found" in line]
+    return (errors or short or lines or [""])[0][:300]
 
 
 def _ninja_on_path() -> None:
@@ -158,3 +160,10 @@ def _ninja_on_path() -> None:
 
 def _fake_decode(query, *_):
     return torch.empty_like(query)
+
+
+if __name__ == "__main__":  # builds the kernel into TORCH_EXTENSIONS_DIR (the runtime image does, once)
+    import sys
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sys.exit(0 if kernel() is not None else 1)
