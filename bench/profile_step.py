@@ -2,12 +2,14 @@
 through the runtime's own ModelExecutor on SmolLM2 (inductor). A script with a report, not a timed test.
 
     .venv/bin/python bench/profile_step.py [--batch 8] [--kv 256] [--chunk 256] [--dtype float32]
-                                           [--iters 20] [--trace DIR] [--out bench/results-profile.json]
+                                           [--iters 20] [--kernel 1] [--trace DIR] [--out FILE]
 
 Prints the median time of the compiled forward and of the whole executor step (inputs built, forward,
 sampling), and torch.profiler's top operators for both. The chunk runs as a mixed step (the chunk and the
-decode rows in one forward, as serving runs it). `--trace DIR` also keeps inductor's output code
-(TORCH_COMPILE_DEBUG-style) under DIR.
+decode rows in one forward, as serving runs it). `--kernel 0` runs the paged decode attention on its ATen
+ops instead of the C++ kernel (SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL); `attention_*` report the paged
+attention ops' inclusive time per step and their share of the profiled step. `--trace DIR` also keeps
+inductor's output code (TORCH_COMPILE_DEBUG-style) under DIR.
 """
 
 from __future__ import annotations
@@ -36,17 +38,29 @@ def timed(fn, iters: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def top_ops(fn, rows: int = 12) -> list[dict]:
+ATTENTION_OPS = ("spyre_serve::paged_decode", "spyre_serve::paged_prefill")
+
+
+def top_ops(fn, rows: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
         for _ in range(3):
             fn()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [
-        {"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 3e3, "calls_per_step": e.count / 3}
-        for e in events[:rows]
-    ]
+        step_ms = (time.perf_counter() - t0) / 3e-3
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
+    attention = {e.key: e.cpu_time_total / 3e3 for e in averages if e.key in ATTENTION_OPS}
+    return {
+        "profiled_step_ms": step_ms,
+        "attention_ms_per_step": attention,
+        "attention_share": sum(attention.values()) / step_ms,
+        "ops": [
+            {"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 3e3, "calls_per_step": e.count / 3}
+            for e in events[:rows]
+        ],
+    }
 
 
 def main() -> int:
@@ -57,8 +71,12 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument(
+        "--kernel", choices=("0", "1"), default="1", help="the C++ paged decode kernel (1) or ATen ops"
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    os.environ["SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL"] = args.kernel
     import dataclasses
 
     from spyre_runtime.config import load_config
@@ -110,6 +128,7 @@ def main() -> int:
         "decode_top_ops": top_ops(lambda: ex.run_local(*decode_args)),
         "chunk_top_ops": top_ops(lambda: ex.run_local(*chunk_args)),
         "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
     }
