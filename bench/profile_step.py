@@ -15,6 +15,7 @@ inductor's output code (TORCH_COMPILE_DEBUG-style) under DIR.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,13 +30,19 @@ sys.path.insert(0, str(REPO / "bench"))
 from serve_bench import MODEL_DIR  # noqa: E402
 
 
-def timed(fn, iters: int) -> float:
-    times = []
+def timed(fn, iters: int, paths: dict | None = None) -> float | dict:
+    """The median ms of `fn`; with `paths` (name -> context), per path, the paths alternating each
+    iteration so that a change of the shared machine's load falls on all of them."""
+    if paths is None:
+        return timed(fn, iters, {"": contextlib.nullcontext})[""]
+    times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for name, context in paths.items():
+            with context():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
 ATTENTION_OPS = ("spyre_serve::paged_decode", "spyre_serve::paged_prefill")
@@ -63,6 +70,20 @@ def top_ops(fn, rows: int = 12) -> dict:
     }
 
 
+def _cpu() -> dict:
+    """The CPU's model name and its vector ISA flags (/proc/cpuinfo)."""
+    info = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and "model" not in info:
+                info["model"] = value.strip()
+            if key.strip() == "flags" and "flags" not in info:
+                wanted = ("avx", "amx", "fma", "vnni", "bf16", "fp16", "vsx", "sve", "asimd")
+                info["flags"] = sorted({f for f in value.split() if f.startswith(wanted)})
+    return info
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -72,14 +93,18 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument(
-        "--kernel", choices=("0", "1"), default="1", help="the C++ paged decode kernel (1) or ATen ops"
+        "--kernel",
+        choices=("0", "1", "both"),
+        default="both",
+        help="the paged decode attention on the C++ kernel (1), its ATen ops (0), or both alternating",
     )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    os.environ["SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL"] = args.kernel
+    os.environ["SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL"] = "0" if args.kernel == "0" else "1"
     import dataclasses
 
     from spyre_runtime.config import load_config
+    from spyre_runtime.executor.kernels import paged_attention
     from spyre_runtime.executor.model_executor import ModelExecutor
     from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
 
@@ -117,16 +142,30 @@ def main() -> int:
     # chunks run beside the decode rows (mixed steps, SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default)
     mixed = dataclasses.replace(decode, chunks=(chunk,), mixed=True, pieces=ex.config.prefill_pieces)
     chunk_args = ex.inputs.mixed(mixed)
+    paths = {"aten": paged_attention.disabled, "kernel": contextlib.nullcontext}
+    if args.kernel != "both":
+        paths = {"kernel" if args.kernel == "1" else "aten": contextlib.nullcontext}
+    if "kernel" in paths and paged_attention.kernel() is None:
+        raise SystemExit("the paged attention kernel did not build (see the warning above)")
+
+    def profiled(fn):
+        result = {}
+        for name, context in paths.items():
+            with context():
+                result[name] = top_ops(fn)
+        return result
+
     res = {
         "config": vars(args) | {"out": None},
+        "cpu": _cpu(),
         "load_s": load_s,
         "warmup_s": warm_s,
-        "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters),
+        "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters, paths),
         "decode_inputs_ms": timed(lambda: ex.inputs.batch_decode(decode), args.iters),
-        "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4)),
+        "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4), paths),
         "chunk_inputs_ms": timed(lambda: ex.inputs.mixed(mixed), args.iters),
-        "decode_top_ops": top_ops(lambda: ex.run_local(*decode_args)),
-        "chunk_top_ops": top_ops(lambda: ex.run_local(*chunk_args)),
+        "decode_top_ops": profiled(lambda: ex.run_local(*decode_args)),
+        "chunk_top_ops": profiled(lambda: ex.run_local(*chunk_args)),
         "threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
         "torch": torch.__version__,
