@@ -2,18 +2,20 @@
 through the runtime's own ModelExecutor on SmolLM2 (inductor). A script with a report, not a timed test.
 
     .venv/bin/python bench/profile_step.py [--batch 8] [--kv 256] [--chunk 256] [--dtype float32]
-                                           [--iters 20] [--trace DIR] [--out bench/results-profile.json]
-                                           [--model DIR]
+                                           [--iters 20] [--kernel 1] [--trace DIR] [--out FILE] [--model DIR]
 
 Prints the median time of the compiled forward and of the whole executor step (inputs built, forward,
 sampling), and torch.profiler's top operators for both. The chunk runs as a mixed step (the chunk and the
-decode rows in one forward, as serving runs it). `--trace DIR` also keeps inductor's output code
-(TORCH_COMPILE_DEBUG-style) under DIR.
+decode rows in one forward, as serving runs it). `--kernel 0` runs the paged decode attention on its ATen
+ops instead of the C++ kernel (SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL); `attention_*` report the paged
+attention ops' inclusive time per step and their share of the profiled step. `--trace DIR` also keeps
+inductor's output code (TORCH_COMPILE_DEBUG-style) under DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -28,26 +30,58 @@ sys.path.insert(0, str(REPO / "bench"))
 from serve_bench import MODEL_DIR  # noqa: E402
 
 
-def timed(fn, iters: int) -> float:
-    times = []
+def timed(fn, iters: int, paths: dict | None = None) -> float | dict:
+    """The median ms of `fn`; with `paths` (name -> context), per path, the paths alternating each
+    iteration so that a change of the shared machine's load falls on all of them."""
+    if paths is None:
+        return timed(fn, iters, {"": contextlib.nullcontext})[""]
+    times: dict[str, list[float]] = {name: [] for name in paths}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+        for name, context in paths.items():
+            with context():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
 
 
-def top_ops(fn, rows: int = 12) -> list[dict]:
+ATTENTION_OPS = ("spyre_serve::paged_decode", "spyre_serve::paged_prefill")
+
+
+def top_ops(fn, rows: int = 12) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
         for _ in range(3):
             fn()
-    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [
-        {"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 3e3, "calls_per_step": e.count / 3}
-        for e in events[:rows]
-    ]
+        step_ms = (time.perf_counter() - t0) / 3e-3
+    averages = prof.key_averages()
+    events = sorted(averages, key=lambda e: e.self_cpu_time_total, reverse=True)
+    attention = {e.key: e.cpu_time_total / 3e3 for e in averages if e.key in ATTENTION_OPS}
+    return {
+        "profiled_step_ms": step_ms,
+        "attention_ms_per_step": attention,
+        "attention_share": sum(attention.values()) / step_ms,
+        "ops": [
+            {"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 3e3, "calls_per_step": e.count / 3}
+            for e in events[:rows]
+        ],
+    }
+
+
+def _cpu() -> dict:
+    """The CPU's model name and its vector ISA flags (/proc/cpuinfo)."""
+    info = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and "model" not in info:
+                info["model"] = value.strip()
+            if key.strip() == "flags" and "flags" not in info:
+                wanted = ("avx", "amx", "fma", "vnni", "bf16", "fp16", "vsx", "sve", "asimd")
+                info["flags"] = sorted({f for f in value.split() if f.startswith(wanted)})
+    return info
 
 
 def main() -> int:
@@ -58,12 +92,20 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="inductor")
+    ap.add_argument(
+        "--kernel",
+        choices=("0", "1", "both"),
+        default="both",
+        help="the paged decode attention on the C++ kernel (1), its ATen ops (0), or both alternating",
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--model", type=Path, default=None, help="a model folder instead of SmolLM2")
     args = ap.parse_args()
+    os.environ["SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL"] = "0" if args.kernel == "0" else "1"
     import dataclasses
 
     from spyre_runtime.config import load_config
+    from spyre_runtime.executor.kernels import paged_attention
     from spyre_runtime.executor.model_executor import ModelExecutor
     from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
 
@@ -105,17 +147,32 @@ def main() -> int:
     # chunks run beside the decode rows (mixed steps, SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default)
     mixed = dataclasses.replace(decode, chunks=(chunk,), mixed=True, pieces=ex.config.prefill_pieces)
     chunk_args = ex.inputs.mixed(mixed)
+    paths = {"aten": paged_attention.disabled, "kernel": contextlib.nullcontext}
+    if args.kernel != "both":
+        paths = {"kernel" if args.kernel == "1" else "aten": contextlib.nullcontext}
+    if "kernel" in paths and paged_attention.kernel() is None:
+        raise SystemExit("the paged attention kernel did not build (see the warning above)")
+
+    def profiled(fn):
+        result = {}
+        for name, context in paths.items():
+            with context():
+                result[name] = top_ops(fn)
+        return result
+
     res = {
         "config": vars(args) | {"out": None, "model": str(args.model or MODEL_DIR)},
+        "cpu": _cpu(),
         "load_s": load_s,
         "warmup_s": warm_s,
-        "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters),
+        "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters, paths),
         "decode_inputs_ms": timed(lambda: ex.inputs.batch_decode(decode), args.iters),
-        "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4)),
+        "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4), paths),
         "chunk_inputs_ms": timed(lambda: ex.inputs.mixed(mixed), args.iters),
-        "decode_top_ops": top_ops(lambda: ex.run_local(*decode_args)),
-        "chunk_top_ops": top_ops(lambda: ex.run_local(*chunk_args)),
+        "decode_top_ops": profiled(lambda: ex.run_local(*decode_args)),
+        "chunk_top_ops": profiled(lambda: ex.run_local(*chunk_args)),
         "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
     }

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 import torch
 
 from spyre_runtime.executor.attention import attend, window_mask
+from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.executor.linear import live_decode_row_count
 from spyre_runtime.executor.ops import opaque_op
 
@@ -161,8 +162,14 @@ def paged_decode(
     so the compiled graph keeps one static shape while a step reads only live blocks; in a step whose first
     n rows only are live (linear.live_rows), the other rows read nothing and come out zero. The query heads
     that share a KV head are that head's queries (FMS's and torch's GQA order: head i uses KV head i //
-    group). In a mixed step the hint is the live decode rows of its decode part (linear.live_rows)."""
+    group). In a mixed step the hint is the live decode rows of its decode part (linear.live_rows).
+    Runs the C++ kernel that reads the blocks in place (kernels/paged_attention.py) where it is built, else
+    the ATen ops below (its fallback and oracle)."""
     live = live_decode_row_count()
+    kernel = paged_attention.kernel()
+    if kernel is not None and query.dtype == key_cache.dtype and query.dtype in paged_attention.DTYPES:
+        rows = -1 if live is None else live
+        return kernel(query, key_cache, value_cache, block_table, seq_lens, scale, sinks, window, rows)
     if live is None or live >= query.shape[0]:
         layout = _decode_layout(block_table, seq_lens, window=window)
         return _attend_live_blocks(query, key_cache, value_cache, layout, scale, sinks)

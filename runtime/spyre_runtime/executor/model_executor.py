@@ -27,6 +27,7 @@ from spyre_runtime.executor.compiler import (
     mark_dynamic_chunk,
 )
 from spyre_runtime.executor.families.rooms import family_of, load_model
+from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.executor.kv_cache import KVCachePool, blocks_for
 from spyre_runtime.executor.loader import configure_threads as configure_threads  # re-exported
 from spyre_runtime.executor.loader import model_dims, pack_weights, prime_rotary
@@ -47,6 +48,8 @@ class ModelExecutor:
         this class for its shard (see workers.py)."""
         self.config = config
         kv_cache.register()
+        if config.backend != "sendnn":  # the CPU decode attention kernel builds while the weights load
+            paged_attention.start_build()
         tp = config.tensor_parallel_size > 1
         self.workers = WorkerGroup(config, type(self)) if tp and rank == 0 else None
         family = family_of(config.model_dir)  # the registry's record and its room (families/)

@@ -1,0 +1,383 @@
+// Paged decode attention that reads the KV cache's blocks in place (spyre_kernels::paged_decode).
+//
+// One query token per row against the row's own cached tokens, found through its block table: the keys and
+// values are read once, where they lie, with no gathered copy. Written once on ATen's portable vector layer
+// (at::vec::Vectorized: AVX2, AVX-512, VSX, Z vector, NEON/SVE), built with the flags the runtime's
+// inductor picks for this CPU (paged_attention.py). The ATen ops in kv_cache.py are its fallback and its
+// test oracle; the semantics are theirs:
+//   query [B, h, hd]; key_cache, value_cache [num_blocks, block_size, kvh, hd]; block_table [B, nb];
+//   seq_lens [B] -> out [B, h, hd]. Row r attends to its positions [start, seq_lens[r]) with start 0, or
+//   seq_lens[r] - window with a sliding window; query head i reads KV head i / (h / kvh) (GQA: the heads of
+//   a group share every K/V read); a layer with attention sinks adds exp(sink[i]) (one logit per query
+//   head, in the scaled units of the scores) to each softmax's denominator. Rows from `live` on (when
+//   live >= 0) are dummies: they read nothing and come out zero.
+//
+// Work: an item is (row, KV head, a range of its positions). A long context is split into ranges so that
+// every thread has work even at one row; the threads pull items from a shared counter, longest first, and
+// the last finisher of a split (row, head) merges the splits' partial softmaxes. Inside an item the range
+// is walked one block at a time (online softmax): the group's scores for the block, their running max and
+// sum, then the block's values weighted into float accumulators. K/V in bf16 or fp16 are widened to fp32 on
+// load; every sum is fp32.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kLanes = Vec::size();
+constexpr int64_t kHeadChunk = 8;      // query heads scored at once (their accumulators stay in registers)
+constexpr int64_t kItemsPerThread = 4;  // splits aim at this many items per thread, for balance
+constexpr int64_t kMinSplitBlocks = 2;  // a split reads at least this many blocks
+constexpr int64_t kParallelWork = 512;  // token-heads below which one thread does everything
+
+template <typename T>
+inline Vec load_float(const T* p) {
+  Vec out;
+  at::vec::load_to_float<T>(p, out);
+  return out;
+}
+
+template <>
+inline Vec load_float<float>(const float* p) {
+  return Vec::loadu(p);
+}
+
+inline float hsum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, v);
+}
+
+struct Problem {
+  int64_t heads, kvheads, group, head_dim, block_size;
+  int64_t k_block, k_slot, k_head, v_block, v_slot, v_head;  // the caches' strides, in elements
+  const int64_t* table;
+  int64_t table_stride;
+  float scale;
+  const float* sinks;  // [heads] or null
+};
+
+struct Item {
+  int64_t row, kvhead, start, end;
+  int64_t pair;     // row * kvheads + kvhead
+  int64_t partial;  // its slot in the partials buffer, -1 when the item is its pair's only one
+};
+
+// One thread's working memory: the group's scaled queries, one block's scores, the running softmax.
+struct Scratch {
+  std::vector<float> query, scores, acc, max, sum;
+  Scratch(const Problem& p)
+      : query(p.group * p.head_dim),
+        scores(p.group * p.block_size),
+        acc(p.group * p.head_dim),
+        max(p.group),
+        sum(p.group) {}
+};
+
+// The scores of query heads [h0, h0 + hn) against n consecutive keys starting at `keys`.
+template <typename T>
+void score_block(const Problem& p, const float* q, const T* keys, int64_t n, int64_t h0, int64_t hn, float* scores) {
+  const int64_t d = p.head_dim, vec_end = d - d % kLanes;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = keys + t * p.k_slot;
+    Vec s[kHeadChunk];
+    for (int64_t j = 0; j < hn; ++j) s[j] = Vec(0.f);
+    for (int64_t i = 0; i < vec_end; i += kLanes) {
+      Vec kv = load_float(k + i);
+      for (int64_t j = 0; j < hn; ++j) s[j] = at::vec::fmadd(Vec::loadu(q + (h0 + j) * d + i), kv, s[j]);
+    }
+    for (int64_t j = 0; j < hn; ++j) {
+      float total = hsum(s[j]);
+      for (int64_t i = vec_end; i < d; ++i) total += q[(h0 + j) * d + i] * static_cast<float>(k[i]);
+      scores[(h0 + j) * p.block_size + t] = total;
+    }
+  }
+}
+
+// Folds one block's scores of head h into its running max and sum; leaves exp(score - max) in `scores`.
+void softmax_block(float* scores, int64_t n, float& running_max, float& running_sum, float* acc, int64_t d) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < n; ++t) block_max = std::max(block_max, scores[t]);
+  const float new_max = std::max(running_max, block_max);
+  const float rescale = std::exp(running_max - new_max);  // 0 for the first block
+  const int64_t vec_end = n - n % kLanes;
+  Vec total(0.f), m(new_max);
+  for (int64_t t = 0; t < vec_end; t += kLanes) {
+    Vec e = (Vec::loadu(scores + t) - m).exp_u20();
+    e.store(scores + t);
+    total = total + e;
+  }
+  float sum = hsum(total);
+  for (int64_t t = vec_end; t < n; ++t) {
+    scores[t] = std::exp(scores[t] - new_max);
+    sum += scores[t];
+  }
+  if (rescale != 1.f) {
+    for (int64_t i = 0; i < d; ++i) acc[i] *= rescale;
+  }
+  running_sum = running_sum * rescale + sum;
+  running_max = new_max;
+}
+
+// acc[h] += sum_t weights[h][t] * values[t] for the group's heads.
+template <typename T>
+void accumulate_block(const Problem& p, const T* values, int64_t n, const float* weights, float* acc) {
+  const int64_t d = p.head_dim, vec_end = d - d % kLanes;
+  for (int64_t h0 = 0; h0 < p.group; h0 += kHeadChunk) {
+    const int64_t hn = std::min(kHeadChunk, p.group - h0);
+    for (int64_t i = 0; i < vec_end; i += kLanes) {
+      Vec a[kHeadChunk];
+      for (int64_t j = 0; j < hn; ++j) a[j] = Vec::loadu(acc + (h0 + j) * d + i);
+      for (int64_t t = 0; t < n; ++t) {
+        Vec v = load_float(values + t * p.v_slot + i);
+        for (int64_t j = 0; j < hn; ++j) a[j] = at::vec::fmadd(Vec(weights[(h0 + j) * p.block_size + t]), v, a[j]);
+      }
+      for (int64_t j = 0; j < hn; ++j) a[j].store(acc + (h0 + j) * d + i);
+    }
+    for (int64_t i = vec_end; i < d; ++i) {
+      for (int64_t t = 0; t < n; ++t) {
+        const float v = static_cast<float>(values[t * p.v_slot + i]);
+        for (int64_t j = 0; j < hn; ++j) acc[(h0 + j) * d + i] += weights[(h0 + j) * p.block_size + t] * v;
+      }
+    }
+  }
+}
+
+// The group of KV head `item.kvhead` over the item's positions: leaves the running max, sum and the
+// unnormalized output in `s`.
+template <typename T>
+void attend_range(const Problem& p, const T* query, const T* kc, const T* vc, const Item& item, Scratch& s) {
+  const int64_t d = p.head_dim, g = p.group;
+  const T* q = query + (item.row * p.heads + item.kvhead * g) * d;
+  for (int64_t i = 0; i < g * d; ++i) s.query[i] = static_cast<float>(q[i]) * p.scale;
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  std::fill(s.max.begin(), s.max.end(), -std::numeric_limits<float>::infinity());
+  std::fill(s.sum.begin(), s.sum.end(), 0.f);
+  const int64_t* table = p.table + item.row * p.table_stride;
+  for (int64_t pos = item.start; pos < item.end;) {
+    const int64_t offset = pos % p.block_size, n = std::min(p.block_size - offset, item.end - pos);
+    const int64_t block = table[pos / p.block_size];
+    const T* keys = kc + block * p.k_block + offset * p.k_slot + item.kvhead * p.k_head;
+    const T* values = vc + block * p.v_block + offset * p.v_slot + item.kvhead * p.v_head;
+    for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
+      score_block(p, s.query.data(), keys, n, h0, std::min(kHeadChunk, g - h0), s.scores.data());
+    }
+    for (int64_t h = 0; h < g; ++h) {
+      softmax_block(s.scores.data() + h * p.block_size, n, s.max[h], s.sum[h], s.acc.data() + h * d, d);
+    }
+    accumulate_block(p, values, n, s.scores.data(), s.acc.data());
+    pos += n;
+  }
+}
+
+// out[h] = acc[h] / (sum[h] + exp(sink[h] - max[h])) for the group of `pair`'s KV head.
+template <typename T>
+void write_output(const Problem& p, int64_t kvhead, const float* acc, const float* max, const float* sum, T* out) {
+  for (int64_t j = 0; j < p.group; ++j) {
+    float denom = sum[j];
+    if (p.sinks != nullptr) denom += std::exp(p.sinks[kvhead * p.group + j] - max[j]);
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    for (int64_t i = 0; i < p.head_dim; ++i) out[j * p.head_dim + i] = static_cast<T>(acc[j * p.head_dim + i] * inv);
+  }
+}
+
+// Merges the partial softmaxes of `count` splits (each: max[g], sum[g], acc[g * hd]) into one.
+void merge_splits(const Problem& p, const float* partials, int64_t count, Scratch& s) {
+  const int64_t g = p.group, d = p.head_dim, stride = g * (d + 2);
+  std::fill(s.acc.begin(), s.acc.end(), 0.f);
+  for (int64_t j = 0; j < g; ++j) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < count; ++c) top = std::max(top, partials[c * stride + j]);
+    float total = 0.f;
+    for (int64_t c = 0; c < count; ++c) {
+      const float* part = partials + c * stride;
+      const float w = std::exp(part[j] - top);
+      total += part[g + j] * w;
+      const float* acc = part + 2 * g + j * d;
+      for (int64_t i = 0; i < d; ++i) s.acc[j * d + i] += acc[i] * w;
+    }
+    s.max[j] = top;
+    s.sum[j] = total;
+  }
+}
+
+struct Plan {
+  std::vector<Item> items;
+  std::vector<int64_t> first_partial;  // per pair: its first partial slot, -1 when unsplit
+  std::vector<int64_t> splits;         // per pair: how many items
+  int64_t partials = 0;
+  int64_t work = 0;  // token-heads read
+};
+
+Plan plan_items(const int64_t* seq_lens, int64_t live, int64_t kvheads, int64_t capacity, int64_t window,
+                int64_t block_size) {
+  Plan plan;
+  std::vector<int64_t> starts(live), ends(live);
+  for (int64_t r = 0; r < live; ++r) {
+    const int64_t end = seq_lens[r];
+    TORCH_CHECK(end >= 0 && end <= capacity, "paged_decode: seq_lens[", r, "]=", end,
+                " is outside the row's block table (0 to ", capacity, " tokens)");
+    ends[r] = end;
+    starts[r] = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+    plan.work += (end - starts[r]) * kvheads;
+  }
+  const int64_t threads = at::get_num_threads();
+  int64_t split = plan.work / std::max<int64_t>(1, threads * kItemsPerThread * kvheads);
+  split = std::max(split, kMinSplitBlocks * block_size);
+  split = (split + block_size - 1) / block_size * block_size;
+  if (threads == 1 || plan.work < kParallelWork) split = capacity + 1;  // one thread: never split
+  plan.first_partial.assign(live * kvheads, -1);
+  plan.splits.assign(live * kvheads, 0);
+  for (int64_t r = 0; r < live; ++r) {
+    const int64_t len = ends[r] - starts[r];
+    const int64_t count = len == 0 ? 0 : (len + split - 1) / split;
+    for (int64_t h = 0; h < kvheads; ++h) {
+      const int64_t pair = r * kvheads + h;
+      plan.splits[pair] = count;
+      if (count > 1) plan.first_partial[pair] = plan.partials;
+      for (int64_t c = 0; c < count; ++c) {
+        const int64_t start = starts[r] + c * split;
+        plan.items.push_back({r, h, start, std::min(ends[r], start + split), pair, count > 1 ? plan.partials++ : -1});
+      }
+    }
+  }
+  std::stable_sort(plan.items.begin(), plan.items.end(),
+                   [](const Item& a, const Item& b) { return a.end - a.start > b.end - b.start; });
+  return plan;
+}
+
+template <typename T>
+void run(const Problem& p, const Plan& plan, const at::Tensor& query, const at::Tensor& key_cache,
+         const at::Tensor& value_cache, at::Tensor& out) {
+  const T* q = query.const_data_ptr<T>();
+  const T* kc = key_cache.const_data_ptr<T>();
+  const T* vc = value_cache.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  const int64_t stride = p.group * (p.head_dim + 2);
+  std::vector<float> partials(plan.partials * stride);
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[plan.splits.size()]);
+  for (size_t i = 0; i < plan.splits.size(); ++i) left[i].store(plan.splits[i], std::memory_order_relaxed);
+  std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(plan.items.size());
+  auto worker = [&](int64_t, int64_t) {
+    Scratch s(p);
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      const Item& item = plan.items[i];
+      attend_range(p, q, kc, vc, item, s);
+      T* dest = o + (item.row * p.heads + item.kvhead * p.group) * p.head_dim;
+      if (item.partial < 0) {
+        write_output(p, item.kvhead, s.acc.data(), s.max.data(), s.sum.data(), dest);
+        continue;
+      }
+      float* part = partials.data() + item.partial * stride;
+      std::copy(s.max.begin(), s.max.end(), part);
+      std::copy(s.sum.begin(), s.sum.end(), part + p.group);
+      std::copy(s.acc.begin(), s.acc.end(), part + 2 * p.group);
+      if (left[item.pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the pair's last split
+        merge_splits(p, partials.data() + plan.first_partial[item.pair] * stride, plan.splits[item.pair], s);
+        write_output(p, item.kvhead, s.acc.data(), s.max.data(), s.sum.data(), dest);
+      }
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  if (threads <= 1 || plan.work < kParallelWork) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, threads, 1, worker);
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                        const at::Tensor& block_table_in, const at::Tensor& seq_lens_in, double scale,
+                        const std::optional<at::Tensor>& sinks_in, int64_t window, int64_t live) {
+  TORCH_CHECK(query_in.dim() == 3, "paged_decode: query must be [rows, heads, head_dim], got ", query_in.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "paged_decode: the caches must both be [num_blocks, block_size, kv_heads, head_dim], got ",
+              key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK(key_cache.scalar_type() == query_in.scalar_type() && value_cache.scalar_type() == query_in.scalar_type(),
+              "paged_decode: query and caches differ in dtype (", query_in.scalar_type(), ", ",
+              key_cache.scalar_type(), ", ", value_cache.scalar_type(), ")");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "paged_decode: the caches' head_dim must be contiguous");
+  const int64_t rows = query_in.size(0), heads = query_in.size(1), head_dim = query_in.size(2);
+  const int64_t kvheads = key_cache.size(2), block_size = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "paged_decode: query head_dim ", head_dim, " != cache head_dim ",
+              key_cache.size(3));
+  TORCH_CHECK(kvheads > 0 && heads % kvheads == 0, "paged_decode: ", heads, " query heads do not share ", kvheads,
+              " KV heads evenly");
+  TORCH_CHECK(block_table_in.dim() == 2 && block_table_in.size(0) == rows && seq_lens_in.numel() == rows,
+              "paged_decode: block_table must be [rows, blocks] and seq_lens [rows] for ", rows, " rows, got ",
+              block_table_in.sizes(), " and ", seq_lens_in.sizes());
+  live = live < 0 ? rows : std::min(live, rows);
+  const at::Tensor query = query_in.contiguous();
+  const at::Tensor table = block_table_in.to(at::kLong).contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks.numel() == heads, "paged_decode: sinks must hold one logit per query head (", heads,
+                "), got ", sinks.numel());
+  }
+  Problem p{heads,
+            kvheads,
+            heads / kvheads,
+            head_dim,
+            block_size,
+            key_cache.stride(0),
+            key_cache.stride(1),
+            key_cache.stride(2),
+            value_cache.stride(0),
+            value_cache.stride(1),
+            value_cache.stride(2),
+            table.const_data_ptr<int64_t>(),
+            table.size(1),
+            static_cast<float>(scale),
+            sinks.defined() ? sinks.const_data_ptr<float>() : nullptr};
+  const int64_t capacity = table.size(1) * block_size;
+  const Plan plan = plan_items(seq_lens.const_data_ptr<int64_t>(), live, kvheads, capacity, window, block_size);
+  bool every_row_read = live == rows;
+  for (int64_t pair = 0; every_row_read && pair < static_cast<int64_t>(plan.splits.size()); ++pair) {
+    every_row_read = plan.splits[pair] > 0;
+  }
+  at::Tensor out = every_row_read ? at::empty_like(query) : at::zeros_like(query);
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      run<float>(p, plan, query, key_cache, value_cache, out);
+      break;
+    case at::kBFloat16:
+      run<c10::BFloat16>(p, plan, query, key_cache, value_cache, out);
+      break;
+    case at::kHalf:
+      run<c10::Half>(p, plan, query, key_cache, value_cache, out);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: dtype ", query.scalar_type(), " is not float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(spyre_kernels, m) {
+  m.def(
+      "paged_decode(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, Tensor seq_lens, "
+      "float scale, Tensor? sinks=None, int window=0, int live=-1) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+}

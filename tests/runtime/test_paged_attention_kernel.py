@@ -1,0 +1,182 @@
+"""The C++ paged decode-attention kernel (executor/kernels) against the ATen ops it replaces, which stay its
+fallback and oracle: a table of block layouts (ragged lengths, windows, sinks, GQA, head sizes, dtypes,
+dead rows, a long context split across threads), its errors, its setting and its fallback on a failed
+build. The kernel builds on first use (about a minute on a cold cache); on this machine it must build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from spyre_runtime.executor import kv_cache, linear
+from spyre_runtime.executor.kernels import paged_attention
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCK = kv_cache.BLOCK_SIZE
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    op = paged_attention.kernel()
+    assert op is not None, "the paged attention kernel did not build here (see the warning logged)"
+    return op
+
+
+def layout(lens, heads, kvheads, head_dim, dtype, seed=0):
+    """Rows of `lens` tokens whose blocks are scattered over a cache full of large garbage (a slot read by
+    mistake shows), each row's table padded with scratch block 0 past its blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = max(-(-n // BLOCK) for n in lens) + 1
+    num_blocks = 1 + len(lens) * per_row
+    key_cache = (torch.randn(num_blocks, BLOCK, kvheads, head_dim, generator=gen) * 4).to(dtype)
+    value_cache = (torch.randn(num_blocks, BLOCK, kvheads, head_dim, generator=gen) * 4).to(dtype)
+    order = torch.randperm(num_blocks - 1, generator=gen) + 1
+    table = torch.zeros(len(lens), per_row, dtype=torch.long)
+    for r, n in enumerate(lens):
+        used = -(-n // BLOCK)
+        table[r, :used] = order[r * per_row : r * per_row + used]
+    query = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    return query, key_cache, value_cache, table, torch.tensor(lens)
+
+
+def oracle(*args):
+    with paged_attention.disabled():
+        return kv_cache.paged_decode(*args)
+
+
+CASES = [  # lens, heads, kv heads, head_dim, window, sinks
+    pytest.param([1, 63, 64, 65, 200, 512], 9, 3, 64, 0, False, id="ragged-smollm2"),
+    pytest.param([1, 63, 64, 65, 200, 512], 9, 3, 64, 100, False, id="window"),
+    pytest.param([5, 64, 128, 511], 8, 2, 128, 0, True, id="sinks-gqa4-hd128"),
+    pytest.param([5, 64, 130, 511], 8, 2, 128, 65, True, id="window-and-sinks"),
+    pytest.param([30, 700], 4, 4, 64, 4096, False, id="mha-window-wider-than-context"),
+    pytest.param([90, 333], 32, 1, 64, 0, True, id="mqa-32-heads-one-kv"),
+    pytest.param([17, 250], 12, 1, 72, 0, False, id="head-dim-with-a-vector-tail"),
+    pytest.param([1, 2, 3], 2, 1, 8, 0, False, id="tiny-head-dim"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("lens", "heads", "kvheads", "head_dim", "window", "with_sinks"), CASES)
+def test_kernel_equals_the_aten_ops(kernel, lens, heads, kvheads, head_dim, window, with_sinks, dtype):
+    query, key_cache, value_cache, table, seq_lens = layout(lens, heads, kvheads, head_dim, dtype)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(1)) if with_sinks else None
+    args = (query, key_cache, value_cache, table, seq_lens, head_dim**-0.5, sinks, window)
+    expected = oracle(*args)
+    got = kv_cache.paged_decode(*args)  # through the runtime's op: the kernel serves it
+    direct = kernel(*args, -1)
+    assert got.dtype == dtype and got.shape == query.shape
+    torch.testing.assert_close(got, direct, atol=0, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=2e-5)
+        return
+    # bf16/fp16: the kernel sums in fp32 where the ATen ops round scores and weights to the dtype (with sinks
+    # their softmax runs in it), so both meet the oracle run in fp32, and the kernel is at least as close
+    exact = oracle(query.float(), key_cache.float(), value_cache.float(), *args[3:])
+    kernel_error = (got.float() - exact).abs().max().item()
+    aten_error = (expected.float() - exact).abs().max().item()
+    assert kernel_error <= aten_error * 1.05 + 1e-6, (kernel_error, aten_error)
+    assert kernel_error <= 0.04 if dtype == torch.bfloat16 else kernel_error <= 0.008
+
+
+def test_a_long_context_split_across_threads_equals_one_thread_and_the_oracle(kernel):
+    """One row of 4,000 tokens: with 2 threads its range is split and the splits' softmaxes merged."""
+    query, key_cache, value_cache, table, seq_lens = layout([4000], 9, 3, 64, torch.float32)
+    sinks = torch.randn(9)
+    args = (query, key_cache, value_cache, table, seq_lens, 0.125, sinks, 0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = kernel(*args, -1)
+        torch.set_num_threads(2)
+        split = kernel(*args, -1)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split, oracle(*args), atol=2e-5, rtol=2e-5)
+    # 32 ragged rows, some long: every row's splits land in its own output
+    query, key_cache, value_cache, table, seq_lens = layout(
+        [64 * i + 7 for i in range(32)], 9, 3, 64, torch.float32
+    )
+    args = (query, key_cache, value_cache, table, seq_lens, 0.125, None, 300)
+    torch.testing.assert_close(kernel(*args, -1), oracle(*args), atol=2e-5, rtol=2e-5)
+
+
+def test_dead_rows_come_out_zero_and_live_rows_as_before(kernel):
+    query, key_cache, value_cache, table, seq_lens = layout([100, 200, 1, 1], 9, 3, 64, torch.float32)
+    args = (query, key_cache, value_cache, table, seq_lens, 0.125)
+    full = kv_cache.paged_decode(*args)
+    for live in (2, 0):
+        with linear.live_rows(live):
+            few = kv_cache.paged_decode(*args)
+            expected = oracle(*args)
+        torch.testing.assert_close(few[:live], full[:live], atol=0, rtol=0)
+        assert not few[live:].any()
+        torch.testing.assert_close(few, expected, atol=2e-5, rtol=2e-5)
+    # a row with nothing to read (length 0) is zero too, with or without sinks
+    empty = kernel(query, key_cache, value_cache, table, torch.tensor([100, 0, 1, 1]), 0.125, torch.zeros(9))
+    assert not empty[1].any() and empty[0].abs().sum() > 0
+
+
+def test_kernel_errors_name_the_bad_input(kernel):
+    query, key_cache, value_cache, table, seq_lens = layout([100, 70], 9, 3, 64, torch.float32)
+    with pytest.raises(RuntimeError, match=r"seq_lens\[1\]=900 is outside the row's block table"):
+        kernel(query, key_cache, value_cache, table, torch.tensor([100, 900]), 0.125)
+    with pytest.raises(RuntimeError, match="differ in dtype"):
+        kernel(query.bfloat16(), key_cache, value_cache, table, seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="9 query heads do not share 2 KV heads"):
+        kernel(query, key_cache[:, :, :2], value_cache[:, :, :2], table, seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="one logit per query head"):
+        kernel(query, key_cache, value_cache, table, seq_lens, 0.125, torch.zeros(3))
+
+
+def test_torch_compile_traces_the_kernel_op_without_a_graph_break(kernel):
+    query, key_cache, value_cache, table, seq_lens = layout([100, 70], 9, 3, 64, torch.float32)
+
+    def attend(q, k, v, t, n):
+        return torch.ops.spyre_kernels.paged_decode(q * 1.0, k, v, t, n, 0.125) + 0
+
+    compiled = torch.compile(attend, backend="aot_eager", fullgraph=True)
+    args = (query, key_cache, value_cache, table, seq_lens)
+    torch.testing.assert_close(compiled(*args), attend(*args), atol=0, rtol=0)
+
+
+def test_the_setting_turns_the_kernel_off_and_a_bad_value_is_named(monkeypatch):
+    from spyre_contract.environment import ContractError
+
+    monkeypatch.setattr(paged_attention, "_op", [])
+    monkeypatch.setenv("SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL", "0")
+    assert paged_attention.kernel() is None
+    monkeypatch.setattr(paged_attention, "_op", [])
+    monkeypatch.setenv("SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL", "maybe")
+    with pytest.raises(ContractError, match="SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL='maybe'"):
+        paged_attention.kernel()
+
+
+def test_a_failed_build_logs_one_line_and_the_aten_ops_serve(tmp_path):
+    """No compiler (CXX names none): the build fails, one warning line says so, paged_decode still works."""
+    script = (
+        "import logging, torch\n"
+        "logging.basicConfig(level=logging.WARNING, format='%(levelname)s %(message)s')\n"
+        "from spyre_runtime.executor import kv_cache\n"
+        "from spyre_runtime.executor.kernels import paged_attention\n"
+        "assert paged_attention.kernel() is None\n"
+        "q, k = torch.randn(1, 2, 8), torch.randn(2, 64, 1, 8)\n"
+        "out = kv_cache.paged_decode(q, k, k, torch.tensor([[1]]), torch.tensor([3]), 0.3)\n"
+        "assert out.shape == (1, 2, 8) and out.isfinite().all()\n"
+        "print('served')\n"
+    )
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "served"
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, done.stderr
+    assert "Paged attention kernel unavailable, the ATen ops serve" in warnings[0]
+    assert "no-such-compiler: not found" in warnings[0]  # the cause, not the echoed command
