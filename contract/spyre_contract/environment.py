@@ -26,6 +26,9 @@ CB_DEFAULT_MIXED_PREFILL_TOKENS = 0
 CB_DEFAULT_PREFILL_PIECES = 4
 ENV_PREFIX = "SENDNN_INFERENCE_"
 ALIAS_PREFIX = "VLLM_SPYRE_"  # 1.x's prefix: sendnn-inference 2.x no longer reads it, so neither do we
+# Spyre's volumetric limit: a decode step's rows x context (tkv) stay at or under it (known configurations
+# set it; sendnn-inference reads the same name)
+TKV_LIMIT_VAR = "VLLM_DT_MAX_BATCH_TKV_LIMIT"
 # variables sendnn-inference 2.x removed, and what replaces each (one start-up line each)
 RETIRED = {
     "VLLM_DT_CHUNK_LEN": "the prefill chunk is --max-num-batched-tokens (a multiple of 64)",
@@ -239,6 +242,9 @@ class EnvironmentSettings:
     cp_interleave_steps: bool = True
     mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES
+    max_batch_tkv_limit: int = 0  # rows x context of a decode step, at most (0: no limit)
+    pausing_enabled: bool = True
+    long_output_priority: bool = False
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -297,6 +303,9 @@ def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlag
         cp_interleave_steps=env.bool("CP_INTERLEAVE_STEPS", True),
         mixed_prefill_tokens=env.int("CB_MIXED_PREFILL_TOKENS", CB_DEFAULT_MIXED_PREFILL_TOKENS, minimum=0),
         max_prefill_pieces=env.int("CB_PREFILL_PIECES", CB_DEFAULT_PREFILL_PIECES, minimum=1),
+        max_batch_tkv_limit=env.int(TKV_LIMIT_VAR, 0, minimum=0, full=True),
+        pausing_enabled=env.bool("PAUSING_ENABLED", True),
+        long_output_priority=env.bool("LONG_OUT_PRIO", False),
         deprecated_env=tuple(env.deprecated_used),
     )
     if use_cb:

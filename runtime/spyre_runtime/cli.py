@@ -20,6 +20,7 @@ from spyre_runtime.config import (
     check_memory,
     load_config,
     parse_kv_events_config,
+    with_known_tkv_limit,
 )
 
 log = logging.getLogger("spyre_runtime")
@@ -220,9 +221,10 @@ def _config(args):
         skip_warmup=bool(getattr(args, "skip_warmup", False)),
         kv_events=parse_kv_events_config(getattr(args, "kv_events_config", None)),
     )
-    for name, value in check_known_configuration(config).env.items():
+    verdict = check_known_configuration(config)
+    for name, value in verdict.env.items():
         os.environ.setdefault(name, value)  # the registry's per-configuration overrides
-    return config
+    return with_known_tkv_limit(config, verdict)
 
 
 def cmd_serve(args) -> int:

@@ -33,6 +33,7 @@ from spyre_contract import (
     round_up,
 )
 from spyre_contract.architectures import check_decoder_config
+from spyre_contract.environment import TKV_LIMIT_VAR
 from spyre_contract.memory import (
     DEFAULT_CARD_MEMORY_GIB,
     DTYPE_BYTES,
@@ -168,6 +169,12 @@ class RuntimeConfig:
     # continuous batching: prompt tokens a mixed step carries beside running decodes (0: the whole chunk)
     mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES  # prompts a mixed step prefills pieces of, at most
+    # Spyre's volumetric limit (VLLM_DT_MAX_BATCH_TKV_LIMIT, or the known configuration's): a decode step's
+    # rows x context stay at or under it; 0: none. Pausing (sendnn-inference 2.x): rows that would pass it
+    # wait a step instead of the batch being kept small at admission
+    max_batch_tkv_limit: int = 0
+    pausing_enabled: bool = True
+    long_output_priority: bool = False
     shutdown_grace_seconds: float = 30.0
     max_num_batched_tokens: int = CB_DEFAULT_CHUNK  # continuous batching: prefill chunk, a multiple of 64
     enable_prefix_caching: bool = True
@@ -298,6 +305,16 @@ def hybrid_state_bytes(config: RuntimeConfig, dtype_bytes: int) -> int:
 
 
 _CONFIG_FIELDS = {f.name for f in fields(RuntimeConfig)} - {"cache_dir", "perf_metric_logging_dir"}
+
+
+def with_known_tkv_limit(config: RuntimeConfig, verdict: Verdict) -> RuntimeConfig:
+    """The known configuration's VLLM_DT_MAX_BATCH_TKV_LIMIT, when the pod's environment does not set one:
+    the scheduler and the memory plan enforce it, not only the pod's environment."""
+    value = verdict.env.get(TKV_LIMIT_VAR, "")
+    if config.max_batch_tkv_limit or not value.strip().isdigit():
+        return config
+    log.info("%s=%s from the known configuration (%s)", TKV_LIMIT_VAR, value, verdict.message)
+    return dataclasses.replace(config, max_batch_tkv_limit=int(value))
 
 
 def check_known_configuration(config: RuntimeConfig, environ: Mapping[str, str] | None = None) -> Verdict:
