@@ -93,7 +93,8 @@ def test_older_backend_spelling_is_an_alias_with_a_warning(caplog):
         ),
         (
             {"VLLM_SPYRE_USE_CB": "1"},
-            "VLLM_SPYRE_USE_CB is no longer read (sendnn-inference 2.x renamed it): use SENDNN_INFERENCE_USE_CB",
+            "VLLM_SPYRE_USE_CB is no longer read (sendnn-inference 2.x renamed it): "
+            "use SENDNN_INFERENCE_USE_CB",
         ),
         (
             {"VLLM_DT_CHUNK_LEN": "1024"},
@@ -102,8 +103,8 @@ def test_older_backend_spelling_is_an_alias_with_a_warning(caplog):
         ),
         (
             {"SENDNN_INFERENCE_USE_CHUNKED_PREFILL": "1"},
-            "SENDNN_INFERENCE_USE_CHUNKED_PREFILL is gone in sendnn-inference 2.x: continuous batching always "
-            "prefills in chunks of --max-num-batched-tokens; remove it",
+            "SENDNN_INFERENCE_USE_CHUNKED_PREFILL is gone in sendnn-inference 2.x: "
+            "continuous batching always prefills in chunks of --max-num-batched-tokens; remove it",
         ),
     ],
 )

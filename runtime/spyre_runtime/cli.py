@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from spyre_contract.devices import describe_cards
 from spyre_contract.tasks import check_task, is_pooling_task
 
 from spyre_runtime.config import (
@@ -20,7 +21,6 @@ from spyre_runtime.config import (
     check_memory,
     load_config,
     parse_kv_events_config,
-    with_known_tkv_limit,
 )
 
 log = logging.getLogger("spyre_runtime")
@@ -221,9 +221,12 @@ def _config(args):
         skip_warmup=bool(getattr(args, "skip_warmup", False)),
         kv_events=parse_kv_events_config(getattr(args, "kv_events_config", None)),
     )
+    log.info("%s", describe_cards(os.environ, config.tensor_parallel_size, config.backend))
     verdict = check_known_configuration(config)
     for name, value in verdict.env.items():
         os.environ.setdefault(name, value)  # the registry's per-configuration overrides
+    from spyre_runtime.engine.volume import with_known_tkv_limit
+
     return with_known_tkv_limit(config, verdict)
 
 

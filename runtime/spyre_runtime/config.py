@@ -33,7 +33,6 @@ from spyre_contract import (
     round_up,
 )
 from spyre_contract.architectures import check_decoder_config
-from spyre_contract.environment import TKV_LIMIT_VAR
 from spyre_contract.memory import (
     DEFAULT_CARD_MEMORY_GIB,
     DTYPE_BYTES,
@@ -42,6 +41,7 @@ from spyre_contract.memory import (
     host_memory_bytes,
     kv_blocks_for,
     plan_memory,
+    volumetric_line,
 )
 from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
 from spyre_contract.tasks import is_pooling_task, read_pooling_environment
@@ -169,9 +169,7 @@ class RuntimeConfig:
     # continuous batching: prompt tokens a mixed step carries beside running decodes (0: the whole chunk)
     mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES  # prompts a mixed step prefills pieces of, at most
-    # Spyre's volumetric limit (VLLM_DT_MAX_BATCH_TKV_LIMIT, or the known configuration's): a decode step's
-    # rows x context stay at or under it; 0: none. Pausing (sendnn-inference 2.x): rows that would pass it
-    # wait a step instead of the batch being kept small at admission
+    # Spyre's volumetric limit and request pausing (engine/volume.py); 0: no limit
     max_batch_tkv_limit: int = 0
     pausing_enabled: bool = True
     long_output_priority: bool = False
@@ -307,16 +305,6 @@ def hybrid_state_bytes(config: RuntimeConfig, dtype_bytes: int) -> int:
 _CONFIG_FIELDS = {f.name for f in fields(RuntimeConfig)} - {"cache_dir", "perf_metric_logging_dir"}
 
 
-def with_known_tkv_limit(config: RuntimeConfig, verdict: Verdict) -> RuntimeConfig:
-    """The known configuration's VLLM_DT_MAX_BATCH_TKV_LIMIT, when the pod's environment does not set one:
-    the scheduler and the memory plan enforce it, not only the pod's environment."""
-    value = verdict.env.get(TKV_LIMIT_VAR, "")
-    if config.max_batch_tkv_limit or not value.strip().isdigit():
-        return config
-    log.info("%s=%s from the known configuration (%s)", TKV_LIMIT_VAR, value, verdict.message)
-    return dataclasses.replace(config, max_batch_tkv_limit=int(value))
-
-
 def check_known_configuration(config: RuntimeConfig, environ: Mapping[str, str] | None = None) -> Verdict:
     """The known-configurations registry at start-up: an unknown configuration is an error with
     SENDNN_INFERENCE_REQUIRE_KNOWN_CONFIG=1, else a warning. The caller applies `verdict.env`."""
@@ -382,6 +370,8 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
             list(config.batch_buckets),
             list(config.kv_buckets),
         )
+    if config.use_cb and config.max_batch_tkv_limit:  # Spyre's volumetric limit, beside the memory
+        logging.getLogger(__name__).info("%s", volumetric_line(config))
     state = hybrid_state_bytes(config, DTYPE_BYTES.get(dtype, 4))  # a hybrid model's Mamba state
     plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state)
     logging.getLogger(__name__).info(

@@ -7,9 +7,9 @@ status back to the API server. The mappings, in one place:
 - image: `IMAGES` maps an image to this project's environment; any image whose name contains `runtime` runs
   the venv's `spyre-runtime`, any containing `operator` runs `spyre-operator` (the command's first word is
   looked up in the venv's bin/).
-- network: each pod gets its own loopback address 127.A.B.C as pod IP (A from the runner's PID); `$(VAR)` in args is expanded. The
-  Endpoints API refuses loopback addresses; EndpointSlices carry them, so clients read the ready addresses of
-  a Service from its EndpointSlices (as kube-proxy does).
+- network: each pod gets its own loopback address 127.A.B.C as pod IP (A from the runner's PID); `$(VAR)` in
+  args is expanded. The Endpoints API refuses loopback addresses; EndpointSlices carry them, so clients read
+  the ready addresses of a Service from its EndpointSlices (as kube-proxy does).
 - env: `value`, `valueFrom.fieldRef` for metadata.name, metadata.namespace, status.podIP, spec.nodeName, and
   `valueFrom.secretKeyRef` / `configMapKeyRef`.
 - volumes: a PersistentVolumeClaim is one directory per claim (`<root>/pvc/<namespace>/<claim>`), shared by

@@ -71,7 +71,10 @@ class LocalStack:
         self.say("applying the SpyreModel CRD")
         self.kubectl("apply", "--validate=false", "-f", str(REPO / "crds/spyremodels.yaml"))
         self.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/spyremodels.spyre-serve.io")
-        self.say("starting the local pod runner (plays kubelet: pods run as local processes on their own 127.x.y.z addresses)")
+        self.say(
+            "starting the local pod runner (plays kubelet: pods run as local processes on their own "
+            "127.x.y.z addresses)"
+        )
         self.runner = PodRunner(
             self.kube,
             self.cp.kubeconfig,

@@ -1,6 +1,5 @@
 """Environment contract parsing: canonical names, deprecated aliases, flags winning, clear errors."""
 
-import logging
 import subprocess
 import sys
 
@@ -26,7 +25,9 @@ def test_defaults_and_zipped_shapes():
 
 
 def test_a_1x_alias_is_refused_naming_its_2x_name():
-    with pytest.raises(ValueError, match="VLLM_SPYRE_USE_CB is no longer read .*: use SENDNN_INFERENCE_USE_CB"):
+    with pytest.raises(
+        ValueError, match=r"VLLM_SPYRE_USE_CB is no longer read .*: use SENDNN_INFERENCE_USE_CB"
+    ):
         load_config("/m", environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "VLLM_SPYRE_USE_CB": "1"})
 
 
@@ -63,7 +64,10 @@ def test_flags_win_over_environment():
             "warmup lists differ in length",
         ),
         ({"SENDNN_INFERENCE_USE_CB": "maybe"}, "SENDNN_INFERENCE_USE_CB='maybe' is not a boolean"),
-        ({"SENDNN_INFERENCE_MAX_LOAD_PROCESSES": "-1"}, "SENDNN_INFERENCE_MAX_LOAD_PROCESSES='-1' must be >= 0"),
+        (
+            {"SENDNN_INFERENCE_MAX_LOAD_PROCESSES": "-1"},
+            "SENDNN_INFERENCE_MAX_LOAD_PROCESSES='-1' must be >= 0",
+        ),
         (
             {"SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": "-8"},
             "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS='-8' must be >= 0",

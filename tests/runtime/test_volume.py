@@ -7,9 +7,17 @@ from pathlib import Path
 import pytest
 from spyre_contract import read_environment
 from spyre_contract.registry import Verdict
-from spyre_runtime.config import RuntimeConfig, with_known_tkv_limit
+from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.continuous_scheduler import ContinuousScheduler
-from spyre_runtime.engine.volume import Row, admits, decode_order, fits_alone, next_decode_tkv, step_fits
+from spyre_runtime.engine.volume import (
+    Row,
+    admits,
+    decode_order,
+    fits_alone,
+    next_decode_tkv,
+    step_fits,
+    with_known_tkv_limit,
+)
 from spyre_runtime.request import Request
 from spyre_runtime.sampling.params import SamplingParams
 

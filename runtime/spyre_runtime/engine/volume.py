@@ -18,8 +18,17 @@ refused before scheduling: `fits_alone`.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from spyre_contract.environment import TKV_LIMIT_VAR
+from spyre_contract.registry import Verdict
+
+from spyre_runtime.config import RuntimeConfig
+
+log = logging.getLogger(__name__)
 
 BLOCK = 64
 
@@ -82,3 +91,13 @@ def decode_order(candidates: Sequence[tuple[str, int, int]], long_output_first: 
     sign = -1 if long_output_first else 1
     ranked = sorted(enumerate(candidates), key=lambda x: (-x[1][1], sign * x[1][2], x[0]))
     return [c[0] for _, c in ranked]
+
+
+def with_known_tkv_limit(config: RuntimeConfig, verdict: Verdict) -> RuntimeConfig:
+    """The known configuration's VLLM_DT_MAX_BATCH_TKV_LIMIT, when the pod's environment does not set one:
+    the scheduler and the memory plan enforce it, not only the pod's environment."""
+    value = verdict.env.get(TKV_LIMIT_VAR, "")
+    if config.max_batch_tkv_limit or not value.strip().isdigit():
+        return config
+    log.info("%s=%s from the known configuration (%s)", TKV_LIMIT_VAR, value, verdict.message)
+    return dataclasses.replace(config, max_batch_tkv_limit=int(value))
