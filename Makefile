@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test venv k8s lint format cluster-up cluster-down demo-down
+.PHONY: demo test venv k8s lint format docs cluster-up cluster-down demo-down
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -19,9 +19,10 @@ demo-down:
 	@$(PY) -m tests.cluster.stack down --dir $${SPYRE_DEMO_DIR:-/tmp/spyre-serve-demo}
 
 test: venv k8s
-	@echo "[test] ruff, import contracts, then pytest"
+	@echo "[test] ruff, import contracts, the docs site (mkdocs build --strict), then pytest"
 	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/lint-imports
+	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
 	@$(PY) -m pytest $(PYTEST_ARGS)
 
 lint:
@@ -29,6 +30,11 @@ lint:
 
 format:
 	@$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# the SpyreModel API reference from the CRD, then the site (build/site)
+docs: venv
+	@$(PY) scripts/crd_reference.py
+	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 cluster-up: venv k8s
 	@$(PY) -m tests.cluster up
