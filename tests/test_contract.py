@@ -81,8 +81,44 @@ def test_older_backend_spelling_is_an_alias_with_a_warning(caplog):
     assert s.backend == "sendnn"
     assert any("sendnn_decoder is deprecated" in r.getMessage() for r in caplog.records)
     assert s.deprecated_env == ("SENDNN_INFERENCE_DYNAMO_BACKEND=sendnn_decoder",)
-    old = read_environment({"VLLM_SPYRE_DYNAMO_BACKEND": "eager"})
-    assert old.backend == "eager" and old.deprecated_env == ("VLLM_SPYRE_DYNAMO_BACKEND",)
+
+
+@pytest.mark.parametrize(
+    ("environ", "line"),
+    [
+        (
+            {"VLLM_SPYRE_DYNAMO_BACKEND": "eager"},
+            "VLLM_SPYRE_DYNAMO_BACKEND is no longer read (sendnn-inference 2.x renamed it): "
+            "use SENDNN_INFERENCE_DYNAMO_BACKEND",
+        ),
+        (
+            {"VLLM_SPYRE_USE_CB": "1"},
+            "VLLM_SPYRE_USE_CB is no longer read (sendnn-inference 2.x renamed it): "
+            "use SENDNN_INFERENCE_USE_CB",
+        ),
+        (
+            {"VLLM_DT_CHUNK_LEN": "1024"},
+            "VLLM_DT_CHUNK_LEN is gone in sendnn-inference 2.x: the prefill chunk is "
+            "--max-num-batched-tokens (a multiple of 64)",
+        ),
+        (
+            {"SENDNN_INFERENCE_USE_CHUNKED_PREFILL": "1"},
+            "SENDNN_INFERENCE_USE_CHUNKED_PREFILL is gone in sendnn-inference 2.x: "
+            "continuous batching always prefills in chunks of --max-num-batched-tokens; remove it",
+        ),
+    ],
+)
+def test_variables_sendnn_inference_2_renamed_or_removed_are_refused_in_one_line(environ, line):
+    with pytest.raises(ContractError) as e:
+        read_environment({"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", **environ})
+    assert str(e.value) == line
+
+
+def test_every_retired_variable_is_named_in_one_error():
+    with pytest.raises(ContractError) as e:
+        read_environment({"VLLM_SPYRE_DYNAMO_BACKEND": "eager", "VLLM_DT_CHUNK_LEN": "64"})
+    assert str(e.value).count("; ") == 1 and "\n" not in str(e.value)
+    assert "VLLM_DT_CHUNK_LEN" in str(e.value) and "VLLM_SPYRE_DYNAMO_BACKEND" in str(e.value)
 
 
 SMOLLM2 = {

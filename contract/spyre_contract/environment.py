@@ -25,7 +25,16 @@ CB_DEFAULT_MIXED_PREFILL_TOKENS = 0
 # prompts one mixed step prefills pieces of, at most (SENDNN_INFERENCE_CB_PREFILL_PIECES)
 CB_DEFAULT_PREFILL_PIECES = 4
 ENV_PREFIX = "SENDNN_INFERENCE_"
-ALIAS_PREFIX = "VLLM_SPYRE_"
+ALIAS_PREFIX = "VLLM_SPYRE_"  # 1.x's prefix: sendnn-inference 2.x no longer reads it, so neither do we
+# Spyre's volumetric limit: a decode step's rows x context (tkv) stay at or under it (known configurations
+# set it; sendnn-inference reads the same name)
+TKV_LIMIT_VAR = "VLLM_DT_MAX_BATCH_TKV_LIMIT"
+# variables sendnn-inference 2.x removed, and what replaces each (one start-up line each)
+RETIRED = {
+    "VLLM_DT_CHUNK_LEN": "the prefill chunk is --max-num-batched-tokens (a multiple of 64)",
+    "SENDNN_INFERENCE_USE_CHUNKED_PREFILL": "continuous batching always prefills in chunks of "
+    "--max-num-batched-tokens; remove it",
+}
 
 
 class ContractError(ValueError):
@@ -52,24 +61,34 @@ class Shape:
         return f"(prompt_len={self.prompt_len}, new_tokens={self.new_tokens}, batch_size={self.batch_size})"
 
 
+def retired_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line for each variable sendnn-inference 2.x renamed or removed, naming what replaces it."""
+    lines = []
+    for name in sorted(environ):
+        if name.startswith(ALIAS_PREFIX):
+            new = ENV_PREFIX + name.removeprefix(ALIAS_PREFIX)
+            lines.append(f"{name} is no longer read (sendnn-inference 2.x renamed it): use {new}")
+        elif name in RETIRED:
+            lines.append(f"{name} is gone in sendnn-inference 2.x: {RETIRED[name]}")
+    return lines
+
+
 class Env:
-    """Reads `SENDNN_INFERENCE_<NAME>`, falling back to the deprecated `VLLM_SPYRE_<NAME>` alias."""
+    """Reads `SENDNN_INFERENCE_<NAME>`; a variable 2.x renamed or removed (`VLLM_SPYRE_<NAME>`,
+    `VLLM_DT_CHUNK_LEN`) stops start-up with a line naming its replacement."""
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
         self.environ = dict(os.environ if environ is None else environ)
         self.deprecated_used: list[str] = []
+        if retired := retired_variables(self.environ):
+            raise ContractError("; ".join(retired))
 
     def raw(self, name: str, full: bool = False) -> tuple[str, str | None]:
         """Returns (variable name actually read, value or None). `full`: `name` is already complete."""
         if full:
             return name, self.environ.get(name)
-        canonical, alias = ENV_PREFIX + name, ALIAS_PREFIX + name
-        if canonical in self.environ:
-            return canonical, self.environ[canonical]
-        if alias in self.environ:
-            self.deprecate(alias, canonical)
-            return alias, self.environ[alias]
-        return canonical, None
+        canonical = ENV_PREFIX + name
+        return canonical, self.environ.get(canonical)
 
     def deprecate(self, old: str, new: str) -> None:
         if old not in self.deprecated_used:
@@ -223,6 +242,9 @@ class EnvironmentSettings:
     cp_interleave_steps: bool = True
     mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES
+    max_batch_tkv_limit: int = 0  # rows x context of a decode step, at most (0: no limit)
+    pausing_enabled: bool = True
+    long_output_priority: bool = False
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -281,6 +303,9 @@ def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlag
         cp_interleave_steps=env.bool("CP_INTERLEAVE_STEPS", True),
         mixed_prefill_tokens=env.int("CB_MIXED_PREFILL_TOKENS", CB_DEFAULT_MIXED_PREFILL_TOKENS, minimum=0),
         max_prefill_pieces=env.int("CB_PREFILL_PIECES", CB_DEFAULT_PREFILL_PIECES, minimum=1),
+        max_batch_tkv_limit=env.int(TKV_LIMIT_VAR, 0, minimum=0, full=True),
+        pausing_enabled=env.bool("PAUSING_ENABLED", True),
+        long_output_priority=env.bool("LONG_OUT_PRIO", False),
         deprecated_env=tuple(env.deprecated_used),
     )
     if use_cb:

@@ -201,3 +201,13 @@ def kv_blocks_for(plan: MemoryPlan, utilization: float, bytes_per_block: int, mi
     weights and the largest activation are placed (never fewer than `minimum`, which holds one sequence)."""
     room = utilization * plan.capacity - plan.weights - plan.activations
     return max(minimum, int(room // max(1, bytes_per_block)))
+
+
+def volumetric_line(settings: EnvironmentSettings) -> str:
+    """What Spyre's volumetric limit (VLLM_DT_MAX_BATCH_TKV_LIMIT) leaves of the decode batch."""
+    rows = settings.max_batch_tkv_limit // round_up(settings.max_model_len)
+    rest = "paused" if settings.pausing_enabled else "wait to be admitted"
+    return (
+        f"volumetric limit {settings.max_batch_tkv_limit} (rows x context of a decode step): {rows} rows "
+        f"at the full {settings.max_model_len}-token context, the others {rest}"
+    )

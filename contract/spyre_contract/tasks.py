@@ -11,7 +11,6 @@ import dataclasses
 from collections.abc import Mapping
 
 from spyre_contract.environment import (
-    ALIAS_PREFIX,
     ENV_PREFIX,
     PROMPT_LEN_MULTIPLE,
     ContractError,
@@ -68,7 +67,7 @@ def read_pooling_environment(
             f"{env.raw('USE_CB')[0]}=1 applies to decoders; pooling models run on static warm-up shapes"
         )
     shapes = parse_pooling_shapes(env)
-    prefixes = tuple(p + name for p in (ENV_PREFIX, ALIAS_PREFIX) for name in _POOLING_ONLY_VARS)
+    prefixes = tuple(ENV_PREFIX + name for name in _POOLING_ONLY_VARS)
     rest = {k: v for k, v in env.environ.items() if k not in prefixes}
     settings = read_environment(rest, dataclasses.replace(flags, max_model_len=None, max_num_seqs=None))
     longest = max(s.prompt_len for s in shapes)

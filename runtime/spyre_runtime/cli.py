@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from spyre_contract.devices import describe_cards
 from spyre_contract.tasks import check_task, is_pooling_task
 
 from spyre_runtime.config import (
@@ -220,9 +221,13 @@ def _config(args):
         skip_warmup=bool(getattr(args, "skip_warmup", False)),
         kv_events=parse_kv_events_config(getattr(args, "kv_events_config", None)),
     )
-    for name, value in check_known_configuration(config).env.items():
+    log.info("%s", describe_cards(os.environ, config.tensor_parallel_size, config.backend))
+    verdict = check_known_configuration(config)
+    for name, value in verdict.env.items():
         os.environ.setdefault(name, value)  # the registry's per-configuration overrides
-    return config
+    from spyre_runtime.engine.sched.volume import with_known_tkv_limit
+
+    return with_known_tkv_limit(config, verdict)
 
 
 def cmd_serve(args) -> int:

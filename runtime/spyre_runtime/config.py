@@ -42,6 +42,7 @@ from spyre_contract.memory import (
     host_memory_bytes,
     kv_blocks_for,
     plan_memory,
+    volumetric_line,
 )
 from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
 from spyre_contract.tasks import is_pooling_task, read_pooling_environment
@@ -167,6 +168,10 @@ class RuntimeConfig:
     # continuous batching: prompt tokens a mixed step carries beside running decodes (0: the whole chunk)
     mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES  # prompts a mixed step prefills pieces of, at most
+    # Spyre's volumetric limit and request pausing (engine/sched/volume.py); 0: no limit
+    max_batch_tkv_limit: int = 0
+    pausing_enabled: bool = True
+    long_output_priority: bool = False
     shutdown_grace_seconds: float = 30.0
     max_num_batched_tokens: int = CB_DEFAULT_CHUNK  # continuous batching: prefill chunk, a multiple of 64
     enable_prefix_caching: bool = True
@@ -366,6 +371,8 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
             list(config.batch_buckets),
             list(config.kv_buckets),
         )
+    if config.use_cb and config.max_batch_tkv_limit:  # Spyre's volumetric limit, beside the memory
+        logging.getLogger(__name__).info("%s", volumetric_line(config))
     state = hybrid_state_bytes(config, DTYPE_BYTES.get(dtype, 4))  # a hybrid model's Mamba state
     plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state)
     logging.getLogger(__name__).info(

@@ -1,6 +1,5 @@
 """Environment contract parsing: canonical names, deprecated aliases, flags winning, clear errors."""
 
-import logging
 import subprocess
 import sys
 
@@ -25,17 +24,17 @@ def test_defaults_and_zipped_shapes():
     assert load_config("/m", environ={}).backend == "sendnn"
 
 
-def test_alias_is_accepted_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING):
-        cfg = load_config("/m", environ={"VLLM_SPYRE_DYNAMO_BACKEND": "eager", "VLLM_SPYRE_USE_CB": "1"})
-    assert cfg.backend == "eager" and cfg.use_cb
-    assert "VLLM_SPYRE_DYNAMO_BACKEND is deprecated; use SENDNN_INFERENCE_DYNAMO_BACKEND" in caplog.text
-    assert cfg.deprecated_env == ("VLLM_SPYRE_DYNAMO_BACKEND", "VLLM_SPYRE_USE_CB")
+def test_a_1x_alias_is_refused_naming_its_2x_name():
+    with pytest.raises(
+        ValueError, match=r"VLLM_SPYRE_USE_CB is no longer read .*: use SENDNN_INFERENCE_USE_CB"
+    ):
+        load_config("/m", environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "VLLM_SPYRE_USE_CB": "1"})
 
 
-def test_canonical_wins_over_alias():
+def test_the_canonical_name_does_not_excuse_the_alias():
     env = {"VLLM_SPYRE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor"}
-    assert load_config("/m", environ=env).backend == "inductor"
+    with pytest.raises(ValueError, match="VLLM_SPYRE_DYNAMO_BACKEND is no longer read"):
+        load_config("/m", environ=env)
 
 
 def test_flags_win_over_environment():
@@ -65,7 +64,10 @@ def test_flags_win_over_environment():
             "warmup lists differ in length",
         ),
         ({"SENDNN_INFERENCE_USE_CB": "maybe"}, "SENDNN_INFERENCE_USE_CB='maybe' is not a boolean"),
-        ({"VLLM_SPYRE_MAX_LOAD_PROCESSES": "-1"}, "VLLM_SPYRE_MAX_LOAD_PROCESSES='-1' must be >= 0"),
+        (
+            {"SENDNN_INFERENCE_MAX_LOAD_PROCESSES": "-1"},
+            "SENDNN_INFERENCE_MAX_LOAD_PROCESSES='-1' must be >= 0",
+        ),
         (
             {"SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": "-8"},
             "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS='-8' must be >= 0",
@@ -105,6 +107,15 @@ def test_bad_env_stops_serve_with_one_line_and_exit_2(tiny_model):
         "spyre-runtime: error: SENDNN_INFERENCE_WARMUP_PROMPT_LENS: 65 is not a multiple of 64"
     )
     assert "Traceback" not in res.stderr
+
+
+def test_a_variable_2x_removed_stops_serve_with_one_line_naming_its_replacement(tiny_model):
+    res = run_cli("serve", str(tiny_model), env={"VLLM_DT_CHUNK_LEN": "128"})
+    assert res.returncode == 2
+    assert res.stderr.strip() == (
+        "spyre-runtime: error: VLLM_DT_CHUNK_LEN is gone in sendnn-inference 2.x: the prefill chunk is "
+        "--max-num-batched-tokens (a multiple of 64)"
+    )
 
 
 def test_missing_sendnn_names_cpu_backends(tiny_model):

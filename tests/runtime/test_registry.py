@@ -205,7 +205,9 @@ def test_bad_files_are_refused_naming_the_entry(text, fragment):
 def test_settings_read_the_variables_and_their_aliases():
     assert registry_settings({}) == (False, "")
     assert registry_settings({"SENDNN_INFERENCE_REQUIRE_KNOWN_CONFIG": "1"}) == (True, "")
-    assert registry_settings({"VLLM_SPYRE_MODEL_CONFIG_FILE": "/x.yaml"}) == (False, "/x.yaml")
+    assert registry_settings({"SENDNN_INFERENCE_MODEL_CONFIG_FILE": "/x.yaml"}) == (False, "/x.yaml")
+    with pytest.raises(ContractError, match="use SENDNN_INFERENCE_MODEL_CONFIG_FILE"):
+        registry_settings({"VLLM_SPYRE_MODEL_CONFIG_FILE": "/x.yaml"})
     with pytest.raises(ContractError, match="SENDNN_INFERENCE_REQUIRE_KNOWN_CONFIG='maybe'"):
         registry_settings({"SENDNN_INFERENCE_REQUIRE_KNOWN_CONFIG": "maybe"})
     with pytest.raises(ContractError, match="cannot read it"):

@@ -205,6 +205,7 @@ class EngineClient:
         m.vllm.prefix_cache_queries.inc(queries - self._prefix_counts[0])
         m.vllm.prefix_cache_hits.inc(hits - self._prefix_counts[1])
         self._prefix_counts = (queries, hits)
+        m.sendnn.observe(sched, step)
         if self.kv_events is not None:
             self.kv_events.publish(sched.take_kv_events())
 

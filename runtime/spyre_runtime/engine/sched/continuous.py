@@ -43,6 +43,7 @@ from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
 from spyre_runtime.engine.block_manager import BlockManager, window_for
 from spyre_runtime.engine.sched.admission import abort_waiting, check_admissible
 from spyre_runtime.engine.sched.interface import GenerateScheduler
+from spyre_runtime.engine.sched.volume import Row, admits, decode_order, fits_alone, step_fits
 from spyre_runtime.engine.state_slots import StateSlots
 from spyre_runtime.request import Request, Status
 from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
@@ -83,21 +84,36 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         # vLLM's prefix-cache counters: tokens looked up and found, of requests admitted for the first time
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        # Spyre's volumetric limit (engine/sched/volume.py): rows x context of a decode step, and pausing
+        self.tkv_limit = config.max_batch_tkv_limit
+        self.pausing = config.pausing_enabled
+        self.long_output_first = config.long_output_priority
+        self.paused: list[Request] = []  # decoding requests that sit out steps, keeping their blocks
+        self.steps_paused: dict[str, int] = {}
+        self.num_pause_events = 0
+        self.num_resume_events = 0
 
     # ---- queue -----------------------------------------------------------------------------------
 
     def can_admit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
-        return num_prompt_tokens >= 1 and num_prompt_tokens + max_tokens <= self.max_model_len
+        return (
+            num_prompt_tokens >= 1
+            and num_prompt_tokens + max_tokens <= self.max_model_len
+            and fits_alone(num_prompt_tokens, max_tokens, self.tkv_limit)
+        )
 
     def max_tokens_for(self, num_prompt_tokens: int) -> int:
         """The largest max_tokens a prompt of this length can ask for (0: the prompt itself is too long)."""
         return max(0, self.max_model_len - num_prompt_tokens)
 
     def describe_limits(self) -> str:
-        return (
-            "exceeds the maximum model length: prompt tokens + max_tokens must be at most "
-            f"{self.max_model_len}"
-        )
+        limits = f"prompt tokens + max_tokens must be at most {self.max_model_len}"
+        if self.tkv_limit:
+            limits += (
+                f", and rounded up to a 64-token block at most VLLM_DT_MAX_BATCH_TKV_LIMIT={self.tkv_limit} "
+                "(a decode step's rows x context)"
+            )
+        return f"exceeds the maximum model length: {limits}"
 
     def add(self, request: Request) -> None:
         check_admissible(self, request)
@@ -108,7 +124,7 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         req = abort_waiting(self.waiting, request_id)
         if req is not None:
             return req
-        for req in self.prefilling + self.running:
+        for req in self.prefilling + self.running + self.paused:
             if req.request_id == request_id:
                 self._release(req)
                 req.finish("abort")
@@ -121,10 +137,14 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.prefilling)
+        return len(self.running) + len(self.prefilling) + len(self.paused)
+
+    @property
+    def num_paused(self) -> int:
+        return len(self.paused)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefilling or self.paused)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -172,6 +192,8 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         are prefilling."""
         while self.waiting and len(self.prefilling) < limit and self.num_running < self.max_num_seqs:
             req = self.waiting[0]
+            if not self._volume_admits(req):
+                return
             tokens = req.all_token_ids()
             # room for the sequence and its first decode token, so admitting never forces a preemption
             if not self.blocks.can_allocate([*tokens, 0], req.cache_salt):
@@ -219,6 +241,7 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         )
 
     def _decode_step(self) -> ContinuousStep | None:
+        self._pause_over_the_limit()
         for req in list(self.running):
             if req not in self.running:  # preempted while making room for an older request
                 continue
@@ -242,6 +265,49 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
             kv_len=smallest_bucket(self.kv_buckets, max(r.num_tokens for r in self.running)),
         )
 
+    def _volume_admits(self, req: Request) -> bool:
+        """Spyre's volumetric limit at admission: nothing starts while a request is paused; without
+        pausing, the forward check of every step the request would live through."""
+        if not self.tkv_limit:
+            return True
+        if self.paused:
+            return False
+        if self.pausing:
+            return True
+
+        def row(r: Request) -> Row:
+            return Row(r.num_tokens, r.sampling.max_tokens - r.num_output_tokens)
+
+        return admits(row(req), [row(r) for r in self.running + self.prefilling], self.tkv_limit)
+
+    def _pause_over_the_limit(self) -> None:
+        """With pausing, the rows of the next decode step: the decoding and paused requests in
+        `decode_order` while rows x context stay under the limit; the others sit this step out."""
+        if not (self.tkv_limit and self.pausing) or not (self.running or self.paused):
+            return
+        by_id = {r.request_id: r for r in self.running + self.paused}
+        was_paused = {r.request_id for r in self.paused}
+        order = decode_order(
+            [(rid, self.steps_paused.get(rid, 0), r.num_output_tokens) for rid, r in by_id.items()],
+            self.long_output_first,
+        )
+        decoding: list[Request] = []
+        paused: list[Request] = []
+        for rid in order:
+            req = by_id[rid]
+            if step_fits([r.num_tokens - 1 for r in (*decoding, req)], self.tkv_limit):
+                decoding.append(req)
+                self.steps_paused.pop(rid, None)
+            else:
+                paused.append(req)
+                self.steps_paused[rid] = self.steps_paused.get(rid, 0) + 1
+        now_paused = {r.request_id for r in paused}
+        self.num_pause_events += len(now_paused - was_paused)
+        self.num_resume_events += len(was_paused - now_paused)
+        self.running = [r for r in self.running if r.request_id not in now_paused]
+        self.running += [r for r in decoding if r.request_id in was_paused]
+        self.paused = paused
+
     def _preempt(self, req: Request) -> None:
         self._release(req)
         req.status = Status.WAITING
@@ -254,8 +320,11 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         self.blocks.free(req.request_id)
         self.slots.free(req.request_id)
         req.state_slot = 0
+        self.steps_paused.pop(req.request_id, None)
         if req in self.prefilling:
             self.prefilling.remove(req)
+        elif req in self.paused:
+            self.paused.remove(req)
         else:
             self.running.remove(req)
 

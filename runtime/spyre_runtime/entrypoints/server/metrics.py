@@ -37,6 +37,7 @@ class Metrics:
             "spyre_warmup_seconds", "Time spent compiling and warming shapes", registry=r
         )
         self.vllm = VllmMetrics(r, model_name, generate)
+        self.sendnn = SendnnMetrics(r, model_name) if generate else None
 
 
 # vLLM 0.27.1's buckets (vllm/v1/metrics/loggers.py), so histogram_quantile reads the same on both servers
@@ -122,3 +123,31 @@ class VllmMetrics:
 
     def finished(self, reason: str | None) -> None:
         self.request_success[reason if reason in FINISH_REASONS else "error"].inc()
+
+
+class SendnnMetrics:
+    """sendnn-inference 2.x's scheduler metrics (its v1/metrics/stats_logger.py), beside vLLM's, with the
+    same labels: the decode batch, paused requests (the volumetric limit), pause and resume events."""
+
+    def __init__(self, r: CollectorRegistry, model_name: str) -> None:
+        names, values = ["model_name", "engine"], [model_name, ENGINE]
+        self.decode_batch = Gauge("sendnn:decode_batch", "Requests in the decode batch", names, registry=r)
+        self.paused = Gauge("sendnn:paused", "Paused requests", names, registry=r)
+        self.pause_events = Counter("sendnn:pause_events", "Times a request was paused", names, registry=r)
+        self.resume_events = Counter("sendnn:resume_events", "Times a request was resumed", names, registry=r)
+        self._children = [m.labels(*values) for m in (self.decode_batch, self.paused)]
+        self._events = [m.labels(*values) for m in (self.pause_events, self.resume_events)]
+        self._seen = (0, 0)
+
+    def observe(self, scheduler, step) -> None:
+        """After a step, on the engine thread: the step's decode rows and the scheduler's pause counts
+        (a static scheduler pauses nothing)."""
+        decode_batch, paused = self._children
+        rows = step.decode if hasattr(step, "decode") else (() if step.is_prefill else step.requests)
+        if rows or not step.is_prefill:  # a prefill-only step leaves the decode batch as it was
+            decode_batch.set(len(rows))
+        paused.set(getattr(scheduler, "num_paused", 0))
+        counts = (getattr(scheduler, "num_pause_events", 0), getattr(scheduler, "num_resume_events", 0))
+        for counter, now, before in zip(self._events, counts, self._seen, strict=True):
+            counter.inc(now - before)
+        self._seen = counts
