@@ -2,6 +2,9 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# test modules run side by side in this many processes (pytest-xdist; a module stays in one process, so its
+# shared server or control plane is made once); 1 runs them one after another
+PYTEST_WORKERS ?= 2
 
 .PHONY: demo test venv k8s lint format docs cluster-up cluster-down demo-down
 
@@ -23,7 +26,7 @@ test: venv k8s
 	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/lint-imports
 	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
-	@$(PY) -m pytest $(PYTEST_ARGS)
+	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint:
 	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -5,6 +5,7 @@ and a reader of a /metrics page."""
 from __future__ import annotations
 
 import ast
+import fcntl
 import json
 import os
 import subprocess
@@ -35,6 +36,13 @@ def vllm_source(relative: str) -> Path:
         if found:
             return found[0]
     out = WHEELS / f"vllm-{VLLM_VERSION}-files" / relative
+    WHEELS.mkdir(parents=True, exist_ok=True)
+    with open(WHEELS / f"vllm-{VLLM_VERSION}.lock", "w") as lock:  # pytest-xdist workers: one fetches
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _extracted(out, relative)
+
+
+def _extracted(out: Path, relative: str) -> Path:
     if not out.is_file():
         with zipfile.ZipFile(_vllm_wheel()) as wheel:
             data = wheel.read(f"vllm/{relative}")

