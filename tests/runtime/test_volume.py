@@ -8,7 +8,7 @@ import pytest
 from spyre_contract import read_environment
 from spyre_contract.registry import Verdict
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.engine.continuous_scheduler import ContinuousScheduler
+from spyre_runtime.engine.sched.continuous import ContinuousScheduler
 from spyre_runtime.engine.sched.volume import (
     Row,
     admits,
