@@ -139,8 +139,10 @@ PERMANENT_EXIT = 2  # the loader's exit code for what retrying cannot fix
 CA_DIR = "/etc/spyre-serve/ca"
 CA_FILE = f"{CA_DIR}/ca.crt"
 CA_ENV = ("REQUESTS_CA_BUNDLE", "AWS_CA_BUNDLE", "SSL_CERT_FILE")
-# what of spec.env the loader gets: its way out (a proxy) and whom it trusts
+# what of spec.env the loader gets: its way out (a proxy), whom it trusts, and the files it fetches beside
+# what the runtime reads (SPYRE_FETCH_INCLUDE: globs of an hf:// repository)
 NETWORK_ENV = (
+    "SPYRE_FETCH_INCLUDE",
     "HTTPS_PROXY",
     "HTTP_PROXY",
     "NO_PROXY",

@@ -15,6 +15,7 @@ PROXY_ENV = [
     {"name": "no_proxy", "value": "10.0.0.0/8,.svc"},
     {"name": "AWS_CA_BUNDLE", "value": "/models-ca/own.pem"},  # the user's own path wins
     {"name": "SENDNN_INFERENCE_DTYPE", "value": "float16"},  # the runtime's, not the loader's
+    {"name": "SPYRE_FETCH_INCLUDE", "value": "original/params.json"},  # the loader's extra files
 ]
 
 
@@ -36,6 +37,7 @@ def test_the_models_proxy_and_ca_settings_reach_the_loader(source):
     assert env["AWS_CA_BUNDLE"]["value"] == "/models-ca/own.pem"
     assert env["REQUESTS_CA_BUNDLE"]["value"] == env["SSL_CERT_FILE"]["value"] == CA_FILE
     assert "SENDNN_INFERENCE_DTYPE" not in env
+    assert env["SPYRE_FETCH_INCLUDE"]["value"] == "original/params.json"
     assert len([e for e in container["env"] if e["name"] == "AWS_CA_BUNDLE"]) == 1
     # the ConfigMap's key, mounted read-only as the file the variables name
     assert volume(pod, "ca-bundle")["configMap"] == {
