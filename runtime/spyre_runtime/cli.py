@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from spyre_contract.devices import describe_cards
+from spyre_contract.devices import allocated_cards, describe_cards
 from spyre_contract.tasks import check_task, is_pooling_task
 
 from spyre_runtime.config import (
@@ -221,7 +221,8 @@ def _config(args):
         skip_warmup=bool(getattr(args, "skip_warmup", False)),
         kv_events=parse_kv_events_config(getattr(args, "kv_events_config", None)),
     )
-    log.info("%s", describe_cards(os.environ, config.tensor_parallel_size, config.backend))
+    cards = describe_cards(os.environ, config.tensor_parallel_size, config.backend)  # too few: one line
+    log.log(logging.INFO if allocated_cards(os.environ) else logging.DEBUG, "%s", cards)
     verdict = check_known_configuration(config)
     for name, value in verdict.env.items():
         os.environ.setdefault(name, value)  # the registry's per-configuration overrides

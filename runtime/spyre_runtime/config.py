@@ -49,8 +49,7 @@ from spyre_contract.tasks import is_pooling_task, read_pooling_environment
 
 log = logging.getLogger(__name__)
 
-# The rules live in the shared contract package (the operator checks pods' environments with them too).
-ConfigError = ContractError
+ConfigError = ContractError  # the rules live in the shared contract package (the operator runs them too)
 
 CHUNK_ALIGN = 8  # dynamic chunks: a mixed step's chunk length is a multiple of this (at least this)
 

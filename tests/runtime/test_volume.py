@@ -238,7 +238,7 @@ def test_a_request_over_the_limit_alone_is_a_400_naming_it(volume_server):
 def test_paused_streams_give_what_they_give_alone_and_the_sendnn_metrics_count_the_pauses(volume_server):
     import threading
 
-    from tests.runtime.test_server import metric
+    from tests.runtime.entrypoints.test_completions import metric
 
     client = volume_server.client(timeout=300)
     # two prompts near 100 tokens: together a step is 2 x ~110 > 192, so they take turns (each alone fits)
