@@ -74,8 +74,9 @@ def test_fp8_and_batching_modes_are_refused_where_the_registry_says_so(monkeypat
     static_only = ARCHITECTURES["LlamaForCausalLM"].__class__("static only", continuous=False)
     monkeypatch.setitem(ARCHITECTURES, "StaticOnlyForCausalLM", static_only)
     check_batching({"architectures": ["StaticOnlyForCausalLM"]}, use_cb=False)
-    refusal = "does not run continuous batching; set SENDNN_INFERENCE_USE_CB=0"
-    with pytest.raises(ContractError, match=refusal):
+    with pytest.raises(
+        ContractError, match="does not run continuous batching; set SENDNN_INFERENCE_USE_CB=0"
+    ):
         check_batching({"architectures": ["StaticOnlyForCausalLM"]}, use_cb=True)
 
 

@@ -21,7 +21,7 @@ from spyre_runtime.engine.state_slots import StateSlots
 from spyre_runtime.sampling.params import SamplingParams
 from spyre_runtime.testing.models import write_tiny_model
 
-from tests.runtime.test_continuous import run_arrivals
+from tests.runtime.engine.test_continuous import run_arrivals
 
 MAX_TOKENS = 12
 
