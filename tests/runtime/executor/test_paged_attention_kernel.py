@@ -15,7 +15,7 @@ import torch
 from spyre_runtime.executor import kv_cache, linear
 from spyre_runtime.executor.kernels import paged_attention
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 BLOCK = kv_cache.BLOCK_SIZE
 
 

@@ -19,7 +19,7 @@ from spyre_runtime.sources.hf import INCLUDE_ENV, wanted
 from tests.cluster.controlplane import free_port
 from tests.cluster.hfhub import HfHub
 from tests.cluster.s3server import MIN_PART_SIZE, S3Server
-from tests.runtime.test_fetch_model import fetch, last_line, same_files
+from tests.runtime.sources.test_fetch_model import fetch, last_line, same_files
 
 DATA = random.Random(37).randbytes(3 * MIN_PART_SIZE + 1234)
 SINGLE = b"a small SSE-KMS object\n" * 100
