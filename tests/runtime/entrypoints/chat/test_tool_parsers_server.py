@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tests.runtime.conftest import TOOL_SERVER_ENV
+from tests.runtime.entrypoints.conftest import TOOL_SERVER_ENV
 from tests.runtime.serverproc import ServerProcess
 
 W = {"city": "Rome"}
