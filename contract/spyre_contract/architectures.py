@@ -35,7 +35,6 @@ class Architecture:
     hybrid_state: bool = False  # Mamba-2 layers: one state slot per sequence beside the KV cache (hybrid.py)
     vision: bool = False  # an image-text model: a vision tower runs beside the language model
     sliding_window: bool = False  # a sliding window the KV cache frees blocks behind (kv_window)
-    pooling: bool = False  # an encoder serving embed / score (spyre_contract.tasks)
 
 
 # The registry: HF architecture -> what serves it and what it supports. Adding a family is one line here, its
@@ -60,7 +59,8 @@ ARCHITECTURES: dict[str, Architecture] = {
         "llava_next (granite-vision; executor/families/vision.py)", room="vision", vision=True, fp8=False
     ),
 }
-# encoders (pooling tasks), by config.json's model_type: the FMS family that runs them
+# encoders (pooling tasks: embed, score), by config.json's model_type: the FMS family that runs them
+# (their room: executor/families/pooling.py)
 ENCODER_MODEL_TYPES = {"bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta"}
 # HF architecture -> what serves it, for messages
 DECODER_ARCHITECTURES = {name: arch.serves for name, arch in ARCHITECTURES.items()}
