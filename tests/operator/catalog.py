@@ -111,7 +111,10 @@ CATALOG = [
         "devices-and-card-resource",
         {"devices": {"deviceClassName": "spyre-pf"}, "cardResource": "ibm.com/spyre_vf"},
         "spec.devices.deviceClassName and spec.cardResource exclude each other",
-        at_create="spec.devices: Invalid value: spec.devices.deviceClassName and spec.cardResource exclude each other",
+        at_create=(
+            "spec.devices: Invalid value: "
+            "spec.devices.deviceClassName and spec.cardResource exclude each other"
+        ),
     ),
     Row(
         "card-resource-not-a-name",

@@ -133,8 +133,8 @@ def device_class_for(card_resource: str | None) -> str:
 
 
 def _devices(value, card_resource: str | None) -> Devices | None:
-    """spec.devices; with no deviceClassName, the class of spec.cardResource's kind of card (device_class_for);
-    a class named beside a cardResource is refused (the two would say different things)."""
+    """spec.devices; with no deviceClassName, the class of spec.cardResource's kind of card
+    (device_class_for); a class named beside a cardResource is refused (they would say different things)."""
     if value is None:
         return None
     if not isinstance(value, dict):

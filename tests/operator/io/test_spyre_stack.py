@@ -21,7 +21,9 @@ SPEC = {
     "batching": {"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 20, "batchSize": 1}]},
 }
 DETECTED = f"is installed: inference pods name the scheduler {SPYRE_SCHEDULER}"
-ABSENT = f"no SpyreClusterPolicy CRD ({CRD}) is installed: inference pods go to the cluster's default scheduler"
+ABSENT = (
+    f"no SpyreClusterPolicy CRD ({CRD}) is installed: inference pods go to the cluster's default scheduler"
+)
 
 
 @pytest.mark.parametrize(
@@ -30,7 +32,7 @@ ABSENT = f"no SpyreClusterPolicy CRD ({CRD}) is installed: inference pods go to 
         (None, True, SPYRE_SCHEDULER, DETECTED),
         (None, False, None, ABSENT),
         (None, None, None, "may not read CustomResourceDefinitions"),
-        ("aiu-scheduler", True, "aiu-scheduler", "name the scheduler aiu-scheduler (SPYRE_OPERATOR_SCHEDULER"),
+        ("aiu-scheduler", True, "aiu-scheduler", "the scheduler aiu-scheduler (SPYRE_OPERATOR_SCHEDULER"),
         ("aiu-scheduler", False, "aiu-scheduler", "name the scheduler aiu-scheduler"),
     ],
     ids=["detected", "absent", "cannot-tell", "set-wins-over-detected", "set-older-cluster"],
@@ -79,7 +81,8 @@ def test_spyre_scheduler_with_the_spyre_operators_crd_and_the_default_without(cl
         wait_for(lambda: startup_lines(operator, DETECTED), timeout=60, what="the start-up line: detected")
         ns.apply_model("spyre", SPEC)
         (pod,) = wait_for(lambda: ns.pods("spyre"), timeout=60, what="the model's pod")
-        assert pod.spec.scheduler_name == SPYRE_SCHEDULER  # Pending: this control plane runs no such scheduler
+        # Pending: this control plane runs no such scheduler
+        assert pod.spec.scheduler_name == SPYRE_SCHEDULER
         assert pod.spec.node_name is None
     finally:
         cluster.kubectl("delete", "crd", CRD, "--ignore-not-found", "--timeout=90s", check=False)
