@@ -247,9 +247,11 @@ def test_what_the_operator_accepts_the_current_server_accepts(crd_server, spyrem
     answer = create(crd_server, {**model(name), "spec": copy.deepcopy(spec)})
     assert answer.code == 201, answer
     if "devices" in spec:
-        assert answer.body["spec"]["devices"] == {"matchAttribute": "spyre.ibm.com/numaInfo"}
+        defaulted = {"matchAttribute": "spyre.ibm.com/numaInfo", **spec["devices"]}
+        assert answer.body["spec"]["devices"] == defaulted
         vf = spec.get("cardResource") == "ibm.com/spyre_vf"
-        assert checked.devices.device_class == ("spyre-standard-vf" if vf else "spyre-pf")
+        default = "spyre-standard-vf" if vf else "spyre-pf"
+        assert checked.devices.device_class == spec["devices"].get("deviceClassName", default)
 
 
 @pytest.fixture(scope="module")
