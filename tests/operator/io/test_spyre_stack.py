@@ -6,10 +6,17 @@ Pure for the choice; on the real control plane with and without a stand-in of th
 from __future__ import annotations
 
 import pytest
-from spyre_operator.io.spyre_stack import SPYRE_SCHEDULER, choose_scheduler
+from kubernetes import client, config
+from spyre_operator.io.spyre_stack import (
+    SPYRE_POLICY_CRD,
+    SPYRE_SCHEDULER,
+    choose_scheduler,
+    resolve_scheduler,
+)
 from spyre_operator.settings import OperatorSettings, load_settings
 
 from tests.conftest import REPO, wait_for
+from tests.operator.conftest import service_account_kubeconfig
 
 CRD_FILE = REPO / "tests/cluster/crds/spyreclusterpolicy.yaml"
 CRD = "spyreclusterpolicies.spyre.ibm.com"
@@ -89,3 +96,24 @@ def test_spyre_scheduler_with_the_spyre_operators_crd_and_the_default_without(cl
         wait_for(lambda: not crd_installed(cluster), timeout=90, what="the stand-in CRD removed")
         restart(operator)  # as it was found: the default scheduler
         wait_for(lambda: startup_lines(operator, ABSENT) > absent, timeout=60, what="back to the default")
+
+
+@pytest.mark.cluster
+def test_an_operator_that_may_not_read_crds_says_so_and_takes_the_default(
+    cluster, kube, operator_rbac, ns, tmp_path
+):
+    """A namespaced install's RBAC has no CustomResourceDefinitions: the API server's 403 is "cannot tell",
+    not an error; the operator's own RBAC reads them (a 404 here: no SpyreClusterPolicy CRD)."""
+    client.CoreV1Api(kube).create_namespaced_service_account(ns.name, {"metadata": {"name": "no-crds"}})
+    kubeconfig = service_account_kubeconfig(cluster, kube, ns.name, "no-crds", tmp_path / "kubeconfig")
+    unprivileged = config.new_client_from_config(str(kubeconfig))
+    assert crd_installed_by(unprivileged) is None
+    assert resolve_scheduler(OperatorSettings(), unprivileged).scheduler_name is None
+    operator_kubeconfig = service_account_kubeconfig(
+        cluster, kube, "spyre-system", "spyre-operator", tmp_path / "operator-kubeconfig"
+    )
+    assert crd_installed_by(config.new_client_from_config(str(operator_kubeconfig))) is False
+
+
+def crd_installed_by(api_client) -> bool | None:
+    return crd_installed(api_client, SPYRE_POLICY_CRD, timeout=10)
