@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 from kubernetes import client, config
+from spyre_operator.io import spyre_stack
 from spyre_operator.io.spyre_stack import (
     SPYRE_POLICY_CRD,
     SPYRE_SCHEDULER,
@@ -79,7 +80,7 @@ def test_spyre_scheduler_with_the_spyre_operators_crd_and_the_default_without(cl
     (pod,) = ns.pods("plain")
     assert pod.spec.scheduler_name == "default-scheduler"  # none named: the API server's default
     ns.custom.delete_namespaced_custom_object("spyre-serve.io", "v1alpha1", ns.name, "spyremodels", "plain")
-    wait_for(lambda: not ns.pods("plain"), what="the plain model's pod gone")
+    wait_for(lambda: not ns.pods("plain"), timeout=90, what="the plain model's pod gone")
     cluster.kubectl("apply", "-f", str(CRD_FILE))
     cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", f"crd/{CRD}")
     absent = startup_lines(operator, ABSENT)
@@ -116,4 +117,4 @@ def test_an_operator_that_may_not_read_crds_says_so_and_takes_the_default(
 
 
 def crd_installed_by(api_client) -> bool | None:
-    return crd_installed(api_client, SPYRE_POLICY_CRD, timeout=10)
+    return spyre_stack.crd_installed(api_client, SPYRE_POLICY_CRD, timeout=10)
