@@ -17,6 +17,7 @@ CHART = REPO / "charts/spyre-operator"
 VALUES = {
     "cardResource": "ibm.com/aiu_pf",
     "schedulerName": "aiu-scheduler",
+    "cardTiers": [4, 8, 16],
     "runtimeImage": "example.org/spyre/runtime:1.2.3",
     "defaultStorageClass": "nfs",
     "logLevel": "DEBUG",
@@ -74,6 +75,10 @@ def test_values_reach_the_operator():
     env = env_of(deployment)
     assert env["SPYRE_OPERATOR_CARD_RESOURCE"] == "ibm.com/aiu_pf"
     assert env["SPYRE_OPERATOR_SCHEDULER_NAME"] == "aiu-scheduler"
+    assert env["SPYRE_OPERATOR_CARD_TIERS"] == "4,8,16"
+    defaults = env_of(by_kind(render(), "Deployment")[0])
+    # no tiers and no scheduler unless set: the operator then detects the Spyre operator's scheduler
+    assert "SPYRE_OPERATOR_CARD_TIERS" not in defaults and "SPYRE_OPERATOR_SCHEDULER_NAME" not in defaults
     assert env["SPYRE_OPERATOR_RUNTIME_IMAGE"] == "example.org/spyre/runtime:1.2.3"
     assert env["SPYRE_OPERATOR_DEFAULT_STORAGE_CLASS"] == "nfs"
     pod = deployment["spec"]["template"]["spec"]

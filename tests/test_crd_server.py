@@ -169,6 +169,7 @@ ACCEPTED = {
         },
     ),
     "cards-by-dra": ("dra", {**BASE, "cards": 4, "devices": {}}),
+    "virtual-functions-by-dra": ("dra-vf", {**BASE, "devices": {}, "cardResource": "ibm.com/spyre_vf"}),
     "card-resource-with-matching-count": (
         "tier",
         {
@@ -237,18 +238,20 @@ ACCEPTED = {
 @pytest.mark.parametrize(("name", "spec"), ACCEPTED.values(), ids=ACCEPTED.keys())
 def test_what_the_operator_accepts_the_current_server_accepts(crd_server, spyremodel_crd, name, spec):
     """The CEL rules refuse no less than the operator does, and no more: every example and a spec of each
-    kind the operator accepts is created, and the schema's defaults fill spec.devices."""
+    kind the operator accepts is created, and the schema's default fills spec.devices.matchAttribute; the
+    DeviceClass is the operator's default (the kind of card spec.cardResource names, else spyre-pf)."""
     from spyre_operator.admission import check_spec
     from spyre_operator.settings import OperatorSettings
 
-    check_spec(name, spec, OperatorSettings())
+    checked = check_spec(name, spec, OperatorSettings())
     answer = create(crd_server, {**model(name), "spec": copy.deepcopy(spec)})
     assert answer.code == 201, answer
     if "devices" in spec:
-        assert answer.body["spec"]["devices"] == {
-            "deviceClassName": "spyre-pf",
-            "matchAttribute": "spyre.ibm.com/numaInfo",
-        }
+        defaulted = {"matchAttribute": "spyre.ibm.com/numaInfo", **spec["devices"]}
+        assert answer.body["spec"]["devices"] == defaulted
+        vf = spec.get("cardResource") == "ibm.com/spyre_vf"
+        default = "spyre-standard-vf" if vf else "spyre-pf"
+        assert checked.devices.device_class == spec["devices"].get("deviceClassName", default)
 
 
 @pytest.fixture(scope="module")

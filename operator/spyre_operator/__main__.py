@@ -14,6 +14,7 @@ from kubernetes import client, config
 from spyre_operator.handlers import build_memo, build_registry
 from spyre_operator.io.leader import LeaderElection
 from spyre_operator.io.metrics import OperatorMetrics, serve_health
+from spyre_operator.io.spyre_stack import resolve_scheduler
 from spyre_operator.settings import SettingsError, add_flags, load_settings
 
 EXIT_LOST_LEASE = 3
@@ -35,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except config.ConfigException:
         config.load_kube_config()
     api_client = client.ApiClient()
+    settings = resolve_scheduler(settings, api_client)  # spyre-scheduler when the Spyre operator is there
     metrics = OperatorMetrics()
     memo = build_memo(settings, api_client, metrics)
     elector = None

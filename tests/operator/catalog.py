@@ -110,8 +110,11 @@ CATALOG = [
     Row(
         "devices-and-card-resource",
         {"devices": {"deviceClassName": "spyre-pf"}, "cardResource": "ibm.com/spyre_vf"},
-        "spec.devices and spec.cardResource exclude each other",
-        at_create="spec.devices: Invalid value: spec.devices and spec.cardResource exclude each other",
+        "spec.devices.deviceClassName and spec.cardResource exclude each other",
+        at_create=(
+            "spec.devices: Invalid value: "
+            "spec.devices.deviceClassName and spec.cardResource exclude each other"
+        ),
     ),
     Row(
         "card-resource-not-a-name",

@@ -34,11 +34,13 @@ class DRAUnavailable(InvalidSpec):
 
 def card_resource_for(spec: ModelSpec, settings: OperatorSettings) -> str:
     """The extended resource a pod requests its cards by: the spec's cardResource; else, with tiered device
-    plugins, the smallest tier whose linked cards hold `cards` (`<card_resource>_tier<i>`); else the
-    operator's card resource. Raises InvalidSpec when no tier can hold them."""
+    plugins and more than one card (a tensor-parallel pod), the smallest tier whose linked cards hold `cards`
+    (`<card_resource>_tier<i>`, as the Spyre operator publishes them: tier0 up to 4, tier1 up to 8, tier2 up
+    to 16); else the operator's card resource (one card needs no link). Raises InvalidSpec when no tier can
+    hold them."""
     if spec.card_resource:
         return spec.card_resource
-    if not settings.card_tiers:
+    if not settings.card_tiers or spec.cards == 1:
         return settings.card_resource
     for i, size in enumerate(settings.card_tiers):
         if spec.cards <= size:

@@ -26,17 +26,17 @@ ATTRIBUTE_NAME = re.compile(
 )
 # the card resources IBM's device plugins publish (ibm.com/spyre_pf, spyre_vf, spyre_pf_tier0, aiu_pf)
 CARD_RESOURCE = re.compile(r"^ibm\.com/(spyre|aiu)_")
+VF_CLASS = "spyre-standard-vf"  # IBM's DRA driver: spyre-pf, spyre-standard-vf, spyre-privileged-vf
+DEVICES_AND_CARD_RESOURCE = (
+    "spec.devices.deviceClassName and spec.cardResource exclude each other (with spec.devices, cardResource "
+    "only picks the DeviceClass: ibm.com/spyre_vf is spyre-standard-vf, whole cards spyre-pf)"
+)
 
 
 def parse_pod_fields(spec: dict) -> dict:
     """The ModelSpec fields a pod carries as they are, Kubernetes' own rules checked."""
-    devices = _devices(spec.get("devices"))
     card_resource = _card_resource(spec.get("cardResource"))
-    if devices is not None and card_resource is not None:
-        raise InvalidSpec(
-            "",
-            "spec.devices and spec.cardResource exclude each other (cards by DRA, or by extended resource)",
-        )
+    devices = _devices(spec.get("devices"), card_resource)
     return {
         "image": _image(spec.get("image")),
         "card_resource": card_resource,
@@ -124,12 +124,24 @@ def _card_resource(value) -> str | None:
     return value
 
 
-def _devices(value) -> Devices | None:
+def device_class_for(card_resource: str | None) -> str:
+    """The DeviceClass IBM's DRA driver publishes for the kind of card a resource names: virtual functions
+    (ibm.com/spyre_vf) are spyre-standard-vf, whole cards (spyre_pf, its tiers, aiu_pf) spyre-pf."""
+    if card_resource and card_resource.startswith("ibm.com/spyre_vf"):
+        return VF_CLASS
+    return Devices.device_class
+
+
+def _devices(value, card_resource: str | None) -> Devices | None:
+    """spec.devices; with no deviceClassName, the class of spec.cardResource's kind of card
+    (device_class_for); a class named beside a cardResource is refused (they would say different things)."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise InvalidSpec("devices", f"must be an object, got {value!r}")
-    device_class = value.get("deviceClassName", Devices.device_class)
+    if card_resource is not None and "deviceClassName" in value:
+        raise InvalidSpec("", DEVICES_AND_CARD_RESOURCE)
+    device_class = value.get("deviceClassName", device_class_for(card_resource))
     if not isinstance(device_class, str) or not DNS_NAME.match(device_class):
         raise InvalidSpec("devices.deviceClassName", f"must be a DNS name, got {device_class!r}")
     attribute = value.get("matchAttribute", Devices.match_attribute)

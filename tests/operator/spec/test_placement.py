@@ -51,13 +51,24 @@ def container(pod: dict) -> dict:
         ({}, OperatorSettings(), "ibm.com/spyre_pf"),
         ({"cardResource": "ibm.com/spyre_vf"}, OperatorSettings(), "ibm.com/spyre_vf"),
         ({"cards": 4}, OperatorSettings(card_tiers=(4, 8)), "ibm.com/spyre_pf_tier0"),
+        ({"cards": 1}, OperatorSettings(card_tiers=(4, 8, 16)), "ibm.com/spyre_pf"),
+        ({"cards": 2}, OperatorSettings(card_tiers=(4, 8, 16)), "ibm.com/spyre_pf_tier0"),
+        ({"cards": 8}, OperatorSettings(card_tiers=(4, 8, 16)), "ibm.com/spyre_pf_tier1"),
         (
             {"cards": 8, "cardResource": "ibm.com/spyre_pf"},
             OperatorSettings(card_tiers=(4, 8)),
             "ibm.com/spyre_pf",
         ),
     ],
-    ids=["operator-default", "spec-virtual-functions", "topology-tier", "spec-overrides-tiers"],
+    ids=[
+        "operator-default",
+        "spec-virtual-functions",
+        "topology-tier",
+        "one-card-untiered",
+        "two-cards-tier0",
+        "eight-cards-tier1",
+        "spec-overrides-tiers",
+    ],
 )
 def test_the_card_resource_per_model(spec_changes, settings, resource):
     spec = check_spec("granite", {**BASE, **spec_changes}, settings)

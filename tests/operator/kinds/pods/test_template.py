@@ -171,9 +171,12 @@ def test_card_tiers_shared_memory_and_startup_budget():
     from spyre_operator.settings import OperatorSettings
 
     tiered = OperatorSettings(card_resource="ibm.com/aiu_pf", card_tiers=(4, 8, 16))
-    for cards, tier in ((1, 0), (4, 0), (8, 1)):
+    for cards, tier in ((2, 0), (4, 0), (8, 1)):
         pod = pod_template("m", parse_spec("m", {**BASE, "cards": cards}), tiered)
         assert pod["containers"][0]["resources"]["limits"] == {f"ibm.com/aiu_pf_tier{tier}": str(cards)}
+    # one card is no tensor-parallel job: it stays on the plain resource, tiers or not
+    single = pod_template("m", parse_spec("m", {**BASE, "cards": 1}), tiered)
+    assert single["containers"][0]["resources"]["limits"] == {"ibm.com/aiu_pf": "1"}
     with pytest.raises(InvalidSpec, match="fit no card tier"):
         pod_template("m", parse_spec("m", {**BASE, "cards": 8}), OperatorSettings(card_tiers=(4,)))
     assert load_settings({"SPYRE_OPERATOR_CARD_TIERS": "4,8,16"}).card_tiers == (4, 8, 16)
