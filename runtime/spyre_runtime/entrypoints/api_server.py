@@ -23,20 +23,21 @@ from fastapi import FastAPI
 from spyre_contract.tasks import is_pooling_task
 
 from spyre_runtime.config import RuntimeConfig
-from spyre_runtime.entrypoints.admin import router as admin
+from spyre_runtime.entrypoints.admin.router import router as admin_router
 from spyre_runtime.entrypoints.chat.tools import ChatSettings
-from spyre_runtime.entrypoints.completions import router as completions
 from spyre_runtime.entrypoints.completions.protocol import UNSUPPORTED
+from spyre_runtime.entrypoints.completions.router import router as completions_router
 from spyre_runtime.entrypoints.completions.state import GenerateState
+from spyre_runtime.entrypoints.pooling.router import router as pooling_router
 from spyre_runtime.entrypoints.pooling.state import PoolingState
-from spyre_runtime.entrypoints.responses import router as responses
 from spyre_runtime.entrypoints.responses.protocol import RESPONSES_UNSUPPORTED
+from spyre_runtime.entrypoints.responses.router import router as responses_router
 from spyre_runtime.entrypoints.responses.serving import ResponseStore
 from spyre_runtime.entrypoints.server.errors import install_error_handlers
 from spyre_runtime.entrypoints.server.guard import Guard
 from spyre_runtime.entrypoints.server.launcher import serve_http
 from spyre_runtime.entrypoints.server.state import ServingState
-from spyre_runtime.entrypoints.tokenization import router as tokenization
+from spyre_runtime.entrypoints.tokenization.router import router as tokenization_router
 
 
 def build_state(config: RuntimeConfig, api_key: str | None = None) -> ServingState:
@@ -64,14 +65,14 @@ def build_app(state: ServingState, chat: ChatSettings | None = None) -> FastAPI:
     app.state.serving = state
     app.state.chat = chat or ChatSettings()
     app.add_middleware(Guard, api_key=lambda: state.api_key)
-    app.include_router(admin.router)
+    app.include_router(admin_router)
     if pooling:
-        app.include_router(pooling.router)
+        app.include_router(pooling_router)
         install_error_handlers(app, unsupported={})
     else:
-        app.include_router(completions.router)
-        app.include_router(responses.router)
-        app.include_router(tokenization.router)
+        app.include_router(completions_router)
+        app.include_router(responses_router)
+        app.include_router(tokenization_router)
         app.state.responses = ResponseStore()
         install_error_handlers(app, unsupported={**RESPONSES_UNSUPPORTED, **UNSUPPORTED})
     return app
