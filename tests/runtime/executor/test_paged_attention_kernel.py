@@ -180,3 +180,16 @@ def test_a_failed_build_logs_one_line_and_the_aten_ops_serve(tmp_path):
     assert len(warnings) == 1, done.stderr
     assert "Paged attention kernel unavailable, the ATen ops serve" in warnings[0]
     assert "no-such-compiler: not found" in warnings[0]  # the cause, not the echoed command
+
+
+def test_a_builder_killed_mid_build_blocks_nobody(tmp_path):
+    """torch's build leaves a `lock` file when its process dies mid-build, and waits on such a file forever:
+    under our flock a leftover one is removed and the kernel builds."""
+    (tmp_path / paged_attention.extension_name()).mkdir()
+    (tmp_path / paged_attention.extension_name() / "lock").touch()
+    script = "from spyre_runtime.executor.kernels import paged_attention\nassert paged_attention.kernel()\n"
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr

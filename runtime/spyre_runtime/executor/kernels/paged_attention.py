@@ -16,9 +16,10 @@ needs, a C++ compiler, and ninja (the `ninja` wheel, a runtime dependency). The 
 the ISA and torch's version, so hosts with different CPUs that share a cache directory never load each
 other's build.
 
-Cache: TORCH_EXTENSIONS_DIR (torch's variable; unset: torch's user cache, `torch_extensions/py311_cpu`
-under XDG_CACHE_HOME or ~/.cache); the runtime image sets it beside TORCHINDUCTOR_CACHE_DIR. The build
-starts in a background thread when the executor starts (`start_build`), so it overlaps loading the
+Cache: TORCH_EXTENSIONS_DIR/<name> (torch's variable; unset: torch's user cache, `torch_extensions` under
+XDG_CACHE_HOME or ~/.cache), built under a flock so that a builder killed mid-build blocks nobody; the
+runtime image sets it beside TORCHINDUCTOR_CACHE_DIR. The build starts in a background thread when the
+executor starts (`start_build`), so it overlaps loading the
 weights; a cached build loads in well under a second. Any failure (no compiler, a compile error, an
 unsupported platform) logs one line and the ATen ops serve.
 """
@@ -26,9 +27,11 @@ unsupported platform) logs one line and the ATen ops serve.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -84,9 +87,9 @@ def disabled() -> Iterator[None]:
 def extension_name() -> str:
     """The extension's name: its source's, this CPU's vector ISA's and torch's version's."""
     isa = _vec_isa()  # (never truth-tested: inductor's VecISA does a trial compile for that)
-    return re.sub(
-        r"\W", "_", f"spyre_paged_attention_{'scalar' if isa is None else isa}_torch{torch.__version__}"
-    )
+    python = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    name = f"spyre_paged_attention_{'scalar' if isa is None else isa}_torch{torch.__version__}_{python}"
+    return re.sub(r"\W", "_", name)
 
 
 def build_flags() -> list[str]:
@@ -116,14 +119,23 @@ def _load():
     try:
         _ninja_on_path()
         name = extension_name()
-        cpp_extension.load(
-            name=name,
-            sources=[str(SOURCE)],
-            extra_cflags=build_flags(),
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
+        root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+        directory = Path(root) / name
+        directory.mkdir(parents=True, exist_ok=True)
+        with open(directory / "spyre-build.flock", "a") as held:
+            # builders of this code hold this flock (the kernel drops it when one dies); torch's own `lock`
+            # file, which it waits on forever, is then a dead builder's leftover
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (directory / "lock").unlink(missing_ok=True)
+            cpp_extension.load(
+                name=name,
+                sources=[str(SOURCE)],
+                extra_cflags=build_flags(),
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,
+                verbose=False,
+            )
         op = torch.ops.spyre_kernels.paged_decode.default
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
     except Exception as exc:  # any failure to build or load: the ATen ops serve
@@ -163,7 +175,5 @@ def _fake_decode(query, *_):
 
 
 if __name__ == "__main__":  # builds the kernel into TORCH_EXTENSIONS_DIR (the runtime image does, once)
-    import sys
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sys.exit(0 if kernel() is not None else 1)
