@@ -3,7 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test venv k8s lint format cluster-up cluster-down demo-down
+.PHONY: demo test venv k8s node lint format cluster-up cluster-down demo-down
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -12,13 +12,18 @@ k8s:
 	@bash tests/cluster/build-k8s.sh
 	@bash tests/cluster/build-crd-server.sh
 
+# the real node's kubelet, container packages and images (tests/test_real_node.py); cached after the first run
+node: venv k8s
+	@bash tests/cluster/build-node.sh
+	@PYTHON=$(PY) bash tests/cluster/build-images.sh
+
 demo: venv k8s
 	@$(PY) scripts/demo.py
 
 demo-down:
 	@$(PY) -m tests.cluster.stack down --dir $${SPYRE_DEMO_DIR:-/tmp/spyre-serve-demo}
 
-test: venv k8s
+test: venv k8s node
 	@echo "[test] ruff, import contracts, then pytest"
 	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/lint-imports

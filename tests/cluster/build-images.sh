@@ -5,16 +5,18 @@
 #     pulled here): mmdebstrap minbase + python3, pip, venv, the host's CA certificates; a venv in
 #     /opt/app-root first on PATH, user 1001 in group 0. Cached in podman's storage.
 #   - the pause image (the static binary build-node.sh made), the runtime image from Containerfile.runtime
-#     (torch from the machine's local CPU wheel) and the operator image from Containerfile.
+#     (torch from the machine's local CPU wheel), the operator image from Containerfile, and a modelcar of
+#     the seeded tiny model (`spyre-runtime tiny-model` in /models of the base image).
 # Project images are tagged by their content (tests/cluster/images.py): a second run with the same tree does
 # nothing. Needs tests/cluster/build-node.sh first. Test infrastructure only.
 set -euo pipefail
+{ # the whole script is read before it runs: editing it meanwhile cannot change a running build
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 CACHE_ROOT="${SPYRE_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spyre-serve}"
 export SPYRE_K8S_CACHE="$CACHE_ROOT"
 PY="${PYTHON:-python3}"
-IMAGES=(pause runtime operator)
+IMAGES=(pause runtime operator tiny-model)
 
 step() { echo "[build-images] $*"; CURRENT_STEP="$*"; }
 trap 'echo "[build-images] FAILED at step: ${CURRENT_STEP:-start} (see output above)" >&2' ERR
@@ -116,12 +118,22 @@ curl -fsS "http://127.0.0.1:$REG_PORT/v2/" >/dev/null || { cat "$PODMAN_DIR/regi
 push() { podman push -q --tls-verify=false "localhost/$1" "docker://127.0.0.1:$REG_PORT/$1"; }
 for kind in "${missing[@]}"; do
   image=$(ref "$kind"); t0=$(date +%s)
+  podman image exists "localhost/$image" && kind="(built)"  # built before, not pushed yet
   case "$kind" in
     pause)
       step "pause image $image"
       ctx="$CACHE_ROOT/pause"
       printf 'FROM scratch\nCOPY pause /pause\nUSER 65535:65535\nENTRYPOINT ["/pause"]\n' >"$ctx/Containerfile"
       podman build -q -f "$ctx/Containerfile" -t "localhost/$image" "$ctx" >/dev/null ;;
+    tiny-model)
+      step "modelcar image $image: the seeded tiny model in /models"
+      ctx="$CACHE_ROOT/tiny-model-build"
+      rm -rf "$ctx"; mkdir -p "$ctx"
+      PYTHONPATH="$REPO/runtime:$REPO/contract" "${HOST_PIP_PYTHON:-$REPO/.venv/bin/python}" \
+        -m spyre_runtime.cli tiny-model "$ctx/models" >/dev/null
+      printf 'FROM %s\nCOPY models /models\n' "$BASE_REF" >"$ctx/Containerfile"
+      podman build -q -f "$ctx/Containerfile" -t "localhost/$image" "$ctx" >/dev/null
+      rm -rf "$ctx" ;;
     runtime|operator)
       file=Containerfile; [ "$kind" = runtime ] && file=Containerfile.runtime
       step "$kind image $image from $file (minutes)"
@@ -132,6 +144,8 @@ for kind in "${missing[@]}"; do
   esac
   step "push $image to the local registry"
   push "$image"
-  echo "[build-images] $kind image $image in $(( $(date +%s) - t0 )) s"
+  echo "[build-images] image $image in $(( $(date +%s) - t0 )) s"
 done
 echo "[build-images] done in $(( $(date +%s) - start )) s"
+exit
+}

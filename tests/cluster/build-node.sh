@@ -4,6 +4,7 @@
 # Everything is cached beside the control plane's binaries; a second run with them present does nothing.
 # Test infrastructure only.
 set -euo pipefail
+{ # the whole script is read before it runs: editing it meanwhile cannot change a running build
 
 K8S_VERSION="1.20.2"
 CACHE_ROOT="${SPYRE_K8S_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/spyre-serve}"
@@ -68,3 +69,5 @@ if [ ! -x "$OUT/kubelet" ]; then
 fi
 
 echo "[build-node] node ready in $(( $(date +%s) - start )) s: $OUT/kubelet, $PAUSE_OUT/pause"
+exit
+}

@@ -27,6 +27,8 @@ REGISTRY_HOST = "registry.spyre.test"
 _SOURCES = {
     "runtime": ("Containerfile.runtime", "runtime", "contract", "operator"),
     "operator": ("Containerfile", "runtime", "contract", "operator"),
+    # a modelcar: the seeded tiny model (`spyre-runtime tiny-model`) in /models of a small image
+    "tiny-model": ("runtime/spyre_runtime/models.py", "runtime/spyre_runtime/tiny_models.py"),
 }
 _COMMON = ("pyproject.toml", "constraints.txt", "README.md")
 
@@ -56,11 +58,12 @@ def _files(kind: str) -> list[Path]:
 
 
 def ref(kind: str) -> str:
-    """`spyre-serve/<kind>:<version>-<content hash>` for "runtime" or "operator"; PAUSE_REF for "pause"."""
+    """`spyre-serve/<kind>:<version>-<content hash>` for "runtime", "operator" or "tiny-model"; PAUSE_REF
+    for "pause"."""
     if kind == "pause":
         return PAUSE_REF
     if kind not in _SOURCES:
-        raise ValueError(f"unknown image kind {kind!r}: expected runtime, operator or pause")
+        raise ValueError(f"unknown image kind {kind!r}: expected runtime, operator, tiny-model or pause")
     digest = hashlib.sha256()
     for path in _files(kind):
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
@@ -82,7 +85,7 @@ def cached(kind: str) -> bool:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] not in ("ref", "cached"):
-        print("usage: images.py ref|cached runtime|operator|pause", file=sys.stderr)
+        print("usage: images.py ref|cached runtime|operator|tiny-model|pause", file=sys.stderr)
         return 2
     try:
         if argv[0] == "ref":
