@@ -682,7 +682,9 @@ def issue_client_cert(pki: Path, name: str, common_name: str, groups: list[str])
     crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
         key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.TraditionalOpenSSL, serialization.NoEncryption()
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
         )
     )
     os.chmod(key_path, 0o600)

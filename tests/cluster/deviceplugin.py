@@ -94,7 +94,9 @@ def pci_addresses(count: int) -> list[str]:
 class TestDevicePlugin:
     """Serves `cards` cards of `resource` on a socket in the kubelet's device-plugin folder."""
 
-    def __init__(self, resource: str = "ibm.com/spyre_pf", cards: int = 8, socket_dir: Path = KUBELET_SOCKET_DIR):
+    def __init__(
+        self, resource: str = "ibm.com/spyre_pf", cards: int = 8, socket_dir: Path = KUBELET_SOCKET_DIR
+    ):
         self.resource = resource
         self.devices = pci_addresses(cards)
         self.socket_dir = Path(socket_dir)
@@ -143,14 +145,16 @@ class TestDevicePlugin:
                     response_serializer=M["ListAndWatchResponse"].SerializeToString,
                 ),
                 "Allocate": unary(self._allocate, "AllocateRequest", "AllocateResponse"),
-                "PreStartContainer": unary(self._pre_start, "PreStartContainerRequest", "PreStartContainerResponse"),
+                "PreStartContainer": unary(
+                    self._pre_start, "PreStartContainerRequest", "PreStartContainerResponse"
+                ),
             },
         )
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     def start(self, timeout: float = 30.0) -> TestDevicePlugin:
-        """Serves on the plugin socket, then registers with the kubelet (retrying until its socket answers)."""
+        """Serves on the plugin socket, then registers with the kubelet (retrying until it answers)."""
         sock = self.socket_dir / self.endpoint
         sock.unlink(missing_ok=True)
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))

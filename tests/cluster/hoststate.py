@@ -154,7 +154,9 @@ class HostState:
         for top in self.cgroups:
             if not top.is_dir():
                 continue
-            for path in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+            for path in sorted(
+                (p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+            ):
                 _rmdir_cgroup(path)
             if not _rmdir_cgroup(top):
                 problems.append(f"cgroup {top} could not be removed")

@@ -79,7 +79,14 @@ def pod_image(kind: str) -> str:
 def cached(kind: str) -> bool:
     """True when the registry's storage holds the tag (the registry need not run to tell)."""
     repo, tag = ref(kind).split(":")
-    link = registry_storage() / "docker/registry/v2/repositories" / repo / "_manifests/tags" / tag / "current/link"
+    link = (
+        registry_storage()
+        / "docker/registry/v2/repositories"
+        / repo
+        / "_manifests/tags"
+        / tag
+        / "current/link"
+    )
     return link.is_file()
 
 

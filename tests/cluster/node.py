@@ -1,5 +1,5 @@
-"""A real Kubernetes node on this machine for tests (issue 34): the kubelet 1.20.2 (tests/cluster/build-node.sh)
-running pods through containerd and runc, pulling the project's images from a local registry
+"""A real Kubernetes node on this machine for tests (issue 34): the kubelet 1.20.2
+(tests/cluster/build-node.sh) running pods through containerd and runc, pulling the project's images from a local registry
 (tests/cluster/build-images.sh), pods on a CNI bridge of their own, and the test device plugin advertising
 Spyre cards.
 
@@ -236,7 +236,9 @@ class RealNode:
         last: Exception | None = None
         while time.monotonic() < deadline:
             if proc is not None and not proc.is_alive():
-                raise NodeError(f"{proc.name} exited while waiting for {what}; last log lines:\n{tail(proc.log)}")
+                raise NodeError(
+                    f"{proc.name} exited while waiting for {what}; last log lines:\n{tail(proc.log)}"
+                )
             try:
                 value = predicate()
                 if value:
@@ -317,8 +319,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         d = self.workdir / "kubelet"
         pki = self.cp.workdir / "pki"
         d.mkdir(parents=True, exist_ok=True)
-        crt, key = issue_client_cert(pki, f"kubelet-{self.name}", f"system:node:{self.name}", ["system:nodes"])
-        kubeconfig = json.loads(kubeconfig_yaml(self.cp.server, pki / "ca.crt", "", f"system:node:{self.name}"))
+        crt, key = issue_client_cert(
+            pki, f"kubelet-{self.name}", f"system:node:{self.name}", ["system:nodes"]
+        )
+        kubeconfig = json.loads(
+            kubeconfig_yaml(self.cp.server, pki / "ca.crt", "", f"system:node:{self.name}")
+        )
         kubeconfig["users"][0]["user"] = {"client-certificate": str(crt), "client-key": str(key)}
         (d / "kubeconfig").write_text(json.dumps(kubeconfig, indent=2))
         self.kubelet_port, self.healthz_port = free_port(), free_port()
@@ -356,7 +362,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         }
         (d / "config.yaml").write_text(json.dumps(config, indent=2))
         endpoint = f"unix://{self.containerd_socket}"
-        labels = f"ibm.com/spyre.present=true,ibm.com/spyre.product=IBM_Spyre,ibm.com/spyre.count={self.cards}"
+        labels = (
+            f"ibm.com/spyre.present=true,ibm.com/spyre.product=IBM_Spyre,ibm.com/spyre.count={self.cards}"
+        )
         self._spawn(
             "kubelet",
             [
