@@ -1,7 +1,7 @@
 """A real Kubernetes node on this machine for tests (issue 34): the kubelet 1.20.2
 (tests/cluster/build-node.sh) running pods through containerd and runc, pulling the project's images from a
-local registry (tests/cluster/build-images.sh), pods on a CNI bridge of their own, and the test device plugin advertising
-Spyre cards.
+local registry (tests/cluster/build-images.sh), pods on a CNI bridge of their own, and the test device plugin
+advertising Spyre cards.
 
 Everything is configured under the test's folder and bound to this machine: the registry and containerd's
 stream server on 127.0.0.1, the kubelet on the bridge's own address (the 1.20 kubelet refuses a loopback
