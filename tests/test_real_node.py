@@ -106,8 +106,7 @@ def wait_pod(core, namespace: str, name: str, timeout: float, predicate, what: s
     events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
     raise AssertionError(
         f"{what} {namespace}/{name} did not get there in {timeout:.0f} s; "
-        f"status: {pod.status if pod else None}\n"
-        + "\n".join(f"  {e.reason}: {e.message}" for e in events)
+        f"status: {pod.status if pod else None}\n" + "\n".join(f"  {e.reason}: {e.message}" for e in events)
     )
 
 
