@@ -137,10 +137,14 @@ for kind in "${missing[@]}"; do
     runtime|operator)
       file=Containerfile; [ "$kind" = runtime ] && file=Containerfile.runtime
       step "$kind image $image from $file (minutes)"
-      nice -n 10 podman build --network=host --layers=false -f "$REPO/$file" \
+      # layers are kept: a change of the sources rebuilds only the layers after the dependencies'
+      nice -n 10 podman build --network=host --layers -f "$REPO/$file" \
         --build-arg "BASE_IMAGE=$BASE_REF" \
         -v "$WHEELS:/wheels:ro" -v "$WHEELS/pip.conf:/etc/pip.conf:ro" \
-        -t "localhost/$image" "$REPO" ;;
+        -t "localhost/$image" "$REPO"
+      # earlier builds' tags go (their layers stay while a newer build shares them)
+      podman images --format '{{.Repository}}:{{.Tag}}' "localhost/${image%%:*}" | grep -vxF "localhost/$image" \
+        | xargs -r podman rmi -f >/dev/null 2>&1 || true ;;
   esac
   step "push $image to the local registry"
   push "$image"
