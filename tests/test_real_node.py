@@ -181,3 +181,131 @@ def test_runtime_image_serves_the_modelcar_model_on_the_real_node(node, tmp_path
     assert cards.split(",") == node.plugin.allocations[-1] and len(cards.split(",")) == 1
     logs = cp.kubectl("logs", "-n", NS, "tiny-0", "-c", "runtime").stdout
     assert "/v1/completions" in logs or "Uvicorn running" in logs or logs.strip(), logs
+
+
+# ---- the operator, installed by its chart from its image, on the real node -------------------------------
+
+
+def model_manifest(name: str, **spec) -> dict:
+    return {
+        "apiVersion": "spyre-serve.io/v1alpha1",
+        "kind": "SpyreModel",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": f"oci://{images.pod_image('tiny-model')}", "servedModelName": "tiny"},
+            "cards": 1,
+            "replicas": 1,
+            "backend": "eager",
+            "batching": {
+                "mode": "static",
+                "shapes": [{"promptLength": SHAPE[0], "newTokens": SHAPE[1], "batchSize": SHAPE[2]}],
+            },
+            "graphCache": {"enabled": False},
+            **spec,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def stack(node, tmp_path_factory):
+    """The CRD, then `helm install` of the chart with the operator image on the node's network (the test
+    control plane's `kubernetes` Service is not routed: the operator dials the API server on 127.0.0.1)."""
+    from tests.cluster.stack import LocalStack
+
+    s = LocalStack(tmp_path_factory.mktemp("real-stack"), control_plane=node.cp)
+    s.apply_crd()
+    repository, tag = images.pod_image("operator").rsplit(":", 1)
+    values = {
+        "replicas": 1,
+        "image": {"repository": repository, "tag": tag},
+        "runtimeImage": images.pod_image("runtime"),
+        "runtimePodSecurityContext": {"runAsUser": UID},
+        "hostNetwork": True,
+        "extraEnv": [
+            {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(node.cp.ports["kube-apiserver"])},
+        ],
+        "resyncSeconds": 3,
+    }
+    t0 = time.monotonic()
+    s.install_operator(values, timeout=600)
+    print(f"\n[real-node] operator Deployment ready in {time.monotonic() - t0:.1f} s (image pull included)")
+    return s
+
+
+def delete_model(stack, name: str) -> None:
+    client.CustomObjectsApi(stack.kube).delete_namespaced_custom_object(
+        "spyre-serve.io", "v1alpha1", NS, "spyremodels", name
+    )
+
+
+def condition(stack, name: str, type_: str) -> dict:
+    conditions = (stack.model(NS, name).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == type_), {})
+
+
+def test_chart_runs_the_operator_image_and_a_modelcar_model_becomes_ready(stack, node, tmp_path):
+    core = client.CoreV1Api(stack.kube)
+    operator = core.list_namespaced_pod(
+        "spyre-system", label_selector="app.kubernetes.io/name=spyre-operator"
+    ).items[0]
+    assert operator.spec.node_name == node.name and operator.status.container_statuses[0].ready
+    assert operator.status.container_statuses[0].image == images.pod_image("operator")
+    stack.apply_model(NS, model_manifest("tiny"))
+    stack.wait(lambda: stack.is_ready(NS, "tiny", 1), 900, "tiny Ready", lambda: stack.diagnose(NS, "tiny"))
+    ips = stack.wait(lambda: stack.endpoints(NS, "tiny"), 60, "a ready endpoint")
+    assert ips[0].startswith("10.213.")  # the pod's address on the node's bridge
+    c = openai.OpenAI(base_url=f"http://{ips[0]}:8000/v1", api_key="unused", max_retries=0, timeout=60)
+    answer = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    assert answer == host_greedy_answer(tmp_path)
+    delete_model(stack, "tiny")
+
+
+PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff")
+
+
+def test_an_image_that_does_not_exist_is_err_image_pull(stack):
+    image = f"{images.REGISTRY_HOST}/spyre-serve/runtime:does-not-exist"
+    stack.apply_model(NS, model_manifest("nopull", image=image))
+    cond = stack.wait(
+        lambda: (
+            (c := condition(stack, "nopull", "Stalled")).get("reason") in ("ErrImagePull", "ImagePullBackOff")
+            and c
+        ),
+        240,
+        "Stalled ErrImagePull",
+    )
+    assert image in cond["message"] and "not found" in cond["message"], cond  # containerd's own words
+    assert condition(stack, "nopull", "Ready")["status"] == "False"
+    delete_model(stack, "nopull")
+
+
+def test_a_missing_secret_is_create_container_config_error(stack):
+    token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    stack.apply_model(NS, model_manifest("nosecret", env=[token]))
+    cond = stack.wait(
+        lambda: (
+            (c := condition(stack, "nosecret", "Stalled")).get("reason") == "CreateContainerConfigError" and c
+        ),
+        240,
+        "Stalled CreateContainerConfigError",
+    )
+    assert 'secret "hf" not found' in cond["message"], cond  # the kubelet's own words
+    delete_model(stack, "nosecret")
+
+
+def test_a_memory_limit_below_the_model_is_oom_killed(stack):
+    resources = {"limits": {"memory": "150Mi"}, "requests": {"memory": "150Mi"}}
+    stack.apply_model(NS, model_manifest("oom", resources=resources))
+    cond = stack.wait(
+        lambda: (
+            (c := condition(stack, "oom", "Stalled")).get("reason") in ("CrashLoop", "ContainerFailed")
+            and "OOMKilled" in c.get("message", "")
+            and c
+        ),
+        300,
+        "Stalled with OOMKilled",
+        lambda: stack.diagnose(NS, "oom"),
+    )
+    assert "code 137" in cond["message"], cond
+    delete_model(stack, "oom")
