@@ -8,7 +8,6 @@ Needs root and the caches `make node` fills (tests/cluster/build-node.sh, build-
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from kubernetes import client
 from tests.cluster import images
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.deviceplugin import env_name
-from tests.cluster.hoststate import SYSCTLS, mount_points
+from tests.cluster.hoststate import FIXED_PATHS, SYSCTLS, mount_points
 from tests.cluster.node import CARD_RESOURCE, RealNode, apiserver_args, missing_prerequisites
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
@@ -29,6 +28,7 @@ NS = "real-node"
 PROMPT = "The capital of France"
 UID = 1000650000  # an arbitrary uid, as OpenShift's restricted SCC assigns one
 SHAPE = (64, 16, 2)
+CGROUPS = Path("/sys/fs/cgroup/memory")
 
 
 @pytest.fixture(scope="module")
@@ -44,22 +44,38 @@ def control_plane(tmp_path_factory):
         cp.stop()
 
 
-def host_snapshot() -> dict:
+def host_snapshot(workdir: Path) -> dict:
+    """What a node may change on the machine, limited to what is its own (image builds and other tests run
+    beside it): sysctls, mounts under its folder and the fixed paths, bridges and veths, its cgroups, the
+    fixed folders, and processes started from its folder."""
+    owned = (str(workdir), *(str(p) for p in FIXED_PATHS))
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    names = [line.split(":")[1].strip().split("@")[0] for line in links.splitlines()]
+    procs = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(workdir).encode() in (entry / "cmdline").read_bytes():
+                    procs.append(entry.name)
+            except OSError:
+                pass
     return {
-        "sysctls": {
-            n: Path("/proc/sys", n).read_text().strip() for n in SYSCTLS if Path("/proc/sys", n).exists()
-        },
-        "mounts": sorted(mount_points()),
-        "links": sorted(line.split(":")[1].strip().split("@")[0] for line in links.splitlines()),
-        "cgroups": sorted(p.name for p in Path("/sys/fs/cgroup/memory").iterdir() if p.is_dir()),
-        "paths": {p: os.path.exists(p) for p in ("/var/lib/kubelet", "/var/log/pods", "/run/netns")},
+        "sysctls": {n: p.read_text().strip() for n in SYSCTLS if (p := Path("/proc/sys", n)).exists()},
+        "mounts": sorted(m for m in mount_points() if m.startswith(owned)),
+        "links": sorted(n for n in names if n.startswith(("spyrebr", "veth"))),
+        "cgroups": sorted(
+            p.name
+            for p in Path("/sys/fs/cgroup/memory").iterdir()
+            if p.name.startswith(("spyre-node", "kubepods"))
+        ),
+        "paths": {str(p): p.exists() for p in FIXED_PATHS},
+        "processes": procs,
     }
 
 
 def test_node_registers_runs_a_pod_and_puts_the_host_back(control_plane, tmp_path):
     """Runs first, on a node of its own: what the kubelet, containerd and CNI changed is gone afterwards."""
-    before = host_snapshot()
+    before = host_snapshot(tmp_path)
     node = RealNode(control_plane, tmp_path / "node", name="spyre-kubelet-probe")
     try:
         node.start()
@@ -79,12 +95,12 @@ def test_node_registers_runs_a_pod_and_puts_the_host_back(control_plane, tmp_pat
         }
         core.create_namespaced_pod("probe", pod)
         wait_pod(core, "probe", "sleeper", 120, lambda p: p.status.phase == "Running")
-        during = host_snapshot()
+        during = host_snapshot(tmp_path)
         assert during != before  # the node did change the host (bridge, mounts, cgroups) ...
     finally:
         node.stop()
     assert node.restore_problems == []
-    assert host_snapshot() == before  # ... and put every bit of it back
+    assert host_snapshot(tmp_path) == before  # ... and put every bit of it back
     print(f"\n[real-node] node Ready with its cards in {node.ready_seconds:.1f} s")
 
 
