@@ -138,9 +138,13 @@ class RealNode:
         if self.plugin is not None:
             self.plugin.stop()
             self.plugin = None
+        kubelet_ran = any(p.name == "kubelet" for p in self.procs)
         for proc in reversed(self.procs):
             terminate(proc, grace=15)
         self.procs.clear()
+        if kubelet_ran:  # the node leaves the cluster: nothing may be scheduled onto it any more
+            with contextlib.suppress(Exception):
+                self._core().delete_node(self.name)
         self._kill_shims()
         if self.host is not None:
             self.host.kill_cgroup_processes()
