@@ -33,7 +33,7 @@ CGROUPS = Path("/sys/fs/cgroup/memory")
 
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory):
-    missing = missing_prerequisites()
+    missing = missing_prerequisites(("pause", "runtime", "operator", "tiny-model"))
     if missing:
         pytest.fail("the real node is not built (run `make node`): missing " + ", ".join(missing))
     cp = ControlPlane(workdir=tmp_path_factory.mktemp("real-cp"), extra_apiserver_args=apiserver_args())

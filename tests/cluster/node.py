@@ -49,13 +49,14 @@ class NodeError(RuntimeError):
     """The node could not start; the message names the step and the component's last log lines."""
 
 
-def missing_prerequisites() -> list[str]:
-    """What build-node.sh / build-images.sh have not made yet (empty when the node can start)."""
+def missing_prerequisites(image_kinds: tuple[str, ...] = ("pause",)) -> list[str]:
+    """What build-node.sh / build-images.sh have not made yet of the node and of the images named (empty when
+    all are there)."""
     from tests.cluster.controlplane import default_bin_dir
 
     missing = [str(default_bin_dir() / "kubelet")] if not (default_bin_dir() / "kubelet").exists() else []
     missing += [t for t in ("containerd", "runc", "docker-registry") if not shutil.which(t)]
-    missing += [f"image {images.ref(k)}" for k in ("pause", "runtime") if not images.cached(k)]
+    missing += [f"image {images.ref(k)}" for k in image_kinds if not images.cached(k)]
     if os.geteuid() != 0:
         missing.append("root (the kubelet and containerd run as root)")
     return missing
