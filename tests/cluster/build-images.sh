@@ -131,6 +131,9 @@ for kind in "${missing[@]}"; do
       rm -rf "$ctx"; mkdir -p "$ctx"
       PYTHONPATH="$REPO/runtime:$REPO/contract" "${HOST_PIP_PYTHON:-$REPO/.venv/bin/python}" \
         -m spyre_runtime.cli tiny-model "$ctx/models" >/dev/null
+      # readable by any uid: the modelcar's init container runs as the pod's arbitrary user (safetensors
+      # writes its files 0600, which that user could not copy)
+      chmod -R a+rX "$ctx/models"
       printf 'FROM %s\nCOPY models /models\n' "$BASE_REF" >"$ctx/Containerfile"
       podman build -q -f "$ctx/Containerfile" -t "localhost/$image" "$ctx" >/dev/null
       rm -rf "$ctx" ;;

@@ -28,7 +28,11 @@ _SOURCES = {
     "runtime": ("Containerfile.runtime", "runtime", "contract", "operator"),
     "operator": ("Containerfile", "runtime", "contract", "operator"),
     # a modelcar: the seeded tiny model (`spyre-runtime tiny-model`) in /models of a small image
-    "tiny-model": ("runtime/spyre_runtime/models.py", "runtime/spyre_runtime/tiny_models.py"),
+    "tiny-model": (
+        "runtime/spyre_runtime/models.py",
+        "runtime/spyre_runtime/tiny_models.py",
+        "tests/cluster/build-images.sh",
+    ),
 }
 _COMMON = ("pyproject.toml", "constraints.txt", "README.md")
 
