@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import kopf
 import pytest
-
 from spyre_operator.handlers import in_cluster_login
 
 INFO = kopf.ConnectionInfo(server="https://kubernetes.default.svc", token="sa-token", ca_path="/ca.crt")
