@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # shared server or control plane is made once); 1 runs them one after another
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test venv k8s lint format docs cluster-up cluster-down demo-down
+.PHONY: demo test venv k8s node lint format docs cluster-up cluster-down demo-down
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -15,13 +15,18 @@ k8s:
 	@bash tests/cluster/build-k8s.sh
 	@bash tests/cluster/build-crd-server.sh
 
+# the real node's kubelet, container packages and images (tests/test_real_node.py); cached after the first run
+node: venv k8s
+	@bash tests/cluster/build-node.sh
+	@PYTHON=$(PY) bash tests/cluster/build-images.sh
+
 demo: venv k8s
 	@$(PY) scripts/demo.py
 
 demo-down:
 	@$(PY) -m tests.cluster.stack down --dir $${SPYRE_DEMO_DIR:-/tmp/spyre-serve-demo}
 
-test: venv k8s
+test: venv k8s node
 	@echo "[test] ruff, import contracts, the docs site (mkdocs build --strict), then pytest"
 	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/lint-imports

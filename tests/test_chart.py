@@ -155,6 +155,15 @@ def test_ha_probes_pdb_metrics_and_no_fixed_user():
     pinned = render({"runtimePodSecurityContext": {"runAsUser": 1000, "fsGroup": 2000}})
     env = env_of(by_kind(pinned, "Deployment")[0])
     assert (env["SPYRE_OPERATOR_RUN_AS_USER"], env["SPYRE_OPERATOR_FS_GROUP"]) == ("1000", "2000")
+    # an OpenShift-range uid stays an integer (Helm reads numbers as floats: it printed 1.00065e+09)
+    big = render({"runtimePodSecurityContext": {"runAsUser": 1000650000, "fsGroup": 1000650000}})
+    env = env_of(by_kind(big, "Deployment")[0])
+    assert (env["SPYRE_OPERATOR_RUN_AS_USER"], env["SPYRE_OPERATOR_FS_GROUP"]) == ("1000650000",) * 2
+    extra = [{"name": "KUBERNETES_SERVICE_HOST", "value": "10.0.0.1"}]
+    host = render({"hostNetwork": True, "extraEnv": extra})
+    pod = by_kind(host, "Deployment")[0]["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert env_of(by_kind(host, "Deployment")[0])["KUBERNETES_SERVICE_HOST"] == "10.0.0.1"
     assert not by_kind(render({"replicas": 1}), "PodDisruptionBudget")
 
 

@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     metrics = OperatorMetrics()
     memo = build_memo(settings, api_client, metrics)
     elector = None
+    # named here, not by kopf: kopf's default looks the uid up in /etc/passwd, where the arbitrary uid a
+    # restricted platform runs the container as has no entry (KeyError: getpwuid(); found on a real node)
+    identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
     if settings.leader_election:
-        identity = os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
         elector = LeaderElection(
             api_client,
             settings.lease_namespace,
@@ -67,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             registry=build_registry(settings),
             memo=memo,
             standalone=True,  # leader election above, not kopf's peering
+            identity=identity,
             clusterwide=not settings.namespaces,
             namespaces=list(settings.namespaces),
         )

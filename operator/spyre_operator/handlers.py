@@ -3,7 +3,9 @@ work queue's workers run the reconcile (reconcile.Reconciler)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 
 import kopf
 from kubernetes import client
@@ -29,8 +31,20 @@ from spyre_operator.settings import (
 POOLS = (POOL_GROUP, POOL_VERSION, POOL_PLURAL)
 
 
+def in_cluster_login(**kwargs) -> kopf.ConnectionInfo | None:
+    """The service account's credentials, for the API server at KUBERNETES_SERVICE_HOST:PORT as client-go
+    (and this operator's own kubernetes client) dial it; kopf's default, https://kubernetes.default.svc, needs
+    cluster DNS, which a host-network pod or a node without it lacks (found on a real node)."""
+    info = kopf.login_with_service_account(**kwargs)
+    host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+    if info is None or not host or not port:
+        return info
+    host = f"[{host}]" if ":" in host else host
+    return dataclasses.replace(info, server=f"https://{host}:{port}")
+
+
 def login(**kwargs):
-    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+    return in_cluster_login(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
 def configure(settings: kopf.OperatorSettings, memo, **_):

@@ -394,6 +394,11 @@ class ControlPlane:
                 "--allow-privileged=true",
                 "--endpoint-reconciler-type=none",
                 "--enable-priority-and-fairness=false",
+                # logs, exec and port-forward reach a real node's kubelet (tests/cluster/node.py) at its
+                # InternalIP (its Hostname resolves nowhere), with a client certificate the kubelet trusts
+                "--kubelet-preferred-address-types=InternalIP,Hostname",
+                f"--kubelet-client-certificate={pki / 'kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'kubelet-client.key'}",
                 "--v=1",
                 *self.extra_apiserver_args,
             ],
@@ -646,3 +651,41 @@ def write_pki(pki: Path) -> None:
     for name, data in files.items():
         (pki / name).write_bytes(data)
         os.chmod(pki / name, 0o600)
+    issue_client_cert(pki, "kubelet-client", "kube-apiserver-kubelet-client", ["system:masters"])
+
+
+def issue_client_cert(pki: Path, name: str, common_name: str, groups: list[str]) -> tuple[Path, Path]:
+    """A client certificate signed by the test CA (pki/ca.key): the API server authenticates it as user
+    `common_name` in `groups`. Writes pki/NAME.crt and pki/NAME.key; returns their paths."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca_key = serialization.load_pem_private_key((pki / "ca.key").read_bytes(), None)
+    ca_cert = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    now = datetime.datetime.now(datetime.UTC)
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, g) for g in groups]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([*subject, x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=7))
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    crt, key_path = pki / f"{name}.crt", pki / f"{name}.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        )
+    )
+    os.chmod(key_path, 0o600)
+    return crt, key_path

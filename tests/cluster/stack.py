@@ -46,13 +46,18 @@ def ready_addresses(api_client, namespace: str, service: str) -> list[str]:
 
 class LocalStack:
     def __init__(
-        self, workdir: Path, say: Callable[[str], None] = lambda _: None, die_with_parent: bool = True
+        self,
+        workdir: Path,
+        say: Callable[[str], None] = lambda _: None,
+        die_with_parent: bool = True,
+        control_plane: ControlPlane | None = None,
     ):
+        """`control_plane`: one already running (a real node's, tests/cluster/node.py), used as it is."""
         self.workdir = Path(workdir)
         self.say = say
-        self.cp = ControlPlane(workdir=self.workdir / "cluster", die_with_parent=die_with_parent)
+        self.cp = control_plane or ControlPlane(self.workdir / "cluster", die_with_parent=die_with_parent)
         self.runner: PodRunner | None = None
-        self.kube = None
+        self.kube = control_plane.api_client() if control_plane else None
 
     def kubectl(self, *args: str) -> str:
         res = self.cp.kubectl(*args, check=False)
@@ -69,8 +74,7 @@ class LocalStack:
         nodes = self.cp.register_nodes(spyre_nodes(count=2, cards=8))
         self.say(f"registered pseudo Spyre nodes {', '.join(nodes)} with 8 ibm.com/spyre_pf cards each")
         self.say("applying the SpyreModel CRD")
-        self.kubectl("apply", "--validate=false", "-f", str(REPO / "crds/spyremodels.yaml"))
-        self.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/spyremodels.spyre-serve.io")
+        self.apply_crd()
         self.say(
             "starting the local pod runner (plays kubelet: pods run as local processes on their own "
             "127.x.y.z addresses)"
@@ -87,7 +91,11 @@ class LocalStack:
         self.install_operator(operator_values or {})
         return self
 
-    def install_operator(self, values: dict, upgrade: bool = False) -> None:
+    def apply_crd(self) -> None:
+        self.kubectl("apply", "--validate=false", "-f", str(REPO / "crds/spyremodels.yaml"))
+        self.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/spyremodels.spyre-serve.io")
+
+    def install_operator(self, values: dict, upgrade: bool = False, timeout: float = 180) -> None:
         """`helm install` (or `helm upgrade`) of the chart; waits until every operator replica runs the
         release's template and is ready."""
         import helm_python as helm
@@ -120,7 +128,7 @@ class LocalStack:
                 and (not upgrade or ((st.ready_replicas or 0) == want and len(pods) == want))
             )
 
-        self.wait(rolled_out, 180, "the operator Deployment to be rolled out and ready")
+        self.wait(rolled_out, timeout, "the operator Deployment to be rolled out and ready")
 
     def stop(self) -> None:
         if self.runner is not None:
