@@ -47,7 +47,9 @@ def bench(script: str, tmp_path: Path, *args: str, timeout: float = 600) -> dict
 
 
 def positive(*values) -> bool:
-    return all(isinstance(v, int | float) and v > 0 for v in values)
+    """Every figure is a positive number (a dict: each path's figure, e.g. profile_step's aten and kernel)."""
+    flat = [x for v in values for x in (v.values() if isinstance(v, dict) else [v])]
+    return bool(flat) and all(isinstance(v, int | float) and v > 0 for v in flat)
 
 
 def served(summary: dict, requests: int) -> None:
@@ -100,7 +102,9 @@ def test_profile_step(tiny, tmp_path):
         *("--iters", "2"),
     )
     assert positive(res["decode_forward_ms"], res["chunk_forward_ms"], res["decode_inputs_ms"]), res
-    assert res["decode_top_ops"] and positive(res["decode_top_ops"][0]["self_ms_per_step"])
+    assert set(res["decode_forward_ms"]) == {"aten", "kernel"}  # both attention paths were measured
+    for path, top in res["decode_top_ops"].items():  # each path's profile names the ops that took time
+        assert top["ops"] and positive(top["ops"][0]["self_ms_per_step"], top["profiled_step_ms"]), path
 
 
 def test_tp_bench(tmp_path):

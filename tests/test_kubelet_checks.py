@@ -145,7 +145,7 @@ def test_run_as_non_root_against_the_images_user(user, pod_sc, sc, refusal):
 def test_the_operator_refuses_what_the_kubelet_refuses_and_only_that(image):
     """The operator's own grammar (spyre_operator.image_reference), which refuses a spec before any pod
     exists, against the stand-in's: they must agree on every reference of the tables."""
-    from spyre_operator.image_reference import image_reference_error
+    from spyre_contract.image_reference import image_reference_error
 
     kubelet = start_blocker(None, pod([container(image)]), unpullable=set())
     assert (image_reference_error(image) is None) == (kubelet is None), (

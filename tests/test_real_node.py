@@ -128,12 +128,14 @@ def wait_pod(core, namespace: str, name: str, timeout: float, predicate, what: s
 
 def operator_pod(name: str) -> dict:
     """The serving pod the operator builds for an `oci://` tiny model (eager, one static shape, no cache)."""
-    from spyre_operator.manifests import pod_template
-    from spyre_operator.model_spec import GraphCache, ModelSpec, StaticShape
+    from spyre_contract.source_uri import parse_source_uri
+    from spyre_operator.kinds.pods.template import pod_template
     from spyre_operator.settings import OperatorSettings
+    from spyre_operator.spec.model_source import model_source
+    from spyre_operator.spec.model_spec import GraphCache, ModelSpec, StaticShape
 
     spec = ModelSpec(
-        source=f"oci://{images.pod_image('tiny-model')}",
+        source=model_source(parse_source_uri(f"oci://{images.pod_image('tiny-model')}")),
         served_model_name="tiny",
         backend="eager",
         shapes=(StaticShape(*SHAPE),),
@@ -145,9 +147,9 @@ def operator_pod(name: str) -> dict:
 
 def host_greedy_answer(tmp_path: Path) -> str:
     """What the engine answers on the host for the same tiny model (same seed, same bytes)."""
-    from spyre_runtime.engine.llm_engine import LLM
-    from spyre_runtime.models import write_tiny_model
+    from spyre_runtime.engine.llm import LLM
     from spyre_runtime.sampling.params import SamplingParams
+    from spyre_runtime.testing.models import write_tiny_model
 
     env = {
         "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
