@@ -29,8 +29,8 @@ _SOURCES = {
     "operator": ("Containerfile", "runtime", "contract", "operator"),
     # a modelcar: the seeded tiny model (`spyre-runtime tiny-model`) in /models of a small image
     "tiny-model": (
-        "runtime/spyre_runtime/models.py",
-        "runtime/spyre_runtime/tiny_models.py",
+        "runtime/spyre_runtime/testing/models.py",
+        "runtime/spyre_runtime/testing/tiny_models.py",
         "tests/cluster/build-images.sh",
     ),
 }
