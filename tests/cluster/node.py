@@ -92,8 +92,14 @@ class RealNode:
         return f"10.213.{self.subnet_octet}.0/24"
 
     @property
+    def socket_dir(self) -> Path:
+        """containerd's sockets, on a short path: a unix socket's path has at most 104 bytes, and a test
+        folder under pytest-xdist (`.../popen-gw0/test_.../node/containerd/...`) is longer."""
+        return Path(f"/tmp/spyre-node-{os.getpid()}-{self.subnet_octet}")
+
+    @property
     def containerd_socket(self) -> Path:
-        return self.workdir / "containerd/containerd.sock"
+        return self.socket_dir / "containerd.sock"
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
@@ -113,6 +119,7 @@ class RealNode:
                 + ", ".join(missing)
             )
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
         self._take_lock()
         try:
             self.host = HostState.record()
@@ -152,6 +159,7 @@ class RealNode:
             self.restore_problems = self.host.restore(self.workdir)
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
             self.host = None
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
         self._release_lock()
 
     # ---- steps -----------------------------------------------------------------------------------

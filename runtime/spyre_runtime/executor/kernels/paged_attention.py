@@ -68,6 +68,15 @@ def start_build() -> threading.Thread | None:
     process does meanwhile; a forward that needs it first waits for it. None when already tried."""
     if _op:
         return None
+    # the build's imports, on the caller's thread first: two threads importing torch._dynamo and
+    # torch._inductor at once can each see the other's modules partially initialized (a server's start-up
+    # failed on it: "cannot import name 'IndentedBuffer' from partially initialized module")
+    import torch._dynamo
+    import torch._inductor.codecache
+    import torch._inductor.cpp_builder  # noqa: F401
+    from torch._inductor import cpu_vec_isa  # noqa: F401
+    from torch.utils import _filelock, cpp_extension  # noqa: F401
+
     thread = threading.Thread(target=kernel, name="paged-attention-build", daemon=True)
     thread.start()
     return thread
