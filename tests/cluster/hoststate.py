@@ -123,10 +123,10 @@ class HostState:
                             killed.append(int(pid))
         return killed
 
-    def restore(self, workdir: Path) -> list[str]:
+    def restore(self, *workdirs: Path) -> list[str]:
         problems: list[str] = []
         for step in (
-            lambda: self._unmount(workdir),
+            lambda: self._unmount(workdirs),
             self._remove_cgroups,
             self._restore_sysctls,
             self._restore_iptables,
@@ -138,8 +138,8 @@ class HostState:
                 problems.append(f"{getattr(step, '__name__', 'restore step')}: {e}")
         return problems
 
-    def _unmount(self, workdir: Path) -> list[str]:
-        owned = [str(workdir), *(str(p) for p in FIXED_PATHS)]
+    def _unmount(self, workdirs: tuple[Path, ...]) -> list[str]:
+        owned = [*(str(w) for w in workdirs), *(str(p) for p in FIXED_PATHS)]
         new = [m for m in mount_points() if m not in self.mounts and any(m.startswith(o) for o in owned)]
         problems = []
         for point in sorted(set(new), key=len, reverse=True):

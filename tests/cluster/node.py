@@ -93,8 +93,8 @@ class RealNode:
 
     @property
     def socket_dir(self) -> Path:
-        """containerd's sockets, on a short path: a unix socket's path has at most 104 bytes, and a test
-        folder under pytest-xdist (`.../popen-gw0/test_.../node/containerd/...`) is longer."""
+        """containerd's sockets and the kubelet's root (its pod-resources socket), on a short path: a unix
+        socket's path has at most 104 bytes, and a test folder under pytest-xdist is longer."""
         return Path(f"/tmp/spyre-node-{os.getpid()}-{self.subnet_octet}")
 
     @property
@@ -156,7 +156,7 @@ class RealNode:
         self._kill_shims()
         if self.host is not None:
             self.host.kill_cgroup_processes()
-            self.restore_problems = self.host.restore(self.workdir)
+            self.restore_problems = self.host.restore(self.workdir, self.socket_dir)
             subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
             self.host = None
         shutil.rmtree(self.socket_dir, ignore_errors=True)
@@ -384,7 +384,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                 str(self.cp.bin_dir / "kubelet"),
                 f"--config={d / 'config.yaml'}",
                 f"--kubeconfig={d / 'kubeconfig'}",
-                f"--root-dir={d / 'root'}",
+                f"--root-dir={self.socket_dir / 'kubelet-root'}",  # its sockets need a short path
                 f"--cert-dir={d / 'pki'}",
                 "--container-runtime=remote",
                 f"--container-runtime-endpoint={endpoint}",
