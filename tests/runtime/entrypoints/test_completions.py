@@ -271,10 +271,18 @@ def test_requests_are_accepted_while_a_batch_computes(server, client):
     assert results == [20] * 10
 
 
+def _requests_running(srv) -> float:
+    for line in httpx.get(srv.base + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_sigterm_drains_in_flight_then_exits_0(tiny_model, tmp_path):
+    # 256 tokens: in flight for seconds, and well inside the runtime's 30 s drain even on a loaded machine
     srv = ServerProcess(
         tiny_model,
-        {"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "1024"},
+        {"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "256"},
         tmp_path / "s.log",
     )
     try:
@@ -284,18 +292,21 @@ def test_sigterm_drains_in_flight_then_exits_0(tiny_model, tmp_path):
         def long_request():
             c = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=60)
             got["res"] = c.completions.create(
-                model="tiny", prompt="slow", max_tokens=1024, extra_body={"ignore_eos": True}
+                model="tiny", prompt="slow", max_tokens=256, extra_body={"ignore_eos": True}
             )
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(0.3)
+        deadline = time.monotonic() + 30
+        while _requests_running(srv) < 1:  # SIGTERM only once the request is admitted and running
+            assert time.monotonic() < deadline, "the long request never started running"
+            time.sleep(0.02)
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         late = post(srv, "/v1/completions", {"model": "tiny", "prompt": "late", "max_tokens": 2})
         assert late.status_code == 503
         t.join(timeout=60)
-        assert got["res"].usage.completion_tokens == 1024
+        assert got["res"].usage.completion_tokens == 256
         assert srv.proc.wait(timeout=30) == 0
     finally:
         srv.stop()
