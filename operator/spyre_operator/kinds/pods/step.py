@@ -11,6 +11,7 @@ shown within watch.EXPECT_SECONDS (its event lost, or a pod that came and went w
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -28,6 +29,8 @@ from spyre_operator.kinds.pods.template import build_pod, clone_pod, spec_hash
 from spyre_operator.settings import HASH_LABEL, MODEL_LABEL, SPEC_LABEL, OperatorSettings
 from spyre_operator.spec import placement
 from spyre_operator.spec.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 class Gate(Protocol):
@@ -71,6 +74,7 @@ class PodStep:
             return pods, True
         if unseen is not None:  # overdue: the cache cannot answer for this model, the API server can
             namespace, name = key
+            log.warning("the watch has not shown pod writes for %s/%s in time: listing its pods", *key)
             pods, version = self.kube.listing("Pod", namespace, f"{MODEL_LABEL}={name}")
             self.watch.relisted(key, pods, version)
             plan, build = self._decide(key, model, spec, thash, pods, cache, work)
