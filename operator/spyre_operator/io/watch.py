@@ -31,8 +31,8 @@ def plain(body) -> dict:
 class WatchCache:
     """What kopf's watches delivered, as an informer keeps it: each model's latest body, its pods' latest
     bodies, and which of its owned objects (by kind: the Service and claim, the InferencePool) were checked
-    for the model's current generation (their own watch events clear that). The reconcile decides from it
-    and reads the API server only before acting."""
+    for the model's current generation (their own watch events clear that), and the operator's own pod
+    writes its watch has yet to show. The reconcile decides and acts from it."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
