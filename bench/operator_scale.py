@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import shutil
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -26,39 +26,11 @@ from kubernetes import client
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from tests.cluster.audit import WRITE_VERBS, audit_args, audit_counts  # noqa: E402
 from tests.cluster.controlplane import ControlPlane, spyre_nodes  # noqa: E402
 from tests.cluster.fakekubelet import FakeKubelet  # noqa: E402
 from tests.conftest import kubectl  # noqa: E402
 from tests.operator.conftest import OperatorProcess, service_account_kubeconfig  # noqa: E402
-
-OPERATOR_USER = "system:serviceaccount:spyre-system:spyre-operator"
-WRITE_VERBS = {"create", "update", "patch", "delete"}
-AUDIT_POLICY = """apiVersion: audit.k8s.io/v1
-kind: Policy
-rules:
-  - level: Metadata
-    users: ["system:serviceaccount:spyre-system:spyre-operator"]
-  - level: None
-"""
-
-
-def audit_counts(path: Path, since: float = 0.0) -> Counter:
-    counts: Counter = Counter()
-    for line in path.read_text().splitlines():
-        ev = json.loads(line)
-        if ev.get("stage") != "ResponseComplete" or ev["user"]["username"] != OPERATOR_USER:
-            continue
-        stamp = ev["requestReceivedTimestamp"]
-        t = time.mktime(time.strptime(stamp[:19], "%Y-%m-%dT%H:%M:%S")) - time.timezone
-        if t >= since:
-            counts[
-                (
-                    ev["verb"],
-                    ev.get("objectRef", {}).get("resource", ""),
-                    ev.get("objectRef", {}).get("subresource", ""),
-                )
-            ] += 1
-    return counts
 
 
 def main() -> int:
@@ -80,16 +52,8 @@ def main() -> int:
 def run(models: int, resync: float, operator_replicas: int, timeout: float = 600.0) -> dict:
     args = argparse.Namespace(models=models, resync=resync)
     work = Path(tempfile.mkdtemp(prefix="spyre-scale-"))
-    (work / "audit.yaml").write_text(AUDIT_POLICY)
     audit = work / "audit.log"
-    cp = ControlPlane(
-        workdir=work / "cluster",
-        extra_apiserver_args=(
-            f"--audit-policy-file={work / 'audit.yaml'}",
-            f"--audit-log-path={audit}",
-            "--audit-log-maxsize=1000",
-        ),
-    )
+    cp = ControlPlane(workdir=work / "cluster", extra_apiserver_args=audit_args(work))
     cp.start()
     results: dict = {"models": args.models}
     op = None
@@ -217,6 +181,7 @@ def run(models: int, resync: float, operator_replicas: int, timeout: float = 600
         if op is not None:
             op.stop()
         cp.stop()
+        shutil.rmtree(work, ignore_errors=True)  # etcd's data and the audit log: 100 MB at 1,000 models
     return results
 
 

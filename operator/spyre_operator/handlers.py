@@ -91,13 +91,18 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.known.add(key)
         memo.queue.add(key)
 
+    # The pods' cache is filled by an index: kopf runs no handler before every index has listed its objects,
+    # so the first reconcile of any model already sees every pod that existed when the operator started
+    # (the pod step acts on the cache, with no list of its own).
+    @kopf.index("", "v1", "pods", labels={MODEL_LABEL: kopf.PRESENT}, id="pod_cache", registry=registry)
+    async def pod_index(body, namespace, labels, memo, **_):
+        memo.cache.put_pod((namespace, labels[MODEL_LABEL]), plain(body))  # kopf's own index stays empty
+
     @kopf.on.event("", "v1", "pods", labels={MODEL_LABEL: kopf.PRESENT}, id="pod", registry=registry)
-    async def pod_event(type, body, namespace, name, labels, memo, **_):
+    async def pod_event(type, namespace, name, labels, memo, **_):
         key = (namespace, labels[MODEL_LABEL])
         if type == "DELETED":
             memo.cache.drop_pod(key, name)
-        else:
-            memo.cache.put_pod(key, plain(body))
         memo.queue.add(key)
 
     @kopf.on.event("", "v1", "services", labels={MODEL_LABEL: kopf.PRESENT}, id="service", registry=registry)

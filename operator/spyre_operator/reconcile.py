@@ -6,7 +6,7 @@
    builder, acting through io/kube.py: the Service (service.py), the graph-cache claim
    (graph_cache_claim.py), the InferencePool (inference_pool.py), the loader Job that fills the model cache
    (loader_job.py), the compile Job (compile_job.py), the ResourceClaimTemplate of DRA cards
-   (resource_claim_template.py) and the pods (pods/);
+   (resource_claim_template.py) and the pods (pods/: acting on the watch's view, no list of its own);
 4. the status and its Events, written once (status/).
 
 Whatever fails while acting ends in the model's status (a condition naming the object and the API server's
@@ -62,7 +62,7 @@ class Reconciler:
         self.inference_pool = InferencePoolStep(settings, self.kube, events)
         self.loader_job = LoaderJobStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
-        self.pods = PodStep(settings, self.kube, events)
+        self.pods = PodStep(settings, self.kube, events, self.cache)
         self.report = Reporter(settings, self.kube, events, self.metrics)
 
     def reconcile(self, key: Key) -> Result:

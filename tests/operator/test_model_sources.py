@@ -19,6 +19,7 @@ from kubernetes import client
 from spyre_operator.spec.parse import parse_spec
 from spyre_runtime.testing.models import write_tiny_model
 
+from tests.cluster.controlplane import free_port
 from tests.cluster.hfhub import HfHub
 from tests.cluster.s3server import S3Server
 from tests.cluster.stack import LocalStack
@@ -28,6 +29,7 @@ pytestmark = pytest.mark.cluster
 
 NS = "sources"
 IMAGE = "registry.example.com/models/tiny:1"
+CLOSED = f"http://127.0.0.1:{free_port()}"  # a port nothing listens on: connections are refused
 SHAPES = [{"promptLength": 64, "newTokens": 4, "batchSize": 1}]
 
 
@@ -235,7 +237,22 @@ FAILURES = [
     ("cut-transfer", "hf", {"source": "hf://org/cut", "secretRef": "hub-token"}, "truncated transfer"),
     # the claim is a 64 KiB tmpfs (mounted where the pod runner keeps it): smaller than the model
     ("full-volume", "s3", {"source": "s3://models/tiny", "secretRef": "s3-creds"}, "not enough space on"),
+    # nothing listens at the endpoint: permanent after the loader's one retry, and the words say where else
+    # a model can come from (the hint is the loader's; the condition adds the operator's own)
+    (
+        "no-hub",
+        "hf",
+        {"source": "hf://org/tiny", "secretRef": "hub-token", "endpoint": CLOSED},
+        f"hf://org/tiny: cannot reach {CLOSED} (connection refused); set spec.model.endpoint",
+    ),
+    (
+        "no-store",
+        "s3",
+        {"source": "s3://models/tiny", "secretRef": "s3-creds", "endpoint": CLOSED},
+        f"s3://models/tiny: cannot reach {CLOSED} (connection refused); set spec.model.endpoint",
+    ),
 ]
+UNREACHABLE_HINTS = ("spec.model.endpoint", "pvc://", "oci://")
 
 
 @contextlib.contextmanager
@@ -257,9 +274,15 @@ def test_failed_download_is_stalled_with_the_loaders_words_and_nothing_published
     world, name, kind, model, words
 ):
     stack, s3, hub = world
-    endpoint = s3.endpoint if kind == "s3" else hub.endpoint
     model = dict(model)
+    endpoint = model.pop("endpoint", s3.endpoint if kind == "s3" else hub.endpoint)
     body = spec(model.pop("source"), endpoint=endpoint, **model)
+    seen: list[str] = []  # ModelCached's messages on the way
+
+    def is_stalled():
+        seen.append(condition(stack, name, "ModelCached").get("message", ""))
+        return (c := condition(stack, name, "Stalled")).get("status") == "True" and c
+
     if name == "cut-transfer":
         hub.truncate["model.safetensors"] = 1000
     with contextlib.ExitStack() as scope:
@@ -267,12 +290,7 @@ def test_failed_download_is_stalled_with_the_loaders_words_and_nothing_published
             scope.enter_context(small_volume(stack.model_claim_dir(NS, f"{name}-graph-cache")))
         try:
             stack.apply_model(NS, manifest(name, body))
-            stalled = stack.wait(
-                lambda: (c := condition(stack, name, "Stalled")).get("status") == "True" and c,
-                150,
-                f"{name} Stalled",
-                lambda: stack.diagnose(NS, name),
-            )
+            stalled = stack.wait(is_stalled, 150, f"{name} Stalled", lambda: stack.diagnose(NS, name))
         finally:
             hub.truncate.clear()
         assert stalled["reason"] == "DownloadFailed" and words in stalled["message"], stalled
@@ -282,6 +300,11 @@ def test_failed_download_is_stalled_with_the_loaders_words_and_nothing_published
         assert not cache_dir(stack, name, body).exists()  # nothing half-published
         if name == "cut-transfer":  # the Job tried again (backoffLimit 1), resuming, then failed for good
             assert sum(n.startswith(f"{name}-fetch-") for _, n, _ in stack.runner.admitted) == 2
+            # and while it waited to, the condition said why the first attempt failed (not "starting")
+            retrying = "its last attempt failed: exit code 1: hf://org/cut"
+            assert any(retrying in m and "truncated transfer" in m and "retrying" in m for m in seen), seen
+        if name.startswith("no-"):
+            assert all(hint in stalled["message"] for hint in UNREACHABLE_HINTS), stalled
         core = client.CoreV1Api(stack.kube)
         assert core.list_namespaced_pod(NS, label_selector=f"spyre-serve.io/model={name}").items == []
         events = core.list_namespaced_event(NS, field_selector=f"involvedObject.name={name}").items

@@ -100,10 +100,15 @@ class Kube:
         return json.loads(resp.data)
 
     def list(self, kind: str, namespace: str, selector: str) -> list[dict]:
+        return self.listing(kind, namespace, selector)[0]
+
+    def listing(self, kind: str, namespace: str, selector: str) -> tuple[list[dict], str]:
+        """The objects and the list's resourceVersion (what the API server's answer is as of)."""
         resp = self._method("list", kind)(
             namespace, label_selector=selector, _preload_content=False, _request_timeout=self.timeout
         )
-        return json.loads(resp.data)["items"]
+        answer = json.loads(resp.data)
+        return answer["items"], (answer.get("metadata") or {}).get("resourceVersion", "")
 
     def patch(self, kind: str, name: str, namespace: str, patch: dict) -> None:
         self._method("patch", kind)(

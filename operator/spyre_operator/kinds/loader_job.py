@@ -72,6 +72,9 @@ class LoaderJobStep:
         self.kube = kube
         self.events = events
         self._has_access: set[tuple[str, str]] = set()  # (namespace, model uid): the loader's RBAC is made
+        # model key -> (the uid of the loader Job that succeeded, what it cached): a Job that succeeded stays
+        # so, and its pods' words and progress are read once, not at every pass
+        self._cached: dict[tuple[str, str], tuple[str, ModelCacheState]] = {}
 
     def ensure(self, model: dict, spec: ModelSpec, work: Pass) -> ModelCacheState | None:
         """The current fetch key's loader Job as observed (after creating it); None for a model that is not
@@ -91,9 +94,12 @@ class LoaderJobStep:
             if current is None:
                 self._create(model, spec, key)
                 return observe_loader(None, [], key, PROGRESS_ANNOTATION)
-            pods = self.kube.list("Pod", ns, f"{FETCH_LABEL}={meta['name']},{CACHE_KEY_LABEL}={key}")
-            state = observe_loader(current, pods, key, PROGRESS_ANNOTATION)
+            uid, state = self._cached.get((ns, meta["name"]), ("", None))
+            if state is None or uid != current["metadata"].get("uid"):
+                pods = self.kube.list("Pod", ns, f"{FETCH_LABEL}={meta['name']},{CACHE_KEY_LABEL}={key}")
+                state = observe_loader(current, pods, key, PROGRESS_ANNOTATION)
             if state.is_ready:
+                self._cached[(ns, meta["name"])] = (current["metadata"].get("uid"), state)
                 for job in jobs:
                     if job is not current:
                         self.kube.delete("Job", job["metadata"]["name"], ns)
@@ -108,6 +114,7 @@ class LoaderJobStep:
 
     def forget(self, key: tuple[str, str]) -> None:
         self._has_access = {a for a in self._has_access if a[0] != key[0]}
+        self._cached.pop(key, None)
 
     def _ensure_access(self, model: dict) -> None:
         stamp = (model["metadata"]["namespace"], model["metadata"]["uid"])

@@ -77,3 +77,45 @@ def test_a_bad_ca_bundle_is_invalid_spec_naming_the_field(source, ca_bundle, fie
     with pytest.raises(InvalidSpec) as err:
         loader_container(source, {"caBundle": ca_bundle})
     assert str(err.value).startswith(f"spec.{field}: ") and words in str(err.value)
+
+
+class CountingKube:
+    """The loader step's reads and writes on a succeeded loader Job of the model's fetch key."""
+
+    def __init__(self, job: dict) -> None:
+        self.job, self.calls = job, []
+
+    def list(self, kind, namespace, selector):
+        self.calls.append(f"list {kind}")
+        return [self.job] if kind == "Job" else []
+
+    def create_unless_exists(self, body):
+        self.calls.append(f"create {body['kind']}")
+        return True
+
+    def delete(self, kind, name, namespace):
+        self.calls.append(f"delete {kind}")
+
+
+class NoEvents:
+    def post(self, *args, **kwargs):
+        pass
+
+
+def test_a_cached_model_lists_no_loader_pods_at_every_pass():
+    """Issue 37: a loader Job that succeeded stays so; its pods are read once (for the bytes cached), not
+    at every pass of a model that is served. A new Job of the key (another uid) is read again."""
+    from spyre_operator.io.work import Pass
+    from spyre_operator.kinds.loader_job import LoaderJobStep
+
+    spec = parse_spec("tiny", {**BASE, "model": {"source": "hf://org/tiny"}})
+    job = build_loader_job(MODEL, spec, OperatorSettings(), spec.source.fetch_key)
+    job["metadata"]["uid"], job["status"] = "job-1", {"succeeded": 1}
+    kube = CountingKube(job)
+    step = LoaderJobStep(OperatorSettings(), kube, NoEvents())
+    first = step.ensure(MODEL, spec, Pass())
+    assert first.is_ready and kube.calls.count("list Pod") == 1
+    kube.calls.clear()
+    assert step.ensure(MODEL, spec, Pass()) == first and kube.calls == ["list Job"]
+    job["metadata"]["uid"] = "job-2"  # deleted and made again: read afresh
+    assert step.ensure(MODEL, spec, Pass()).is_ready and kube.calls.count("list Pod") == 1

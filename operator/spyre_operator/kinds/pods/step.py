@@ -1,11 +1,17 @@
-"""The model's pods: decide (`plan_pods`, pure, on the watch's view), then act on a fresh list (the watch
-may lag our own writes): delete and create pods as the plan says, posting an Event for each. The plan is
-fed what the rollout may do now: the template to roll out (or the serving one, held while the graph cache
-fills or while the model waits for a rollout slot), the rollout budget, and which old pods' nodes could host
-a new pod when cards are short."""
+"""The model's pods: decide (`plan_pods`, pure, on the watch's view), then delete and create pods as the plan
+says, posting an Event for each. The plan is fed what the rollout may do now: the template to roll out (or
+the serving one, held while the graph cache fills or while the model waits for a rollout slot), the rollout
+budget, and which old pods' nodes could host a new pod when cards are short.
+
+The watch's view is acted on as it is (no list of the model's pods beside the watch) once it shows the
+operator's own last writes; until then the step waits for the watch's events, which bring the model back.
+The pods are listed from the API server only when the cache cannot answer: a write of ours the watch has not
+shown within watch.EXPECT_SECONDS (its event lost, or a pod that came and went within one batch of events).
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -15,7 +21,7 @@ from kubernetes.client.rest import ApiException
 
 from spyre_operator.io.events import EventRecorder
 from spyre_operator.io.kube import Kube, is_quota, problem_of
-from spyre_operator.io.watch import Key
+from spyre_operator.io.watch import Key, WatchCache
 from spyre_operator.io.work import Pass
 from spyre_operator.kinds.pods.observe import observe_pods
 from spyre_operator.kinds.pods.plan import Budget, PodPlan, PodView, plan_pods
@@ -23,6 +29,8 @@ from spyre_operator.kinds.pods.template import build_pod, clone_pod, spec_hash
 from spyre_operator.settings import HASH_LABEL, MODEL_LABEL, SPEC_LABEL, OperatorSettings
 from spyre_operator.spec import placement
 from spyre_operator.spec.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
 
 
 class Gate(Protocol):
@@ -34,10 +42,13 @@ class Gate(Protocol):
 
 
 class PodStep:
-    def __init__(self, settings: OperatorSettings, kube: Kube, events: EventRecorder) -> None:
+    def __init__(
+        self, settings: OperatorSettings, kube: Kube, events: EventRecorder, watch: WatchCache
+    ) -> None:
         self.settings = settings
         self.kube = kube
         self.events = events
+        self.watch = watch
         self.slots = RolloutSlots(settings.max_concurrent_rollouts)
         self._quota_blocked: set[Key] = set()  # the last pod creation was refused by a ResourceQuota
         self._lock = threading.Lock()
@@ -52,14 +63,21 @@ class PodStep:
         cache: Gate | None,
         work: Pass,
     ) -> tuple[list[dict], bool]:
-        """(the pods as last seen, whether any was created or deleted)."""
+        """(the pods as last seen, whether the pass acted on them or waits for the watch to show its last
+        writes: either way the watch's events bring the model back)."""
         plan, build = self._decide(key, model, spec, thash, pods, cache, work)
         if plan.is_noop:
             return pods, False
-        # decided on the watch's view; act only on a fresh one (the watch may lag our own writes)
-        namespace, name = key
-        pods = self.kube.list("Pod", namespace, f"{MODEL_LABEL}={name}")
-        plan, build = self._decide(key, model, spec, thash, pods, cache, work)
+        unseen = self.watch.unseen_writes(key)
+        if unseen:  # the watch has yet to show our last writes: acting now could do them twice
+            work.later(unseen)
+            return pods, True
+        if unseen is not None:  # overdue: the cache cannot answer for this model, the API server can
+            namespace, name = key
+            log.warning("the watch has not shown pod writes for %s/%s in time: listing its pods", *key)
+            pods, version = self.kube.listing("Pod", namespace, f"{MODEL_LABEL}={name}")
+            self.watch.relisted(key, pods, version)
+            plan, build = self._decide(key, model, spec, thash, pods, cache, work)
         self._apply(key, model, plan, build, work)
         return pods, not plan.is_noop
 
@@ -120,6 +138,7 @@ class PodStep:
         return plan, build
 
     def _apply(self, key: Key, model: dict, plan: PodPlan, build, work: Pass) -> None:
+        """Each write, once the API server took it, is expected of the watch (watch.WatchCache.expect)."""
         ns = model["metadata"]["namespace"]
         for pod_name in plan.delete:
             try:
@@ -127,6 +146,7 @@ class PodStep:
             except ApiException as e:
                 work.problems.append(problem_of("Pod", e))
                 continue
+            self.watch.expect(key, created=[], deleted=[pod_name])
             reason = plan.reasons[pod_name]
             kind = "Warning" if reason.startswith(("pod ended", "stuck")) else "Normal"
             event = "PodReplaced" if kind == "Warning" else "PodDeleted"
@@ -135,16 +155,16 @@ class PodStep:
             self._quota_blocked.discard(key)
         for _ in range(plan.create):
             try:
-                created = self.kube.create(build())
+                pod = self.kube.create(build())
             except ApiException as e:
                 if is_quota(e):
                     with self._lock:
                         self._quota_blocked.add(key)
                 work.problems.append(problem_of("Pod", e))
                 break
-            self.events.post(
-                model, "Normal", "PodCreated", f"created pod {created['metadata']['name']}", once=False
-            )
+            name = pod["metadata"]["name"]
+            self.watch.expect(key, created=[name], deleted=[])
+            self.events.post(model, "Normal", "PodCreated", f"created pod {name}", once=False)
 
     def _can_host(self, spec: ModelSpec, views: list[PodView], pods: list[dict]) -> frozenset[str] | None:
         """Old pods whose node could host a pod of the current template once they leave: the node
