@@ -134,6 +134,78 @@ def test_the_current_server_refuses_at_create_time(crd_server, spyremodel_crd, c
     assert message in answer.message
 
 
+POOLING_SHAPES = [{"promptLength": 64, "batchSize": 4}]
+NEEDS_LIMITS = (
+    "spec.batching: Invalid value: continuous batching needs spec.batching.maxNumSeqs and "
+    "spec.batching.maxModelLen (continuous is the default for generate models; batching.mode: static keeps "
+    "sendnn-inference 1.x's warm-up shapes)"
+)
+# spec.batching.mode has no schema default: a model without it runs its task's mode, continuous for generate
+# and static for embed, score and rerank; the CEL rules and the operator resolve it alike
+WITHOUT_A_MODE = [
+    ("generate-limits", "generate", {"maxNumSeqs": 4, "maxModelLen": 256}, "continuous", ""),
+    (
+        "generate-shapes",
+        "generate",
+        {"shapes": [{"promptLength": 64, "newTokens": 8, "batchSize": 1}]},
+        "",
+        NEEDS_LIMITS,
+    ),
+    ("generate-no-batching", "generate", None, "", NEEDS_LIMITS),
+    (
+        "generate-chunk-above-max-model-len",
+        "generate",
+        {"maxNumSeqs": 4, "maxModelLen": 256, "maxNumBatchedTokens": 512},
+        "",
+        "spec.batching.maxNumBatchedTokens: Invalid value: the runtime would refuse it: the chunk",
+    ),
+    ("embed-shapes", "embed", {"shapes": POOLING_SHAPES}, "static", ""),
+    # continuous batching's ranges do not apply to a static model: the CRD checks them no more than the
+    # operator does
+    (
+        "rerank-shapes-and-an-unused-range",
+        "rerank",
+        {"shapes": POOLING_SHAPES, "kvBuckets": {"min": 512, "step": 64, "max": 256}},
+        "static",
+        "",
+    ),
+    (
+        "score-no-batching",
+        "score",
+        None,
+        "",
+        "static batching needs at least one shape in spec.batching.shapes",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("case", "task", "batching", "mode", "message"), WITHOUT_A_MODE, ids=[c[0] for c in WITHOUT_A_MODE]
+)
+def test_without_a_batching_mode_the_task_s_mode_applies(
+    crd_server, spyremodel_crd, case, task, batching, mode, message
+):
+    from spyre_operator.admission import check_spec
+    from spyre_operator.settings import OperatorSettings
+    from spyre_operator.spec.model_spec import InvalidSpec
+    from spyre_operator.spec.parse import parse_spec
+
+    spec = {key: value for key, value in BASE.items() if key != "batching"}
+    spec = {**spec, "task": task, **({"batching": batching} if batching is not None else {})}
+    answer = create(crd_server, {**model(case), "spec": copy.deepcopy(spec)}, dry_run=False)
+    if message:
+        assert answer.code == 422, answer
+        assert message in answer.message
+        with pytest.raises(InvalidSpec):  # the operator refuses it too (clusters that ignore CEL)
+            check_spec(case, spec, OperatorSettings())
+        return
+    assert answer.code == 201, answer
+    assert "mode" not in answer.body["spec"]["batching"]  # the server stores no mode ...
+    assert parse_spec(case, answer.body["spec"]).mode == mode  # ... and the operator runs the task's
+    check_spec(case, spec, OperatorSettings())
+    assert crd_server.request("DELETE", f"{MODELS}/{case}").code == 200
+
+
 @pytest.mark.parametrize("row", CATALOG, ids=lambda row: row.id)
 def test_the_hostile_catalog_against_the_current_server(crd_server, spyremodel_crd, row):
     """The catalog's own column says what a current cluster answers at create time (the schema or a CEL

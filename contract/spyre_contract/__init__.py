@@ -4,6 +4,15 @@ The runtime reads its settings through `read_environment`; the operator calls th
 environment and flags it is about to give a pod, so a spec the runtime would refuse is refused before any
 pod exists. Neither side keeps a copy of these rules. This package imports neither side."""
 
+from spyre_contract.buckets import (
+    PROMPT_LEN_MULTIPLE,
+    batch_buckets,
+    chunk_buckets,
+    doubling,
+    expand_range,
+    kv_buckets,
+    round_up,
+)
 from spyre_contract.environment import (
     ALIAS_PREFIX,
     BACKEND_ALIASES,
@@ -15,20 +24,14 @@ from spyre_contract.environment import (
     CB_DEFAULT_PREFILL_PIECES,
     DTYPES,
     ENV_PREFIX,
-    PROMPT_LEN_MULTIPLE,
     ContractError,
     EngineFlags,
     Env,
     EnvironmentSettings,
     Shape,
-    batch_buckets,
-    chunk_buckets,
-    doubling,
-    expand_range,
-    kv_buckets,
     parse_shapes,
     read_environment,
-    round_up,
+    static_batching_line,
 )
 from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
 from spyre_contract.tasks import POOLING_TASKS, TASKS, is_pooling_task, read_pooling_environment
@@ -66,4 +69,5 @@ __all__ = [
     "read_pooling_environment",
     "registry_settings",
     "round_up",
+    "static_batching_line",
 ]

@@ -9,12 +9,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from spyre_contract.buckets import PROMPT_LEN_MULTIPLE, batch_buckets, expand_range, kv_buckets, round_up
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("sendnn", "inductor", "eager")
 BACKEND_ALIASES = {"sendnn_decoder": "sendnn"}  # the v1 configuration docs' spelling
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-PROMPT_LEN_MULTIPLE = 64
 CB_DEFAULT_MAX_MODEL_LEN = 512
 CB_DEFAULT_MAX_NUM_SEQS = 4
 CB_DEFAULT_CHUNK = 256
@@ -35,6 +36,8 @@ RETIRED = {
     "SENDNN_INFERENCE_USE_CHUNKED_PREFILL": "continuous batching always prefills in chunks of "
     "--max-num-batched-tokens; remove it",
 }
+# a decoder's static batching is shaped by these (1.x's mode; sendnn-inference 2.x reads them for pooling)
+STATIC_SHAPE_VARS = ("WARMUP_PROMPT_LENS", "WARMUP_NEW_TOKENS", "WARMUP_BATCH_SIZES")
 
 
 class ContractError(ValueError):
@@ -155,49 +158,26 @@ def parse_shapes(env: Env) -> tuple[Shape, ...]:
     )
 
 
-def round_up(n: int, multiple: int = PROMPT_LEN_MULTIPLE) -> int:
-    return -(-n // multiple) * multiple
+def decoder_batching(env: Env) -> tuple[bool, str]:
+    """(continuous?, what chose static batching). A decoder with no batching setting runs continuous batching
+    with chunked prefill and prefix caching, as sendnn-inference 2.x does (its only mode for decoders);
+    `SENDNN_INFERENCE_USE_CB=0`, or warm-up shapes without `SENDNN_INFERENCE_USE_CB`, choose static batching
+    over the warm-up shapes: 1.x's mode, kept as an explicit choice."""
+    var, raw = env.raw("USE_CB")
+    if raw is not None and raw.strip():
+        use_cb = env.bool("USE_CB", True)
+        return use_cb, "" if use_cb else f"{var}={raw.strip()}"
+    shaped = [env.raw(name)[0] for name in STATIC_SHAPE_VARS if (env.raw(name)[1] or "").strip()]
+    return (False, f"{shaped[0]} without {var}") if shaped else (True, "")
 
 
-def doubling(start: int, top: int) -> tuple[int, ...]:
-    """start, 2*start, 4*start, ... below top, then top itself."""
-    values, v = [], start
-    while v < top:
-        values.append(v)
-        v *= 2
-    return (*values, top)
-
-
-# ---- continuous batching: the static menu of compiled shapes --------------------------------------
-# Every decode step runs at a (batch size, KV length) bucket and every prefill chunk at a chunk-size
-# bucket; all of them are compiled at warmup (the Gaudi backend's bucketing, for static-shape backends).
-
-
-def chunk_buckets(chunk: int, explicit: tuple[int, ...] = ()) -> tuple[int, ...]:
-    """Every multiple of 64 up to 256 (short prompts pad little), then doubling up to the chunk size."""
-    if explicit:
-        return explicit
-    fine = range(PROMPT_LEN_MULTIPLE, min(256, chunk) + 1, PROMPT_LEN_MULTIPLE)
-    return tuple(sorted(set(fine) | set(doubling(256, chunk))))
-
-
-def expand_range(bmin: int, step: int, bmax: int) -> tuple[int, ...]:
-    """A bucket range as Gaudi's documentation spells it: powers of two from `bmin` while below `step` (the
-    ramp-up), then every multiple of `step` up to `bmax`."""
-    ramp, v = [], bmin
-    while v < step and v <= bmax:
-        ramp.append(v)
-        v *= 2
-    stable = range(step, bmax + 1, step)
-    return tuple(sorted({b for b in (*ramp, *stable) if b >= bmin}))
-
-
-def batch_buckets(explicit: tuple[int, ...], max_num_seqs: int) -> tuple[int, ...]:
-    return explicit or doubling(1, max_num_seqs)
-
-
-def kv_buckets(explicit: tuple[int, ...], max_model_len: int) -> tuple[int, ...]:
-    return explicit or doubling(PROMPT_LEN_MULTIPLE, round_up(max_model_len))
+def static_batching_line(chosen_by: str) -> str:
+    """The start-up line of a decoder on static batching: what chose it, and that it is 1.x's mode."""
+    return (
+        f"static batching over the warm-up shapes ({chosen_by}): sendnn-inference 1.x's mode; 2.x runs "
+        f"decoders with continuous batching only (chunked prefill, prefix caching), as {ENV_PREFIX}USE_CB=1 "
+        "or no batching setting does here"
+    )
 
 
 @dataclass(frozen=True)
@@ -218,7 +198,8 @@ class EnvironmentSettings:
 
     backend: str = "sendnn"
     dtype: str = "auto"
-    use_cb: bool = False
+    use_cb: bool = False  # read_environment: True for a decoder with no batching setting (decoder_batching)
+    static_batching: str = ""  # a decoder on static batching: what chose it (static_batching_line)
     shapes: tuple[Shape, ...] = (Shape(64, 20, 1),)
     max_model_len: int = 84
     max_num_seqs: int = 1
@@ -248,8 +229,12 @@ class EnvironmentSettings:
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
 
 
-def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlags | None = None):
-    """Parses and checks the contract's variables (environment) and the engine flags (a flag wins)."""
+def read_environment(
+    environ: Mapping[str, str] | None = None, flags: EngineFlags | None = None, pooling: bool = False
+):
+    """Parses and checks the contract's variables (environment) and the engine flags (a flag wins).
+    `pooling`: static batching, always (spyre_contract.tasks reads the pooling shapes); else the decoder's
+    choice (decoder_batching)."""
     env = Env(environ)
     flags = flags or EngineFlags()
     for flag, value in (
@@ -264,7 +249,7 @@ def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlag
     backend = _backend(env)
     dtype = _dtype(env, flags.dtype)
     shapes = parse_shapes(env)
-    use_cb = env.bool("USE_CB", False)
+    use_cb, static_batching = (False, "") if pooling else decoder_batching(env)
     longest = max(s.max_len for s in shapes)
     widest = max(s.batch_size for s in shapes)
     if use_cb:  # limits of their own, not the static shapes'
@@ -280,6 +265,7 @@ def read_environment(environ: Mapping[str, str] | None = None, flags: EngineFlag
         backend=backend,
         dtype=dtype,
         use_cb=use_cb,
+        static_batching=static_batching,
         shapes=shapes,
         max_model_len=flags.max_model_len or longest,
         max_num_seqs=flags.max_num_seqs or widest,

@@ -69,7 +69,8 @@ def read_pooling_environment(
     shapes = parse_pooling_shapes(env)
     prefixes = tuple(ENV_PREFIX + name for name in _POOLING_ONLY_VARS)
     rest = {k: v for k, v in env.environ.items() if k not in prefixes}
-    settings = read_environment(rest, dataclasses.replace(flags, max_model_len=None, max_num_seqs=None))
+    flags_left = dataclasses.replace(flags, max_model_len=None, max_num_seqs=None)
+    settings = read_environment(rest, flags_left, pooling=True)
     longest = max(s.prompt_len for s in shapes)
     widest = max(s.batch_size for s in shapes)
     for flag, value, limit, what in (

@@ -31,6 +31,7 @@ from spyre_contract import (
     parse_shapes,
     read_environment,
     round_up,
+    static_batching_line,
 )
 from spyre_contract.architectures import check_batching, check_decoder_config
 from spyre_contract.hybrid import HybridModelError, HybridSpec
@@ -141,11 +142,9 @@ class RuntimeConfig:
     task: str = "generate"  # generate | embed | score | rerank (pooling: engine/pooling_client.py)
     backend: str = "sendnn"
     dtype: str = "auto"  # auto: the checkpoint's dtype on CPU backends, float16 for sendnn (loader.py)
-    memory_utilization: float = (
-        0.0  # continuous batching: size the KV cache from this share of memory (0: off)
-    )
+    memory_utilization: float = 0.0  # continuous batching: size the KV cache from this share of memory
     skip_warmup: bool = False  # development: compile on first use instead of at start-up
-    use_cb: bool = False
+    use_cb: bool = False  # load_config: continuous for a decoder with no batching setting, static for pooling
     shapes: tuple[Shape, ...] = (Shape(64, 20, 1),)
     max_model_len: int = 84
     max_num_seqs: int = 1
@@ -262,6 +261,8 @@ def load_config(
     if port is not None and not 0 < port <= 65535:
         raise ConfigError(f"--port={port} must be between 1 and 65535")
     settings = (read_pooling_environment if is_pooling_task(task) else read_environment)(environ, flags)
+    if settings.static_batching:  # a decoder asked for 1.x's mode: said once, at start-up
+        log.info("%s", static_batching_line(settings.static_batching))
     contract = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name in _CONFIG_FIELDS}
     model_path = Path(model_dir)
     config = RuntimeConfig(
@@ -342,8 +343,6 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     KV cache is sized from the memory left (the config returned carries the block count). Card memory for
     sendnn (SENDNN_INFERENCE_CARD_MEMORY_GIB, default 128), the cgroup limit or RAM (shared by the ranks)
     on CPU."""
-    import json
-
     env = Env(environ)
     var, raw = env.raw("CARD_MEMORY_GIB")
     try:

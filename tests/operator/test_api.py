@@ -18,20 +18,21 @@ def test_kubectl_explain_shows_descriptions(cluster, crd):
 
 
 def test_schema_defaults_and_rejects(cluster, crd, ns):
+    from spyre_operator.spec.parse import parse_spec
+
     ok = ns.apply_model(
-        "d",
-        {
-            "model": {"source": "file:///models/x"},
-            "batching": {"shapes": [{"promptLength": 64, "newTokens": 8, "batchSize": 1}]},
-        },
+        "d", {"model": {"source": "file:///models/x"}, "batching": {"maxModelLen": 256, "maxNumSeqs": 4}}
     )
     spec = ok["spec"]
-    assert (spec["cards"], spec["replicas"], spec["backend"], spec["batching"]["mode"]) == (
-        1,
-        1,
-        "sendnn",
-        "static",
+    assert (spec["cards"], spec["replicas"], spec["backend"], spec["task"]) == (1, 1, "sendnn", "generate")
+    # no default for batching.mode: the operator runs the task's (continuous for generate, static for pooling)
+    assert spec["batching"] == {"maxModelLen": 256, "maxNumSeqs": 4}
+    assert parse_spec("d", spec).mode == "continuous"
+    shapes = [{"promptLength": 64, "batchSize": 2}]
+    pooling = ns.apply_model(
+        "p", {"model": {"source": "file:///models/x"}, "task": "embed", "batching": {"shapes": shapes}}
     )
+    assert "mode" not in pooling["spec"]["batching"] and parse_spec("p", pooling["spec"]).mode == "static"
     with pytest.raises(Exception, match=r"spec\.cards"):
         ns.apply_model("e", {"model": {"source": "file:///x"}, "cards": 3})
     with pytest.raises(Exception, match=r"spec\.model\.source"):

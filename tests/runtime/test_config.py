@@ -1,10 +1,14 @@
 """Environment contract parsing: canonical names, deprecated aliases, flags winning, clear errors."""
 
+import logging
 import subprocess
 import sys
 
 import pytest
 from spyre_runtime.config import ConfigError, Shape, load_config
+from spyre_runtime.engine.sched.continuous import ContinuousScheduler
+from spyre_runtime.engine.sched.factory import make_scheduler
+from spyre_runtime.engine.sched.static import StaticScheduler
 
 
 def test_defaults_and_zipped_shapes():
@@ -40,6 +44,67 @@ def test_the_canonical_name_does_not_excuse_the_alias():
 def test_flags_win_over_environment():
     cfg = load_config("/m", environ={}, max_model_len=512, max_num_seqs=3, served_model_name="x", port=9000)
     assert (cfg.max_model_len, cfg.max_num_seqs, cfg.served_model_name, cfg.port) == (512, 3, "x", 9000)
+
+
+STATIC_LINE = (
+    "static batching over the warm-up shapes ({}): sendnn-inference 1.x's mode; 2.x runs decoders with "
+    "continuous batching only (chunked prefill, prefix caching), as SENDNN_INFERENCE_USE_CB=1 or no batching "
+    "setting does here"
+)
+
+
+def test_a_decoder_with_no_batching_setting_runs_continuous_batching(caplog):
+    caplog.set_level(logging.INFO, logger="spyre_runtime.config")
+    cfg = load_config("/m", environ={"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"})
+    assert cfg.use_cb and isinstance(make_scheduler(cfg), ContinuousScheduler)
+    assert cfg.enable_prefix_caching  # prefix caching on
+    assert (cfg.max_num_batched_tokens, cfg.chunk_buckets) == (256, (64, 128, 192, 256))  # chunked prefill
+    assert (cfg.max_model_len, cfg.max_num_seqs) == (512, 4)
+    same = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_USE_CB": "1"}
+    assert load_config("/m", environ=same) == cfg  # the default is what USE_CB=1 asks for
+    assert "1.x" not in caplog.text
+
+
+@pytest.mark.parametrize("task", ["embed", "score", "rerank"])
+def test_a_pooling_model_stays_on_static_shapes(task, caplog):
+    caplog.set_level(logging.INFO, logger="spyre_runtime.config")
+    cfg = load_config("/m", environ={}, task=task)
+    assert not cfg.use_cb and cfg.shapes == (Shape(64, 0, 1),)
+    assert (cfg.max_model_len, cfg.max_num_seqs) == (64, 1)
+    assert "1.x" not in caplog.text  # static is their only mode, not a choice to name
+    with pytest.raises(ConfigError, match="SENDNN_INFERENCE_USE_CB=1 applies to decoders"):
+        load_config("/m", environ={"SENDNN_INFERENCE_USE_CB": "1"}, task=task)
+
+
+@pytest.mark.parametrize(
+    ("env", "chosen_by"),
+    [
+        ({"SENDNN_INFERENCE_USE_CB": "0"}, "SENDNN_INFERENCE_USE_CB=0"),
+        ({"SENDNN_INFERENCE_USE_CB": " false "}, "SENDNN_INFERENCE_USE_CB=false"),
+        (
+            {"SENDNN_INFERENCE_WARMUP_NEW_TOKENS": "20", "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2"},
+            "SENDNN_INFERENCE_WARMUP_NEW_TOKENS without SENDNN_INFERENCE_USE_CB",
+        ),
+    ],
+    ids=["use-cb-0", "use-cb-false", "warm-up-shapes"],
+)
+def test_static_batching_is_a_decoder_s_explicit_choice_named_as_1x_s_mode(env, chosen_by, caplog):
+    caplog.set_level(logging.INFO, logger="spyre_runtime.config")
+    cfg = load_config("/m", environ=env)
+    assert not cfg.use_cb and isinstance(make_scheduler(cfg), StaticScheduler)
+    assert [r.getMessage() for r in caplog.records] == [STATIC_LINE.format(chosen_by)]
+
+
+def test_warm_up_shapes_beside_use_cb_1_are_continuous_batching():
+    env = {"SENDNN_INFERENCE_USE_CB": "1", "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": "2"}
+    assert load_config("/m", environ=env).use_cb
+
+
+def test_serve_says_static_batching_is_1x_s_mode_in_one_line(tiny_model):
+    env = {"SENDNN_INFERENCE_USE_CB": "0", "SENDNN_INFERENCE_DYNAMO_BACKEND": "sendnn"}
+    res = run_cli("serve", str(tiny_model), "--port", "1", env=env)  # stops at the missing torch_sendnn
+    said = [line for line in res.stderr.splitlines() if "1.x's mode" in line]
+    assert len(said) == 1 and said[0].endswith(STATIC_LINE.format("SENDNN_INFERENCE_USE_CB=0"))
 
 
 @pytest.mark.parametrize(

@@ -110,7 +110,7 @@ class ModelSpec:
     backend: str = "sendnn"
     dtype: str = "auto"
     task: str = "generate"
-    mode: str = "static"
+    mode: str = "static"  # parse_spec: spec.batching.mode, else continuous for generate, static for pooling
     shapes: tuple[StaticShape, ...] = (StaticShape(64, 20, 1),)
     max_num_seqs: int | None = None
     max_model_len: int | None = None

@@ -179,17 +179,26 @@ def _engine_fields(spec: dict) -> dict:
     return {"cards": cards, "replicas": replicas, "backend": backend, "task": task, "dtype": dtype}
 
 
+# said when a generate model's batching has no mode and continuous batching's limits are missing
+DEFAULT_MODE_HINT = (
+    " (continuous is the default for generate models; batching.mode: static keeps sendnn-inference 1.x's "
+    "warm-up shapes)"
+)
+
+
 def _batching_section(spec: dict, task: str) -> dict:
-    """spec.batching: static warm-up shapes, or continuous batching's limits and bucket ranges."""
+    """spec.batching: continuous batching's limits and bucket ranges, or static warm-up shapes. Without
+    batching.mode, the task's mode: continuous for generate (sendnn-inference 2.x's only mode for decoders),
+    static for the pooling tasks (their only mode); the CRD's rules resolve it the same way."""
     batching = object_field(spec, "batching")
-    mode = batching.get("mode", "static")
+    mode = batching.get("mode", "static" if task in POOLING_TASKS else "continuous")
     if mode not in ("static", "continuous"):
         raise InvalidSpec("batching.mode", f"must be static or continuous, got {mode!r}")
     if task in POOLING_TASKS and mode != "static":
         raise InvalidSpec("batching.mode", f"{task} models run on static warm-up shapes, got {mode!r}")
     if mode == "static":
         return {"mode": mode, "shapes": _static_shapes(batching.get("shapes"), task)}
-    return {"mode": mode, "shapes": (), **_continuous_batching(batching)}
+    return {"mode": mode, "shapes": (), **_continuous_batching(batching, defaulted="mode" not in batching)}
 
 
 def _static_shapes(raw_shapes, task: str) -> tuple[StaticShape, ...]:
@@ -216,9 +225,10 @@ def _static_shapes(raw_shapes, task: str) -> tuple[StaticShape, ...]:
     return tuple(parsed)
 
 
-def _continuous_batching(batching: dict) -> dict:
+def _continuous_batching(batching: dict, defaulted: bool) -> dict:
     if batching.get("maxNumSeqs") is None or batching.get("maxModelLen") is None:
-        raise InvalidSpec("batching", "continuous batching needs maxNumSeqs and maxModelLen")
+        why = DEFAULT_MODE_HINT if defaulted else ""
+        raise InvalidSpec("batching", f"continuous batching needs maxNumSeqs and maxModelLen{why}")
     max_num_seqs = _int("batching.maxNumSeqs", batching["maxNumSeqs"], minimum=1, maximum=256)
     max_model_len = _int("batching.maxModelLen", batching["maxModelLen"], minimum=64)
     buckets = []

@@ -23,7 +23,7 @@ def test_compile_job_and_cache_key():
     assert key == cache_key(spec_of(graphCache={"precompile": True}), s)  # deterministic
     other = spec_of(
         graphCache={"precompile": True},
-        batching={"shapes": [{"promptLength": 128, "newTokens": 8, "batchSize": 1}]},
+        batching={"mode": "static", "shapes": [{"promptLength": 128, "newTokens": 8, "batchSize": 1}]},
     )
     assert cache_key(other, s) != key
     assert cache_key(spec_of(graphCache={"precompile": True}, cards=2), s) != key

@@ -23,12 +23,22 @@ from tests.operator.objects import spec_of
         ({"batching": {"mode": "dynamic"}}, "batching.mode", "must be static or continuous"),
         ({"batching": {"mode": "static", "shapes": []}}, "batching.shapes", "at least one shape"),
         (
-            {"batching": {"shapes": [{"promptLength": 100, "newTokens": 1, "batchSize": 1}]}},
+            {
+                "batching": {
+                    "mode": "static",
+                    "shapes": [{"promptLength": 100, "newTokens": 1, "batchSize": 1}],
+                }
+            },
             "batching.shapes[0].promptLength",
             "multiple of 64",
         ),
         (
-            {"batching": {"shapes": [{"promptLength": 64, "newTokens": 0, "batchSize": 1}]}},
+            {
+                "batching": {
+                    "mode": "static",
+                    "shapes": [{"promptLength": 64, "newTokens": 0, "batchSize": 1}],
+                }
+            },
             "batching.shapes[0].newTokens",
             "at least 1",
         ),
@@ -36,6 +46,12 @@ from tests.operator.objects import spec_of
             {"batching": {"mode": "continuous", "maxNumSeqs": 4}},
             "batching",
             "needs maxNumSeqs and maxModelLen",
+        ),
+        (
+            {"batching": {"shapes": [{"promptLength": 64, "newTokens": 8, "batchSize": 1}]}},
+            "batching",
+            "continuous batching needs maxNumSeqs and maxModelLen (continuous is the default for generate "
+            "models; batching.mode: static keeps sendnn-inference 1.x's warm-up shapes)",
         ),
         (
             {

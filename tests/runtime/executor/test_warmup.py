@@ -67,7 +67,8 @@ def test_skip_warmup_compiles_on_first_use_and_says_so(tiny_model, tmp_path):
 
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "Hello", "max_tokens": 4}) + "\n")
-    env = {**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager"}
+    # static batching (its one default shape: a prefill and a decode graph to warm)
+    env = {**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_USE_CB": "0"}
     argv = [sys.executable, "-m", "spyre_runtime.cli", "generate", str(tiny_model), "--prompts", str(prompts)]
     res = subprocess.run([*argv, "--skip-warmup"], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -1,5 +1,5 @@
-"""The one place a batching policy is chosen: continuous batching when the configuration asks for it
-(SENDNN_INFERENCE_USE_CB), else static batching over the warm-up shapes."""
+"""The one place a batching policy is chosen: continuous batching when the configuration says so (a decoder
+with no batching setting, or SENDNN_INFERENCE_USE_CB=1), else static batching over the warm-up shapes."""
 
 from __future__ import annotations
 

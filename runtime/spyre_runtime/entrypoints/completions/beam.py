@@ -74,7 +74,7 @@ def check_beam(body: SamplingFields, use_cb: bool, num_eos: int) -> BeamSettings
         raise bad_request(
             "use_beam_search",
             "beam search is not supported with static batching: it runs on continuous batching "
-            "(SENDNN_INFERENCE_USE_CB=1)",
+            "(a decoder's default; SENDNN_INFERENCE_USE_CB=1)",
         )
     for name in NOT_WITH_BEAMS:
         if getattr(body, name, None) not in (None, False):

@@ -70,7 +70,11 @@ def test_builders_are_deterministic_and_hash_follows_the_spec():
     h2 = template_hash(pod_template("granite", spec_of(replicas=5), s))
     h3 = template_hash(
         pod_template(
-            "granite", spec_of(batching={"shapes": [{"promptLength": 64, "newTokens": 8, "batchSize": 1}]}), s
+            "granite",
+            spec_of(
+                batching={"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 8, "batchSize": 1}]}
+            ),
+            s,
         )
     )
     assert h1 == h2 != h3
@@ -89,6 +93,39 @@ def test_continuous_batching_flags_and_user_env_override():
     assert env["SENDNN_INFERENCE_USE_CB"] == "1" and "SENDNN_INFERENCE_WARMUP_PROMPT_LENS" not in env
     assert env["SENDNN_INFERENCE_DYNAMO_BACKEND"] == "eager" and env["X"] == "1"
     assert "--max-num-batched-tokens" not in args  # the runtime's default chunk size
+
+
+def test_a_generate_model_without_a_batching_mode_runs_continuous_batching():
+    spec = spec_of(batching={"maxNumSeqs": 8, "maxModelLen": 2048})
+    assert spec.mode == "continuous" and spec.shapes == ()
+    check_runtime_contract(spec)
+    pod = build_pod(MODEL, spec, OperatorSettings())
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "8" and args[args.index("--max-model-len") + 1] == "2048"
+    env = env_of(pod)
+    assert env["SENDNN_INFERENCE_USE_CB"] == "1"
+    assert not [name for name in env if name.startswith("SENDNN_INFERENCE_WARMUP_")]
+    # the same pod as with the mode said
+    said = spec_of(batching={"mode": "continuous", "maxNumSeqs": 8, "maxModelLen": 2048})
+    assert build_pod(MODEL, said, OperatorSettings()) == pod
+    with pytest.raises(InvalidSpec, match=r"needs maxNumSeqs and maxModelLen \(continuous is the default"):
+        parse_spec("m", {key: value for key, value in BASE.items() if key != "batching"})
+
+
+@pytest.mark.parametrize("task", ["embed", "score", "rerank"])
+def test_a_pooling_model_without_a_batching_mode_stays_static(task):
+    shapes = [{"promptLength": 64, "batchSize": 8}, {"promptLength": 256, "batchSize": 2}]
+    spec = parse_spec("e", {**BASE, "task": task, "batching": {"shapes": shapes}})
+    assert spec.mode == "static"
+    check_runtime_contract(spec)
+    env = env_of(build_pod(MODEL, spec, OperatorSettings()))
+    assert env["SENDNN_INFERENCE_USE_CB"] == "0"
+    assert (env["SENDNN_INFERENCE_WARMUP_PROMPT_LENS"], env["SENDNN_INFERENCE_WARMUP_BATCH_SIZES"]) == (
+        "64,256",
+        "8,2",
+    )
+    with pytest.raises(InvalidSpec, match="static batching needs at least one shape"):
+        parse_spec("e", {**BASE, "task": task, "batching": {}})
 
 
 def test_chunk_size_maps_to_the_flag_and_the_startup_budget_counts_buckets():
@@ -192,5 +229,8 @@ def test_card_tiers_shared_memory_and_startup_budget():
     settings = OperatorSettings()
     cold = startup_failure_threshold(parse_spec("m", BASE), settings)
     warm = startup_failure_threshold(parse_spec("m", {**BASE, "graphCache": {"precompile": True}}), settings)
-    more = {"shapes": [{"promptLength": 64 * i, "newTokens": 8, "batchSize": 1} for i in (1, 2, 3, 4)]}
+    more = {
+        "mode": "static",
+        "shapes": [{"promptLength": 64 * i, "newTokens": 8, "batchSize": 1} for i in (1, 2, 3, 4)],
+    }
     assert warm < cold < startup_failure_threshold(parse_spec("m", {**BASE, "batching": more}), settings)
