@@ -150,11 +150,13 @@ def ask(address: str, max_tokens: int = 4, timeout: float = 60) -> str:
 @dataclass
 class EndpointClient:
     """A client that follows a Service's ready endpoints as kube-proxy would (the test control plane has
-    none): before each request it reads the EndpointSlices and sends to the next ready address, round robin,
-    without retries. Runs in a thread until `stop()`; every request's (address, answer or error) is kept."""
+    none): it reads the EndpointSlices at most every `sync_seconds` (kube-proxy's minimum sync period,
+    `--iptables-min-sync-period`, is 1 s) and sends to the next ready address, round robin, without retries.
+    Runs in a thread until `stop()`; every request's (address, answer or error) is kept."""
 
     stack: LocalStack
     service: str
+    sync_seconds: float = 1.0
     answers: list[tuple[str, str]] = field(default_factory=list)
     failures: list[tuple[str, str]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -171,9 +173,10 @@ class EndpointClient:
             self._thread.join(timeout=120)
 
     def _run(self) -> None:
-        turn = 0
+        turn, synced, addresses = 0, 0.0, []
         while not self._stop.is_set():
-            addresses = self.stack.endpoints(NS, self.service)
+            if time.monotonic() - synced >= self.sync_seconds:
+                addresses, synced = self.stack.endpoints(NS, self.service), time.monotonic()
             if not addresses:
                 self.failures.append(("", "no ready endpoint"))
                 time.sleep(0.1)

@@ -27,8 +27,9 @@ from spyre_operator.spec.runtime_contract import CACHE_MOUNT, runtime_args, runt
 PROBE_PERIOD = 10
 # A deleted pod keeps admitting requests this long before the kubelet sends SIGTERM (and the runtime stops
 # admitting and drains): the time the endpoint controllers and every kube-proxy or gateway take to stop
-# sending it new requests. Without it a client that follows the ready endpoints meets 503s (seen on a real
-# node). Within terminationGracePeriodSeconds, with the runtime's 30 s drain.
+# sending it new requests. Without it a client that follows the ready endpoints (re-read every second, as
+# kube-proxy syncs) met 503s and reset connections in a rollout on a real node (tests/test_real_node.py).
+# Within terminationGracePeriodSeconds, with the runtime's 30 s drain.
 DEREGISTRATION_SECONDS = 5
 
 
