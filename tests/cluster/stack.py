@@ -165,6 +165,8 @@ class LocalStack:
             self.runner.stop()
         if self.node is not None:
             self.node.stop()
+            for problem in self.node.restore_problems:
+                self.say(f"the host was not put back entirely: {problem}")
         self.cp.stop()
 
     @contextlib.contextmanager
