@@ -20,8 +20,12 @@ node: venv k8s
 	@bash tests/cluster/build-node.sh
 	@PYTHON=$(PY) bash tests/cluster/build-images.sh
 
+# NODE=podrunner (default): pods as local processes, quick; NODE=kubelet: a real node runs the images
+NODE ?= podrunner
+
 demo: venv k8s
-	@$(PY) scripts/demo.py
+	@if [ "$(NODE)" = kubelet ]; then $(MAKE) --no-print-directory node; fi
+	@SPYRE_DEMO_NODE=$(NODE) $(PY) scripts/demo.py
 
 demo-down:
 	@$(PY) -m tests.cluster.stack down --dir $${SPYRE_DEMO_DIR:-/tmp/spyre-serve-demo}

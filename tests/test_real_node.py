@@ -4,14 +4,25 @@ model copied in by the modelcar init container of an `oci://` model image, answe
 client with the same greedy text the engine gives on the host. The pod is the one the operator builds
 (manifests.pod_template), so its security context, volumes, probes and environment are the product's.
 
+Then the operator, installed by its chart from its image, on the same node: the kubelet's own failures
+(ErrImagePull, CreateContainerConfigError, OOMKilled, a failing readiness probe), the scheduler keeping a pod
+that wants more cards than are free Pending, two inductor replicas sharing one graph-cache volume, a rolling
+change and a deletion that lose no request, and an `s3://` model fetched by the loader Job from moto on the
+host. One node, one control plane and one operator for the module (tests/real_node_support.py).
+
 Needs root and the caches `make node` fills (tests/cluster/build-node.sh, build-images.sh)."""
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from kubernetes import client
@@ -21,14 +32,29 @@ from tests.cluster.controlplane import ControlPlane
 from tests.cluster.deviceplugin import env_name
 from tests.cluster.hoststate import FIXED_PATHS, SYSCTLS, mount_points
 from tests.cluster.node import CARD_RESOURCE, RealNode, apiserver_args, missing_prerequisites
+from tests.real_node_support import (
+    NS,
+    PROMPT,
+    SHAPE,
+    UID,
+    EndpointClient,
+    ask,
+    condition,
+    delete_model,
+    host_greedy_answer,
+    host_volume,
+    install_operator,
+    is_ready,
+    model_events,
+    model_manifest,
+    model_pods,
+    patch_spec,
+    wait_pod,
+    wait_ready,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.real_node]
-
-NS = "real-node"
-PROMPT = "The capital of France"
-UID = 1000650000  # an arbitrary uid, as OpenShift's restricted SCC assigns one
-SHAPE = (64, 16, 2)
-CGROUPS = Path("/sys/fs/cgroup/memory")
+LONG_TOKENS = 64  # a second shape of the shared model: answers long enough to be in flight for a while
 
 
 @pytest.fixture(scope="module")
@@ -112,20 +138,6 @@ def node(control_plane, tmp_path_factory):
     assert n.restore_problems == []
 
 
-def wait_pod(core, namespace: str, name: str, timeout: float, predicate, what: str = "the pod"):
-    deadline, pod = time.monotonic() + timeout, None
-    while time.monotonic() < deadline:
-        pod = core.read_namespaced_pod(name, namespace)
-        if predicate(pod):
-            return pod
-        time.sleep(0.5)
-    events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
-    raise AssertionError(
-        f"{what} {namespace}/{name} did not get there in {timeout:.0f} s; "
-        f"status: {pod.status if pod else None}\n" + "\n".join(f"  {e.reason}: {e.message}" for e in events)
-    )
-
-
 def operator_pod(name: str) -> dict:
     """The serving pod the operator builds for an `oci://` tiny model (eager, one static shape, no cache)."""
     from spyre_contract.source_uri import parse_source_uri
@@ -143,26 +155,6 @@ def operator_pod(name: str) -> dict:
     )
     settings = OperatorSettings(runtime_image=images.pod_image("runtime"), run_as_user=UID)
     return {"metadata": {"name": name, "namespace": NS}, "spec": pod_template(name, spec, settings)}
-
-
-def host_greedy_answer(tmp_path: Path) -> str:
-    """What the engine answers on the host for the same tiny model (same seed, same bytes)."""
-    from spyre_runtime.engine.llm import LLM
-    from spyre_runtime.sampling.params import SamplingParams
-    from spyre_runtime.testing.models import write_tiny_model
-
-    env = {
-        "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
-        "SENDNN_INFERENCE_USE_CB": "0",
-        "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": str(SHAPE[0]),
-        "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": str(SHAPE[1]),
-        "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": str(SHAPE[2]),
-    }
-    llm = LLM(write_tiny_model(tmp_path / "tiny"), environ=env)
-    try:
-        return llm.generate([PROMPT], SamplingParams(max_tokens=4, temperature=0))[0].text
-    finally:
-        llm.close()
 
 
 def test_runtime_image_serves_the_modelcar_model_on_the_real_node(node, tmp_path):
@@ -199,84 +191,44 @@ def test_runtime_image_serves_the_modelcar_model_on_the_real_node(node, tmp_path
     assert cards.split(",") == node.plugin.allocations[-1] and len(cards.split(",")) == 1
     logs = cp.kubectl("logs", "-n", NS, "tiny-0", "-c", "runtime").stdout
     assert "/v1/completions" in logs or "Uvicorn running" in logs or logs.strip(), logs
+    # the kernel the image built loads from the read-only root filesystem (it did not, at first)
+    assert "Paged attention kernel unavailable" not in logs and "Paged attention kernel spyre_" in logs, logs
 
 
 # ---- the operator, installed by its chart from its image, on the real node -------------------------------
 
 
-def model_manifest(name: str, **spec) -> dict:
-    return {
-        "apiVersion": "spyre-serve.io/v1alpha1",
-        "kind": "SpyreModel",
-        "metadata": {"name": name},
-        "spec": {
-            "model": {"source": f"oci://{images.pod_image('tiny-model')}", "servedModelName": "tiny"},
-            "cards": 1,
-            "replicas": 1,
-            "backend": "eager",
-            "batching": {
-                "mode": "static",
-                "shapes": [{"promptLength": SHAPE[0], "newTokens": SHAPE[1], "batchSize": SHAPE[2]}],
-            },
-            "graphCache": {"enabled": False},
-            **spec,
-        },
-    }
+@pytest.fixture(scope="module")
+def stack(node, tmp_path_factory):
+    return install_operator(node, tmp_path_factory.mktemp("real-stack"))
 
 
 @pytest.fixture(scope="module")
-def stack(node, tmp_path_factory):
-    """The CRD, then `helm install` of the chart with the operator image on the node's network (the test
-    control plane's `kubernetes` Service is not routed: the operator dials the API server on 127.0.0.1)."""
-    from tests.cluster.stack import LocalStack
-
-    s = LocalStack(tmp_path_factory.mktemp("real-stack"), control_plane=node.cp)
-    s.apply_crd()
-    repository, tag = images.pod_image("operator").rsplit(":", 1)
-    values = {
-        "replicas": 1,
-        "image": {"repository": repository, "tag": tag},
-        "runtimeImage": images.pod_image("runtime"),
-        "runtimePodSecurityContext": {"runAsUser": UID},
-        "hostNetwork": True,
-        "extraEnv": [
-            {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
-            {"name": "KUBERNETES_SERVICE_PORT", "value": str(node.cp.ports["kube-apiserver"])},
-        ],
-        "resyncSeconds": 3,
-    }
-    t0 = time.monotonic()
-    s.install_operator(values, timeout=600)
-    print(f"\n[real-node] operator Deployment ready in {time.monotonic() - t0:.1f} s (image pull included)")
-    return s
+def tiny(stack):
+    """The model the serving tests share, Ready with one replica; a second static shape with room for long
+    answers (requests in flight for a while)."""
+    shapes = [
+        {"promptLength": SHAPE[0], "newTokens": SHAPE[1], "batchSize": SHAPE[2]},
+        {"promptLength": 64, "newTokens": LONG_TOKENS, "batchSize": 4},
+    ]
+    static = {"mode": "static", "shapes": shapes}
+    stack.apply_model(NS, model_manifest("tiny", batching=static))
+    wait_ready(stack, "tiny", 1, 900)
+    yield "tiny"
+    with contextlib.suppress(client.ApiException):
+        delete_model(stack, "tiny")
 
 
-def delete_model(stack, name: str) -> None:
-    client.CustomObjectsApi(stack.kube).delete_namespaced_custom_object(
-        "spyre-serve.io", "v1alpha1", NS, "spyremodels", name
-    )
-
-
-def condition(stack, name: str, type_: str) -> dict:
-    conditions = (stack.model(NS, name).get("status") or {}).get("conditions") or []
-    return next((c for c in conditions if c["type"] == type_), {})
-
-
-def test_chart_runs_the_operator_image_and_a_modelcar_model_becomes_ready(stack, node, tmp_path):
+def test_chart_runs_the_operator_image_and_a_modelcar_model_becomes_ready(stack, node, tiny, tmp_path):
     core = client.CoreV1Api(stack.kube)
     operator = core.list_namespaced_pod(
         "spyre-system", label_selector="app.kubernetes.io/name=spyre-operator"
     ).items[0]
     assert operator.spec.node_name == node.name and operator.status.container_statuses[0].ready
     assert operator.status.container_statuses[0].image == images.pod_image("operator")
-    stack.apply_model(NS, model_manifest("tiny"))
-    stack.wait(lambda: stack.is_ready(NS, "tiny", 1), 900, "tiny Ready", lambda: stack.diagnose(NS, "tiny"))
-    ips = stack.wait(lambda: stack.endpoints(NS, "tiny"), 60, "a ready endpoint")
+    ips = stack.wait(lambda: stack.endpoints(NS, tiny), 60, "a ready endpoint")
     assert ips[0].startswith("10.213.")  # the pod's address on the node's bridge
-    c = openai.OpenAI(base_url=f"http://{ips[0]}:8000/v1", api_key="unused", max_retries=0, timeout=60)
-    answer = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
-    assert answer == host_greedy_answer(tmp_path)
-    delete_model(stack, "tiny")
+    assert ask(ips[0]) == host_greedy_answer(tmp_path)
 
 
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff")
@@ -327,3 +279,284 @@ def test_a_memory_limit_below_the_model_is_oom_killed(stack):
     )
     assert "code 137" in cond["message"], cond
     delete_model(stack, "oom")
+
+
+# ---- cards, probes, rollouts and drains, decided by the kubelet and the scheduler -------------------------
+
+
+def free_cards(stack, node) -> int:
+    """The node's allocatable cards less what its pods that still hold cards request (the scheduler's sum)."""
+    core = client.CoreV1Api(stack.kube)
+    allocatable = int(core.read_node(node.name).status.allocatable[CARD_RESOURCE])
+    pods = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node.name}").items
+    used = sum(
+        int(((c.resources.requests or {}) if c.resources else {}).get(CARD_RESOURCE, 0))
+        for p in pods
+        if p.status.phase not in ("Succeeded", "Failed")
+        for c in p.spec.containers
+    )
+    return allocatable - used
+
+
+def test_more_cards_than_are_free_stay_pending_and_the_operator_says_so(stack, node):
+    """Every free card goes to a pod of the test's; the model's pod then waits, Pending, with the scheduler's
+    words in the model's condition and a Warning Event; once those cards are free the scheduler binds it and
+    the kubelet hands it a card through the device plugin."""
+    core = client.CoreV1Api(stack.kube)
+
+    def settled() -> bool:  # no pod on the node is on its way out (its cards would free meanwhile)
+        pods = core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node.name}").items
+        return not any(p.metadata.deletion_timestamp for p in pods)
+
+    stack.wait(settled, 180, "the node's leaving pods to be gone")
+    taken = free_cards(stack, node)
+    assert taken >= 1
+    holder = {
+        "metadata": {"name": "card-holder", "namespace": NS},
+        "spec": {
+            "containers": [
+                {
+                    "name": "pause",
+                    "image": images.pod_image("pause"),
+                    "resources": {"limits": {CARD_RESOURCE: str(taken)}},
+                }
+            ],
+            "automountServiceAccountToken": False,
+            "terminationGracePeriodSeconds": 0,
+        },
+    }
+    core.create_namespaced_pod(NS, holder)
+    wait_pod(core, NS, "card-holder", 120, lambda p: p.status.phase == "Running", "the card holder")
+    assert node.plugin.allocations[-1] and len(node.plugin.allocations[-1]) == taken
+    stack.apply_model(NS, model_manifest("starved"))
+    cond = stack.wait(
+        lambda: (c := condition(stack, "starved", "Reconciling")).get("reason") == "WaitingForCards" and c,
+        120,
+        "Reconciling WaitingForCards",
+        lambda: stack.diagnose(NS, "starved"),
+    )
+    assert f"Insufficient {CARD_RESOURCE}" in cond["message"], cond  # the scheduler's own words
+    assert cond["status"] == "True" and condition(stack, "starved", "Ready")["status"] == "False"
+    (pod,) = model_pods(stack, "starved")
+    assert pod.status.phase == "Pending" and not pod.spec.node_name
+    events = model_events(stack, "starved")
+    assert any(t == "Warning" and r == "WaitingForCards" and CARD_RESOURCE in m for t, r, m in events), events
+
+    allocated = len(node.plugin.allocations)
+    core.delete_namespaced_pod("card-holder", NS, grace_period_seconds=0)
+    stack.wait(
+        lambda: len(node.plugin.allocations) > allocated, 120, "the kubelet to allocate the freed card"
+    )
+    (pod,) = model_pods(stack, "starved")
+    assert pod.spec.node_name == node.name and len(node.plugin.allocations[-1]) == 1
+    stack.wait(
+        lambda: condition(stack, "starved", "Reconciling").get("reason") != "WaitingForCards",
+        60,
+        "the model to stop waiting for cards",
+    )
+    delete_model(stack, "starved")
+
+
+def ctr(node, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ctr", "--address", str(node.containerd_socket), "-n", "k8s.io", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_a_pod_that_fails_its_readiness_probe_is_not_ready_and_the_operator_says_so(stack, node, tiny):
+    """The serving pod's container is frozen (containerd pauses its cgroup): the kubelet's readiness probe
+    times out, the pod leaves the Service's ready endpoints and the model says which pod fails its probe;
+    thawed, it serves again."""
+    (pod,) = [p for p in model_pods(stack, tiny) if is_ready(p)]
+    container = pod.status.container_statuses[0].container_id.split("://", 1)[1]
+    frozen = ctr(node, "tasks", "pause", container)
+    assert frozen.returncode == 0, frozen.stderr
+    try:
+        cond = stack.wait(
+            lambda: (c := condition(stack, tiny, "Ready")).get("reason") == "NotReady" and c,
+            90,
+            "Ready False NotReady",
+            lambda: stack.diagnose(NS, tiny),
+        )
+        assert cond["status"] == "False" and pod.metadata.name in cond["message"]
+        assert "readiness probe" in cond["message"], cond
+        assert stack.endpoints(NS, tiny) == []
+        assert condition(stack, tiny, "Stalled")["status"] == "False"  # the kubelet may still heal it
+        events = model_events(stack, tiny)
+        assert any(t == "Warning" and r == "NotReady" for t, r, _ in events), events
+    finally:
+        ctr(node, "tasks", "resume", container)
+    wait_ready(stack, tiny, 1, 120)
+    assert ask(stack.endpoints(NS, tiny)[0])
+
+
+def test_a_rolling_change_fails_no_request_of_a_client_that_follows_the_ready_endpoints(stack, tiny):
+    before = {p.metadata.name for p in model_pods(stack, tiny)}
+    old_address = stack.endpoints(NS, tiny)
+    follower = EndpointClient(stack, tiny).start()
+    try:
+        time.sleep(2)
+        generation = stack.model(NS, tiny)["metadata"]["generation"]
+        patch_spec(stack, tiny, {"env": [{"name": "SPYRE_TEST_ROLLOUT", "value": "2"}]})
+        stack.wait(lambda: stack.model(NS, tiny)["metadata"]["generation"] > generation, 30, "the new spec")
+        stack.wait(
+            lambda: (
+                stack.is_ready(NS, tiny, 1)
+                and not before & {p.metadata.name for p in model_pods(stack, tiny)}
+            ),
+            300,
+            "the new pod Ready and the old one gone",
+            lambda: stack.diagnose(NS, tiny),
+        )
+        time.sleep(2)
+    finally:
+        follower.stop()
+    new_address = stack.endpoints(NS, tiny)
+    assert new_address != old_address
+    assert follower.failures == []
+    assert set(old_address + new_address) <= follower.addresses_answered()  # both served during the change
+
+
+def test_deleting_the_model_drains_in_flight_requests_within_the_grace_period(stack, tiny, tmp_path):
+    """Answers in flight when the model is deleted: the garbage collector deletes its pod, the kubelet runs
+    its preStop hook and then sends SIGTERM, the runtime stops admitting (503) and finishes every request it
+    had admitted, then exits before the termination grace period is over. Two clients keep sending to the
+    pod's own address (held connections), so requests are in flight when SIGTERM comes; each request that
+    started before it must be answered whole (one started after may be refused, 503 or reset)."""
+    (pod,) = model_pods(stack, tiny)
+    address, name = pod.status.pod_ip, pod.metadata.name
+    grace = pod.spec.termination_grace_period_seconds
+    kubectl = [str(stack.cp.bin_dir / "kubectl"), "--kubeconfig", str(stack.cp.kubeconfig)]
+    log_file = tmp_path / "runtime.log"
+    logs = subprocess.Popen(
+        [*kubectl, "logs", "-f", "-n", NS, name, "-c", "runtime"],
+        stdout=log_file.open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    results: list[tuple[str, float]] = []  # (outcome, wall-clock start)
+    stop = threading.Event()
+    timeout = httpx.Timeout(120, connect=3)
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": LONG_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+
+    def send() -> None:
+        while not stop.is_set():
+            started = time.time()
+            try:
+                r = httpx.post(f"http://{address}:8000/v1/completions", json=body, timeout=timeout)
+                whole = r.status_code == 200 and r.json()["usage"]["completion_tokens"] == LONG_TOKENS
+                outcome = "ok" if whole else str(r.status_code)
+            except (httpx.ConnectError, httpx.ConnectTimeout):  # the server is gone
+                outcome = "refused"
+            except httpx.HTTPError as e:
+                outcome = f"cut: {type(e).__name__}: {e}"
+            results.append((outcome, started))
+            if outcome == "refused":
+                return
+            if outcome != "ok":
+                time.sleep(0.1)
+
+    senders = [threading.Thread(target=send, daemon=True) for _ in range(2)]
+    for t in senders:
+        t.start()
+    try:
+        stack.wait(lambda: sum(o == "ok" for o, _ in results) >= 2, 120, "answers before the delete")
+        t_delete = time.monotonic()
+        delete_model(stack, tiny)
+        core = client.CoreV1Api(stack.kube)
+        stack.wait(
+            lambda: name not in {p.metadata.name for p in core.list_namespaced_pod(NS).items},
+            grace + 30,
+            "the pod to be gone",
+        )
+        gone = time.monotonic() - t_delete
+    finally:
+        stop.set()
+        for t in senders:
+            t.join(timeout=150)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            logs.wait(timeout=30)
+        logs.kill()
+    text = log_file.read_text(errors="replace")
+    line = next((x for x in text.splitlines() if "SIGTERM: draining" in x), "")
+    assert line and "grace period over" not in text, text[-2000:]
+    sigterm = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").replace(tzinfo=datetime.UTC)
+    drained = int(line.split("SIGTERM: draining ", 1)[1].split()[0])
+    print(
+        f"\n[real-node] pod gone {gone:.1f} s after the delete, {drained} requests in flight at SIGTERM; "
+        f"outcomes {sorted({o for o, _ in results})}"
+    )
+    assert gone < grace, gone
+    assert drained >= 1, text[-2000:]  # requests were in flight when SIGTERM came ...
+    before = [o for o, started in results if started < sigterm.timestamp() - 0.5]
+    assert before and set(before) == {"ok"}, before  # ... and every one admitted before it was answered
+
+
+def test_two_replicas_share_the_graph_cache(stack, tmp_path):
+    """Two replicas (inductor, the graph cache on one volume): one compiles and publishes its graphs, the
+    other waits on the key's lock and loads them."""
+    folder = tmp_path / "graph-cache"
+    volume = host_volume(stack, "shared-graph-cache", folder)
+    cache = {"enabled": True, "size": "1Gi"}
+    stack.apply_model(NS, model_manifest("shared", backend="inductor", replicas=2, graphCache=cache))
+    try:
+        wait_ready(stack, "shared", 2, 900)
+        pods = model_pods(stack, "shared")
+        logs = [stack.cp.kubectl("logs", "-n", NS, p.metadata.name, "-c", "runtime").stdout for p in pods]
+        found = [
+            re.search(r"Graph cache (hit|miss) for key (\S+); (\d+) graphs compiled", log) for log in logs
+        ]
+        assert all(found), logs
+        (hit, hit_key, _), (miss, miss_key, compiled) = sorted(m.groups() for m in found)
+        assert (hit, miss) == ("hit", "miss") and hit_key == miss_key and int(compiled) > 0
+        assert (folder / "graphs/entries" / miss_key / "manifest.json").is_file()  # on the shared volume
+        answers = {ask(p.status.pod_ip) for p in pods}
+        assert len(answers) == 1, answers  # the loaded graphs answer as the compiled ones
+    finally:
+        delete_model(stack, "shared")
+        core = client.CoreV1Api(stack.kube)
+        core.delete_namespaced_persistent_volume_claim("shared-graph-cache", NS)
+        core.delete_persistent_volume(volume)
+
+
+def test_an_s3_model_comes_through_the_loader_job_in_a_container(stack, node, tmp_path):
+    """moto on the host, reached by the loader Job's pod on the node's bridge address: the Job copies the
+    model into the model cache on the graph-cache volume, and the serving pod serves it from there."""
+    from spyre_runtime.testing.models import write_tiny_model
+
+    from tests.cluster.s3server import S3Server
+
+    s3 = S3Server(tmp_path / "s3", proxy_host=node.node_ip).start()
+    core = client.CoreV1Api(stack.kube)
+    volume = host_volume(stack, "from-s3-graph-cache", tmp_path / "cache")
+    try:
+        s3.put_folder("models", "tiny", write_tiny_model(tmp_path / "tiny"))
+        core.create_namespaced_secret(NS, {"metadata": {"name": "s3-creds"}, "stringData": s3.credentials})
+        source = {"source": "s3://models/tiny", "servedModelName": "tiny", "secretRef": "s3-creds"}
+        model = {**source, "endpoint": s3.endpoint}
+        stack.apply_model(
+            NS, model_manifest("from-s3", model=model, graphCache={"enabled": True, "size": "1Gi"})
+        )
+        wait_ready(stack, "from-s3", 1, 600)
+        cached = condition(stack, "from-s3", "ModelCached")
+        assert (cached["status"], cached["reason"]) == ("True", "Cached"), cached
+        gets = s3.object_gets("models")
+        assert any("model.safetensors" in g for g in gets), gets  # the loader read the model
+        (pod,) = model_pods(stack, "from-s3")
+        assert ask(pod.status.pod_ip) == host_greedy_answer(tmp_path / "host")
+        assert list((tmp_path / "cache/models").glob("*/config.json"))  # the model cache on the volume
+    finally:
+        with contextlib.suppress(client.ApiException):
+            delete_model(stack, "from-s3")
+        with contextlib.suppress(client.ApiException):
+            core.delete_namespaced_persistent_volume_claim("from-s3-graph-cache", NS)
+        core.delete_persistent_volume(volume)
+        s3.stop()

@@ -2,7 +2,8 @@
 # The images the real node runs (issue 34), built by podman from the project's own files and pushed to a
 # local registry whose storage is cached (~/.cache/spyre-serve/registry):
 #   - a Debian base laid out like the UBI python image the Containerfiles default to (no base image can be
-#     pulled here): mmdebstrap minbase + python3, pip, venv, the host's CA certificates; a venv in
+#     pulled here): mmdebstrap minbase + python3, pip, venv, the host's CA certificates, and the C++ compiler
+#     and Python headers UBI's python image carries (inductor compiles its kernels with them); a venv in
 #     /opt/app-root first on PATH, user 1001 in group 0. Cached in podman's storage.
 #   - the pause image (the static binary build-node.sh made), the runtime image from Containerfile.runtime
 #     (torch from the machine's local CPU wheel), the operator image from Containerfile, and a modelcar of
@@ -58,7 +59,7 @@ export CONTAINERS_STORAGE_CONF="$PODMAN_DIR/storage.conf" CONTAINERS_CONF="$PODM
 
 BASE_REF="localhost/$("$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); import images; print(images.BASE_REF)' "$REPO/tests/cluster")"
 if ! podman image exists "$BASE_REF"; then
-  step "base image $BASE_REF: mmdebstrap minbase + python3, pip, venv, CA certificates (about 2 min)"
+  step "base image $BASE_REF: mmdebstrap minbase + python3, pip, venv, g++, python3-dev, CA certificates (about 3 min)"
   t0=$(date +%s)
   BASE_WORK="$CACHE_ROOT/base-build"
   rm -rf "$BASE_WORK"; mkdir -p "$BASE_WORK/ca"
@@ -72,7 +73,7 @@ for i, pem in enumerate(pems):
 PY
   sources=$(ls /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n1 || true)
   [ -n "$sources" ] || sources=/etc/apt/sources.list
-  nice -n 10 mmdebstrap --variant=minbase --include=python3,python3-pip,python3-venv,ca-certificates \
+  nice -n 10 mmdebstrap --variant=minbase --include=python3,python3-pip,python3-venv,python3-dev,g++,ca-certificates \
     --customize-hook="mkdir -p \"\$1/usr/local/share/ca-certificates/host\" && cp $BASE_WORK/ca/*.crt \"\$1/usr/local/share/ca-certificates/host/\" && chroot \"\$1\" update-ca-certificates >/dev/null" \
     --customize-hook='chroot "$1" useradd --uid 1001 --gid 0 --home-dir /opt/app-root/src --no-create-home default' \
     --customize-hook='chroot "$1" python3 -m venv /opt/app-root && mkdir -p "$1/opt/app-root/src" && chroot "$1" chown -R 1001:0 /opt/app-root && chmod -R g=u "$1/opt/app-root"' \

@@ -20,7 +20,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PAUSE_REF = "spyre-serve/pause:3.4.1"
-BASE_REF = "spyre-serve/debian-python:bookworm-1"
+# the base's tag names what it holds (bookworm-2: with g++ and python3-dev); it is part of every project
+# image's content hash, so a new base rebuilds the images on it
+BASE_REF = "spyre-serve/debian-python:bookworm-2"
 # The name pods use for the local registry; the node's containerd maps it to 127.0.0.1:<port> (hosts.toml),
 # so no image name carries a port and nothing resolves it through DNS.
 REGISTRY_HOST = "registry.spyre.test"
@@ -68,7 +70,7 @@ def ref(kind: str) -> str:
         return PAUSE_REF
     if kind not in _SOURCES:
         raise ValueError(f"unknown image kind {kind!r}: expected runtime, operator, tiny-model or pause")
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(BASE_REF.encode() + b"\0")
     for path in _files(kind):
         digest.update(str(path.relative_to(REPO)).encode() + b"\0" + path.read_bytes() + b"\0")
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]

@@ -66,6 +66,51 @@ def apiserver_args() -> tuple[str, ...]:
     return APISERVER_ARGS
 
 
+def operator_values(node: RealNode, run_as_user: int = 1000650000) -> dict:
+    """The chart's values that run the operator image on `node`: on the node's network (the test control
+    plane's `kubernetes` Service is not routed: the operator dials the API server on 127.0.0.1), serving
+    pods of the runtime image as an arbitrary uid, as OpenShift's restricted SCC assigns one."""
+    repository, tag = images.pod_image("operator").rsplit(":", 1)
+    return {
+        "replicas": 1,
+        "image": {"repository": repository, "tag": tag},
+        "runtimeImage": images.pod_image("runtime"),
+        "runtimePodSecurityContext": {"runAsUser": run_as_user},
+        "hostNetwork": True,
+        "extraEnv": [
+            {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
+            {"name": "KUBERNETES_SERVICE_PORT", "value": str(node.cp.ports["kube-apiserver"])},
+        ],
+        "resyncSeconds": 3,
+    }
+
+
+def host_volume(api_client, namespace: str, claim: str, folder: Path, size: str = "1Gi") -> str:
+    """A PersistentVolume of a folder of this machine, bound to `claim` (made by the operator or the user;
+    there is no provisioner here): group 0 may write it, as the arbitrary uid of the restricted profile runs
+    in group 0. Returns the volume's name."""
+    from kubernetes import client
+
+    folder.mkdir(parents=True, exist_ok=True)
+    os.chown(folder, 0, 0)
+    folder.chmod(0o2770)
+    name = f"{namespace}-{claim}"
+    client.CoreV1Api(api_client).create_persistent_volume(
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "capacity": {"storage": size},
+                "accessModes": ["ReadWriteMany", "ReadWriteOnce", "ReadOnlyMany"],
+                "persistentVolumeReclaimPolicy": "Retain",
+                "storageClassName": "",
+                "hostPath": {"path": str(folder), "type": "Directory"},
+                "claimRef": {"namespace": namespace, "name": claim},
+            },
+        }
+    )
+    return name
+
+
 class RealNode:
     def __init__(self, cp: ControlPlane, workdir: Path, name: str = "spyre-kubelet-0", cards: int = 8):
         self.cp = cp
@@ -435,6 +480,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if not any(p.name == "kubelet" and p.is_alive() for p in self.procs):
             return
         core = self._core()
+        # cordoned first: the pods' controllers (a Deployment, the operator) must not put new pods here
+        with contextlib.suppress(Exception):
+            core.patch_node(self.name, {"spec": {"unschedulable": True}})
         for pod in core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={self.name}").items:
             with contextlib.suppress(Exception):
                 core.delete_namespaced_pod(pod.metadata.name, pod.metadata.namespace, grace_period_seconds=0)

@@ -27,7 +27,9 @@ status back to the API server. The mappings, in one place:
   fails the pod (phase Failed, reason Init:Error, its log's tail as the message).
 - service account: the API server address and the pod's service-account token go into a kubeconfig the
   process finds through KUBECONFIG (in-cluster config would read fixed paths under /var/run/secrets).
-- status: Pending -> Running -> Succeeded/Failed; `Ready` follows the readinessProbe (HTTP GET on the pod IP);
+- status: Pending -> Running -> Succeeded/Failed; `Ready` follows the readinessProbe (HTTP GET on the pod
+  IP), `started` once it first passed (the startup probe asks the same /health), each condition stamped when
+  it flips;
   restarts per restartPolicy with restartCount, lastState and CrashLoopBackOff; a failed container's log tail
   becomes its termination message under `terminationMessagePolicy: FallbackToLogsOnError`.
 - before the first start, a kubelet's checks (kubelet_checks.py), init containers first: InvalidImageName,
@@ -84,10 +86,12 @@ class RunningPod:
     started_at: str = ""
     last_exit: dict | None = None
     ready: bool = False
+    warm: bool = False  # the process passed its startup probe (was Ready once): the kubelet's `started`
     phase: str = "Pending"
     next_start: float = 0.0
     terminating_since: float | None = None
     last_reported: str = ""
+    transitions: dict[str, tuple[str, str]] = field(default_factory=dict)  # condition -> (status, since)
     argv: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     probe: dict | None = None
@@ -418,7 +422,7 @@ class PodRunner:
                 start_new_session=True,
             )
             log.close()
-            rp.started_at, rp.phase, rp.ready = _now(), "Running", False
+            rp.started_at, rp.phase, rp.ready, rp.warm = _now(), "Running", False, False
         if rp.proc is not None and rp.proc.poll() is not None:
             code = rp.proc.returncode
             rp.last_exit = {
@@ -440,6 +444,7 @@ class PodRunner:
                 rp.phase = "Succeeded" if code == 0 else "Failed"
         if rp.proc is not None:
             rp.ready = self._probe(rp) if rp.probe else True
+            rp.warm = rp.warm or rp.ready
         self._report(pod, rp)
 
     def _probe(self, rp: RunningPod) -> bool:
@@ -480,7 +485,7 @@ class PodRunner:
                     "image": c.image,
                     "imageID": "",
                     "ready": rp.ready,
-                    "started": rp.proc is not None,
+                    "started": rp.proc is not None and rp.warm,
                     "restartCount": rp.restarts,
                     "state": state,
                     "lastState": {"terminated": rp.last_exit} if rp.last_exit else {},
@@ -493,8 +498,11 @@ class PodRunner:
         if key == rp.last_reported:
             return
         now = _now()
-        for cond in status["conditions"]:
-            cond["lastTransitionTime"] = now
+        for cond in status["conditions"]:  # as the kubelet: stamped when the condition's status changes
+            was, since = rp.transitions.get(cond["type"], ("", now))
+            since = since if was == cond["status"] else now
+            rp.transitions[cond["type"]] = (cond["status"], since)
+            cond["lastTransitionTime"] = since
         with contextlib.suppress(ApiException):
             self.core.patch_namespaced_pod_status(rp.name, rp.namespace, {"status": status})
             rp.last_reported = key

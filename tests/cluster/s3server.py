@@ -57,8 +57,11 @@ class S3Request(NamedTuple):
 
 
 class S3Server:
-    def __init__(self, workdir: str | Path) -> None:
+    def __init__(self, workdir: str | Path, proxy_host: str = "127.0.0.1") -> None:
+        """`proxy_host`: where `endpoint` listens (a real node's pods reach the host on its bridge address);
+        moto itself stays on 127.0.0.1."""
         self.workdir = Path(workdir)
+        self.proxy_host = proxy_host
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "moto.log"
         self.port = 0
@@ -75,7 +78,7 @@ class S3Server:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._proxy.server_address[1]}"
+        return f"http://{self.proxy_host}:{self._proxy.server_address[1]}"
 
     def start(self, timeout: float = 30.0) -> S3Server:
         self.port = free_port()
@@ -102,7 +105,7 @@ class S3Server:
                     ) from None
                 time.sleep(0.2)
         self._make_user()
-        self._proxy = ThreadingHTTPServer(("127.0.0.1", 0), _proxy_handler(self))
+        self._proxy = ThreadingHTTPServer((self.proxy_host, 0), _proxy_handler(self))
         self._proxy.daemon_threads = True
         threading.Thread(target=self._proxy.serve_forever, name="s3proxy", daemon=True).start()
         return self

@@ -1,6 +1,8 @@
 """The whole system on one machine, as a user meets it: control plane, pseudo Spyre nodes, the CRD, the
 operator installed by its Helm chart and run by the local pod runner, which also runs the inference pods.
-Used by the end-to-end test and by `make demo`. Test and demo infrastructure, never shipped."""
+Used by the end-to-end test and by `make demo`. With `node="kubelet"` (`make demo NODE=kubelet`) a real node
+instead (tests/cluster/node.py): containerd and the kubelet run the operator's image and the runtime's.
+Test and demo infrastructure, never shipped."""
 
 from __future__ import annotations
 
@@ -15,10 +17,13 @@ from pathlib import Path
 from kubernetes import client
 
 from tests.cluster.controlplane import ControlPlane, pid_alive, spyre_nodes
+from tests.cluster.node import RealNode, apiserver_args
+from tests.cluster.node import operator_values as node_operator_values
 from tests.cluster.podrunner import PodRunner
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP, VERSION, PLURAL = "spyre-serve.io", "v1alpha1", "spyremodels"
+NODE_KINDS = ("podrunner", "kubelet")
 
 
 class StackError(RuntimeError):
@@ -51,12 +56,21 @@ class LocalStack:
         say: Callable[[str], None] = lambda _: None,
         die_with_parent: bool = True,
         control_plane: ControlPlane | None = None,
+        node: str = "podrunner",
     ):
-        """`control_plane`: one already running (a real node's, tests/cluster/node.py), used as it is."""
+        """`control_plane`: one already running (a real node's, tests/cluster/node.py), used as it is.
+        `node`: who runs the pods, "podrunner" (local processes) or "kubelet" (a real node)."""
+        if node not in NODE_KINDS:
+            raise StackError(f"unknown node kind {node!r}: expected one of {', '.join(NODE_KINDS)}")
         self.workdir = Path(workdir)
         self.say = say
-        self.cp = control_plane or ControlPlane(self.workdir / "cluster", die_with_parent=die_with_parent)
+        self.node_kind = node
+        extra = apiserver_args() if node == "kubelet" else ()
+        self.cp = control_plane or ControlPlane(
+            self.workdir / "cluster", die_with_parent=die_with_parent, extra_apiserver_args=extra
+        )
         self.runner: PodRunner | None = None
+        self.node: RealNode | None = None
         self.kube = control_plane.api_client() if control_plane else None
 
     def kubectl(self, *args: str) -> str:
@@ -71,6 +85,8 @@ class LocalStack:
         )
         self.cp.start()
         self.kube = self.cp.api_client()
+        if self.node_kind == "kubelet":
+            return self._start_on_a_real_node(operator_values)
         nodes = self.cp.register_nodes(spyre_nodes(count=2, cards=8))
         self.say(f"registered pseudo Spyre nodes {', '.join(nodes)} with 8 ibm.com/spyre_pf cards each")
         self.say("applying the SpyreModel CRD")
@@ -89,6 +105,20 @@ class LocalStack:
         ).start()
         self.say("installing the operator with its Helm chart (real Helm engine)")
         self.install_operator(operator_values or {})
+        return self
+
+    def _start_on_a_real_node(self, values: dict | None) -> LocalStack:
+        self.say(
+            "starting a real node: containerd, the kubelet 1.20, a CNI bridge of its own and a device plugin "
+            "with 8 ibm.com/spyre_pf cards (what it changes on the host is put back when it stops)"
+        )
+        self.node = RealNode(self.cp, self.workdir / "node").start()
+        self.say(
+            f"node {self.node.name} Ready in {self.node.ready_seconds:.0f} s; applying the SpyreModel CRD"
+        )
+        self.apply_crd()
+        self.say("installing the operator from its image with its Helm chart (real Helm engine)")
+        self.install_operator({**node_operator_values(self.node), **(values or {})}, timeout=600)
         return self
 
     def apply_crd(self) -> None:
@@ -133,6 +163,10 @@ class LocalStack:
     def stop(self) -> None:
         if self.runner is not None:
             self.runner.stop()
+        if self.node is not None:
+            self.node.stop()
+            for problem in self.node.restore_problems:
+                self.say(f"the host was not put back entirely: {problem}")
         self.cp.stop()
 
     @contextlib.contextmanager
@@ -243,8 +277,8 @@ def _state_file(workdir: Path) -> Path:
     return Path(workdir) / "stack.json"
 
 
-def run_forever(workdir: Path) -> int:
-    """Runs the stack in this process until SIGTERM/SIGINT; the pod runner lives here."""
+def run_forever(workdir: Path, node: str = "podrunner") -> int:
+    """Runs the stack in this process until SIGTERM/SIGINT; the pod runner (or the real node) lives here."""
     import json
     import signal
     import threading
@@ -252,7 +286,7 @@ def run_forever(workdir: Path) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stack = LocalStack(workdir, say=lambda m: print(f"[stack] {m}", flush=True))
+    stack = LocalStack(workdir, say=lambda m: print(f"[stack] {m}", flush=True), node=node)
     try:
         stack.start()
         _state_file(workdir).write_text(
@@ -261,6 +295,7 @@ def run_forever(workdir: Path) -> int:
                     "pid": os.getpid(),
                     "kubeconfig": str(stack.cp.kubeconfig),
                     "kubectl": str(stack.cp.bin_dir / "kubectl"),
+                    "node": node,
                     "ready": True,
                 }
             )
@@ -277,8 +312,8 @@ def run_forever(workdir: Path) -> int:
     return 0
 
 
-def up(workdir: Path, timeout: float = 300) -> dict:
-    """Starts `run_forever` detached (or finds it running); returns its state."""
+def up(workdir: Path, timeout: float = 300, node: str = "podrunner") -> dict:
+    """Starts `run_forever` detached (or finds it running, on the same kind of node); returns its state."""
     import json
     import sys
 
@@ -286,6 +321,11 @@ def up(workdir: Path, timeout: float = 300) -> dict:
     if state_file.exists():
         state = json.loads(state_file.read_text())
         if pid_alive(state["pid"]):
+            if state.get("node", "podrunner") != node:
+                raise StackError(
+                    f"a stack on a {state.get('node', 'podrunner')} node runs in {workdir}: stop it first "
+                    "(make demo-down)"
+                )
             return state
         state_file.unlink()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -293,7 +333,7 @@ def up(workdir: Path, timeout: float = 300) -> dict:
     shown = len(log.read_text(errors="replace").splitlines()) if log.exists() else 0  # earlier runs' lines
     with log.open("ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.cluster.stack", "run", "--dir", str(workdir)],
+            [sys.executable, "-m", "tests.cluster.stack", "run", "--dir", str(workdir), "--node", node],
             cwd=REPO,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -342,7 +382,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="python -m tests.cluster.stack")
     parser.add_argument("command", choices=["run", "down"])
     parser.add_argument("--dir", required=True)
+    parser.add_argument("--node", choices=NODE_KINDS, default="podrunner")
     args = parser.parse_args()
     if args.command == "run":
-        sys.exit(run_forever(Path(args.dir)))
+        sys.exit(run_forever(Path(args.dir), args.node))
     print("stopped" if down(Path(args.dir)) else f"no stack recorded in {args.dir}")

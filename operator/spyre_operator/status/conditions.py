@@ -17,6 +17,9 @@ from spyre_operator.kinds.pods.observe import PodHealth, lacks_cards, waits_for_
 from spyre_operator.kinds.pods.plan import PodView
 
 CONDITION_TYPES = ("Ready", "Reconciling", "Stalled", "Progressing", "Degraded")
+# pod failures the kubelet may still heal on its own (its liveness probe restarts a pod that stays unready):
+# Degraded and Reconciling, not Stalled
+HEALING = ("NotReady",)
 
 
 def now_iso() -> str:
@@ -239,7 +242,9 @@ def _all_problems(
     """What went wrong while acting, then the failing pods (not terminating), then a failed compile Job."""
     names = {p.name for p in pods if not p.is_terminating}
     failures = [
-        Problem(h.failure_reason, h.failure_message) for h in health if h.failure_reason and h.name in names
+        Problem(h.failure_reason, h.failure_message, is_stalled=h.failure_reason not in HEALING)
+        for h in health
+        if h.failure_reason and h.name in names
     ]
     found = list(problems) + failures
     if cache is not None and cache.is_failed:

@@ -193,3 +193,28 @@ def test_a_builder_killed_mid_build_blocks_nobody(tmp_path):
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_a_prebuilt_kernel_loads_from_a_read_only_folder(tmp_path):
+    """The runtime image builds the kernel into its own folder and runs with a read-only root filesystem
+    (the restricted profile's): the build is loaded as it is, with no lock file and no compiler (CXX names
+    none). Found on the real node, where the image's kernel went unused. A read-only bind mount (root)."""
+    built, ro = tmp_path / "built", tmp_path / "ro"
+    ro.mkdir()
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(built))
+    script = "from spyre_runtime.executor.kernels import paged_attention\nassert paged_attention.kernel()\n"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    subprocess.run(["mount", "--bind", str(built), str(ro)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ro), CXX=str(tmp_path / "no-such-compiler"))
+        done = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+        assert "unavailable" not in done.stderr, done.stderr
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)

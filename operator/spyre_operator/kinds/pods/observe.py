@@ -34,7 +34,7 @@ class PodHealth:
     """Failures and start-up read off one pod's status."""
 
     name: str
-    failure_reason: str | None = None  # CrashLoop | ContainerFailed | PodFailed | one of STUCK_REASONS
+    failure_reason: str | None = None  # CrashLoop | ContainerFailed | PodFailed | NotReady | STUCK_REASONS
     failure_message: str = ""
     unschedulable_message: str = ""
     node: str = ""  # the node the pod is bound to ("": not scheduled)
@@ -89,6 +89,36 @@ def _age_seconds(created: str, now: datetime.datetime) -> float:
     return (now - then).total_seconds()
 
 
+def _failing_readiness(name: str, status: dict, conditions: dict) -> tuple[str | None, str]:
+    """("NotReady", message) for a pod whose container passed its startup probe (warm: it answered /health)
+    and was Ready, then fails its readiness probe: the pod lost Ready after the container started. A pod
+    between its startup probe and its first readiness probe lost nothing (Ready has been False since before
+    the container started). (None, "") otherwise."""
+    ready = conditions.get("Ready", {})
+    if ready.get("status") != "False" or not ready.get("lastTransitionTime"):
+        return None, ""
+    for cs in status.get("containerStatuses") or []:
+        started_at = ((cs.get("state") or {}).get("running") or {}).get("startedAt")
+        if (
+            cs.get("started")
+            and not cs.get("ready")
+            and started_at
+            and _timestamp(ready["lastTransitionTime"]) > _timestamp(started_at)
+        ):
+            return "NotReady", (
+                f"pod {name}: container {cs['name']} passed its startup probe but fails its readiness "
+                f"probe (not Ready since {ready['lastTransitionTime']}; its Service sends it nothing)"
+            )
+    return None, ""
+
+
+def _timestamp(text: str) -> datetime.datetime:
+    try:
+        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return datetime.datetime.min
+
+
 def observe_pod(
     pod: dict,
     card_resource: str,
@@ -132,6 +162,8 @@ def observe_pod(
                 f"pod {meta['name']}: container {cs['name']} exited: {terminated.get('reason', 'Error')} "
                 f"(code {terminated.get('exitCode')})" + (f": {words}" if words else "")
             )
+    if failure is None and not meta.get("deletionTimestamp"):
+        failure, message = _failing_readiness(meta["name"], status, conditions)
     phase = status.get("phase")
     if phase in ("Failed", "Succeeded"):
         why = " ".join(x for x in (status.get("reason"), status.get("message")) if x) or f"phase {phase}"

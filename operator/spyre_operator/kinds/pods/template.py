@@ -25,6 +25,12 @@ from spyre_operator.spec.model_spec import ModelSpec
 from spyre_operator.spec.runtime_contract import CACHE_MOUNT, runtime_args, runtime_env
 
 PROBE_PERIOD = 10
+# A deleted pod keeps admitting requests this long before the kubelet sends SIGTERM (and the runtime stops
+# admitting and drains): the time the endpoint controllers and every kube-proxy or gateway take to stop
+# sending it new requests. Without it a client that follows the ready endpoints (re-read every second, as
+# kube-proxy syncs) met 503s and reset connections in a rollout on a real node (tests/test_real_node.py).
+# Within terminationGracePeriodSeconds, with the runtime's 30 s drain.
+DEREGISTRATION_SECONDS = 5
 
 
 def _num_doublings(start: int, top: int) -> int:
@@ -96,6 +102,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         # the runtime's one-line start-up error reaches the pod's status (and the model's condition)
         "terminationMessagePolicy": "FallbackToLogsOnError",
         "livenessProbe": {**probe, "periodSeconds": 10, "failureThreshold": 3},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(DEREGISTRATION_SECONDS)]}}},
         "securityContext": dict(CONTAINER_SECURITY),
     }
     pod_spec = {

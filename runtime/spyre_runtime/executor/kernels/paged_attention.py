@@ -131,20 +131,15 @@ def _load():
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
         directory = Path(root) / name
         directory.mkdir(parents=True, exist_ok=True)
-        with open(directory / "spyre-build.flock", "a") as held:
-            # builders of this code hold this flock (the kernel drops it when one dies); torch's own `lock`
-            # file, which it waits on forever, is then a dead builder's leftover
-            fcntl.flock(held, fcntl.LOCK_EX)
-            (directory / "lock").unlink(missing_ok=True)
-            cpp_extension.load(
-                name=name,
-                sources=[str(SOURCE)],
-                extra_cflags=build_flags(),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,
-                verbose=False,
-            )
+        try:
+            held = open(directory / "spyre-build.flock", "a")  # noqa: SIM115
+        except OSError:
+            # a folder nobody may write: the image's prebuilt kernel under a read-only root filesystem (the
+            # restricted profile's): loaded as it is, never built (cpp_extension.load writes its lock there)
+            torch.ops.load_library(str(directory / f"{name}.so"))
+        else:
+            with held:
+                _build_under(held, directory, name, cpp_extension)
         op = torch.ops.spyre_kernels.paged_decode.default
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
     except Exception as exc:  # any failure to build or load: the ATen ops serve
@@ -157,6 +152,23 @@ def _load():
         return None
     log.info("Paged attention kernel %s ready in %.1f s", name, time.monotonic() - started)
     return op
+
+
+def _build_under(held, directory: Path, name: str, cpp_extension) -> None:
+    """Builds (or loads the cached build of) the kernel holding `held`'s flock: builders of this code hold
+    it (the kernel drops it when one dies); torch's own `lock` file, which it waits on forever, is then a
+    dead builder's leftover."""
+    fcntl.flock(held, fcntl.LOCK_EX)
+    (directory / "lock").unlink(missing_ok=True)
+    cpp_extension.load(
+        name=name,
+        sources=[str(SOURCE)],
+        extra_cflags=build_flags(),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _one_line(exc: Exception) -> str:

@@ -51,3 +51,35 @@ def test_observe_pod_reads_failures_and_last_words():
     assert not observe_pod(young, "x/y", HASH_LABEL, now=NOW, stuck_grace_seconds=120)[0].is_dead
     old = observe_pod(young, "x/y", HASH_LABEL, now=NOW, stuck_grace_seconds=30)
     assert old[0].is_dead and old[1].failure_reason == "ImagePullBackOff"
+
+
+def test_a_warm_pod_that_fails_its_readiness_probe_is_not_ready_not_warming():
+    """As the kubelet reports it (seen on the real node, tests/test_real_node.py): the container passed its
+    startup probe (`started`), then its readiness probe fails, so Ready turned False after the container
+    started. Degraded and not Stalled (the kubelet's liveness probe may still heal it), with an Event. A pod
+    between its startup probe and its first readiness probe (Ready False since before it started) is not."""
+
+    def warm(since: str) -> dict:
+        body = pod_dict("w", node="n1")
+        body["status"]["conditions"][0]["lastTransitionTime"] = since
+        body["status"]["containerStatuses"] = [
+            {
+                "name": "runtime",
+                "ready": False,
+                "started": True,
+                "restartCount": 0,
+                "state": {"running": {"startedAt": "2026-11-25T12:00:00Z"}},
+            }
+        ]
+        return body
+
+    status = status_for([pod_dict("a", ready=True), warm("2026-11-25T12:05:00Z")])
+    assert cond(status, "Ready")["reason"] == "NotReady" == cond(status, "Degraded")["reason"]
+    message = cond(status, "Degraded")["message"]
+    assert message.startswith("pod w: container runtime passed its startup probe but fails its readiness")
+    assert cond(status, "Stalled")["status"] == "False" and cond(status, "Reconciling")["status"] == "True"
+    fresh = status_for([pod_dict("a", ready=True), warm("2026-11-25T11:59:58Z")])
+    assert cond(fresh, "Degraded")["status"] == "False" and cond(fresh, "Ready")["reason"] == "Warming"
+    terminating = warm("2026-11-25T12:05:00Z")
+    terminating["metadata"]["deletionTimestamp"] = "2026-11-25T12:05:01Z"
+    assert observe_pod(terminating, "x/y", HASH_LABEL, now=NOW)[1].failure_reason is None

@@ -39,6 +39,9 @@ def test_pod_has_cards_env_volumes_probes_and_security():
     assert vols["model"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
     assert c["startupProbe"]["httpGet"]["path"] == "/health"
     assert c["startupProbe"]["failureThreshold"] * c["startupProbe"]["periodSeconds"] >= 2 * 600
+    # a deleted pod admits requests a while longer (until the endpoints forget it), then drains in the grace
+    assert c["lifecycle"]["preStop"]["exec"]["command"] == ["sleep", "5"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] > 5 + 30  # the runtime drains for up to 30 s
     assert c["securityContext"] == {
         "allowPrivilegeEscalation": False,
         "capabilities": {"drop": ["ALL"]},

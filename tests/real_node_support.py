@@ -1,0 +1,193 @@
+"""What the real-node tests share (tests/test_real_node.py): the tiny model's manifest, waiting on pods and
+conditions, the operator installed by its chart on the node, a graph-cache volume the node can mount, and a
+client that follows a Service's ready endpoints the way kube-proxy would. Test infrastructure."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import openai
+from kubernetes import client
+
+from tests.cluster import images
+from tests.cluster.node import host_volume as node_host_volume
+from tests.cluster.node import operator_values
+from tests.cluster.stack import LocalStack
+
+NS = "real-node"
+PROMPT = "The capital of France"
+UID = 1000650000  # an arbitrary uid, as OpenShift's restricted SCC assigns one
+SHAPE = (64, 16, 2)
+MODEL_LABEL = "spyre-serve.io/model"
+
+
+def wait_pod(core, namespace: str, name: str, timeout: float, predicate, what: str = "the pod"):
+    deadline, pod = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        pod = core.read_namespaced_pod(name, namespace)
+        if predicate(pod):
+            return pod
+        time.sleep(0.5)
+    events = core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
+    raise AssertionError(
+        f"{what} {namespace}/{name} did not get there in {timeout:.0f} s; "
+        f"status: {pod.status if pod else None}\n" + "\n".join(f"  {e.reason}: {e.message}" for e in events)
+    )
+
+
+def is_ready(pod) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def model_manifest(name: str, **spec) -> dict:
+    """A SpyreModel of the tiny modelcar image: eager, one static shape, no graph cache (unless `spec`
+    says otherwise)."""
+    return {
+        "apiVersion": "spyre-serve.io/v1alpha1",
+        "kind": "SpyreModel",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": f"oci://{images.pod_image('tiny-model')}", "servedModelName": "tiny"},
+            "cards": 1,
+            "replicas": 1,
+            "backend": "eager",
+            "batching": {
+                "mode": "static",
+                "shapes": [{"promptLength": SHAPE[0], "newTokens": SHAPE[1], "batchSize": SHAPE[2]}],
+            },
+            "graphCache": {"enabled": False},
+            **spec,
+        },
+    }
+
+
+def install_operator(node, workdir: Path) -> LocalStack:
+    """The CRD, then `helm install` of the chart with the operator image on the node's network (the test
+    control plane's `kubernetes` Service is not routed: the operator dials the API server on 127.0.0.1)."""
+    s = LocalStack(workdir, control_plane=node.cp)
+    s.apply_crd()
+    values = operator_values(node, UID)
+    t0 = time.monotonic()
+    s.install_operator(values, timeout=600)
+    print(f"\n[real-node] operator Deployment ready in {time.monotonic() - t0:.1f} s (image pull included)")
+    return s
+
+
+def host_volume(stack: LocalStack, claim: str, folder: Path, size: str = "1Gi") -> str:
+    return node_host_volume(stack.kube, NS, claim, folder, size)
+
+
+def delete_model(stack: LocalStack, name: str) -> None:
+    client.CustomObjectsApi(stack.kube).delete_namespaced_custom_object(
+        "spyre-serve.io", "v1alpha1", NS, "spyremodels", name
+    )
+
+
+def patch_spec(stack: LocalStack, name: str, spec: dict) -> None:
+    client.CustomObjectsApi(stack.kube).patch_namespaced_custom_object(
+        "spyre-serve.io", "v1alpha1", NS, "spyremodels", name, {"spec": spec}
+    )
+
+
+def condition(stack: LocalStack, name: str, type_: str) -> dict:
+    conditions = (stack.model(NS, name).get("status") or {}).get("conditions") or []
+    return next((c for c in conditions if c["type"] == type_), {})
+
+
+def model_events(stack: LocalStack, name: str) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events the operator posted on the model."""
+    events = client.CoreV1Api(stack.kube).list_namespaced_event(
+        NS, field_selector=f"involvedObject.name={name},involvedObject.kind=SpyreModel"
+    )
+    return [(e.type, e.reason, e.message) for e in events.items]
+
+
+def model_pods(stack: LocalStack, name: str) -> list:
+    return client.CoreV1Api(stack.kube).list_namespaced_pod(NS, label_selector=f"{MODEL_LABEL}={name}").items
+
+
+def wait_ready(stack: LocalStack, name: str, replicas: int, timeout: float = 600) -> None:
+    stack.wait(
+        lambda: stack.is_ready(NS, name, replicas),
+        timeout,
+        f"{name} Ready with {replicas} replicas",
+        lambda: stack.diagnose(NS, name),
+    )
+
+
+def host_greedy_answer(tmp_path: Path, max_tokens: int = 4) -> str:
+    """What the engine answers on the host for the same tiny model (same seed, same bytes)."""
+    from spyre_runtime.engine.llm import LLM
+    from spyre_runtime.sampling.params import SamplingParams
+    from spyre_runtime.testing.models import write_tiny_model
+
+    env = {
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
+        "SENDNN_INFERENCE_USE_CB": "0",
+        "SENDNN_INFERENCE_WARMUP_PROMPT_LENS": str(SHAPE[0]),
+        "SENDNN_INFERENCE_WARMUP_NEW_TOKENS": str(SHAPE[1]),
+        "SENDNN_INFERENCE_WARMUP_BATCH_SIZES": str(SHAPE[2]),
+    }
+    llm = LLM(write_tiny_model(tmp_path / "tiny"), environ=env)
+    try:
+        return llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
+    finally:
+        llm.close()
+
+
+def ask(address: str, max_tokens: int = 4, timeout: float = 60) -> str:
+    c = openai.OpenAI(base_url=f"http://{address}:8000/v1", api_key="unused", max_retries=0, timeout=timeout)
+    return (
+        c.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0)
+        .choices[0]
+        .text
+    )
+
+
+@dataclass
+class EndpointClient:
+    """A client that follows a Service's ready endpoints as kube-proxy would (the test control plane has
+    none): it reads the EndpointSlices at most every `sync_seconds` (kube-proxy's minimum sync period,
+    `--iptables-min-sync-period`, is 1 s) and sends to the next ready address, round robin, without retries.
+    Runs in a thread until `stop()`; every request's (address, answer or error) is kept."""
+
+    stack: LocalStack
+    service: str
+    sync_seconds: float = 1.0
+    answers: list[tuple[str, str]] = field(default_factory=list)
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> EndpointClient:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=120)
+
+    def _run(self) -> None:
+        turn, synced, addresses = 0, 0.0, []
+        while not self._stop.is_set():
+            if time.monotonic() - synced >= self.sync_seconds:
+                addresses, synced = self.stack.endpoints(NS, self.service), time.monotonic()
+            if not addresses:
+                self.failures.append(("", "no ready endpoint"))
+                time.sleep(0.1)
+                continue
+            address = addresses[turn % len(addresses)]
+            turn += 1
+            try:
+                self.answers.append((address, ask(address)))
+            except Exception as e:  # any failed request is a finding
+                self.failures.append((address, f"{type(e).__name__}: {e}"))
+            time.sleep(0.05)
+
+    def addresses_answered(self) -> set[str]:
+        return {a for a, _ in self.answers}
