@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # shared server or control plane is made once); 1 runs them one after another
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test venv k8s node lint format docs cluster-up cluster-down demo-down
+.PHONY: demo test venv k8s node prometheus lint format docs cluster-up cluster-down demo-down
 
 venv:
 	@bash scripts/bootstrap.sh
@@ -14,6 +14,10 @@ venv:
 k8s:
 	@bash tests/cluster/build-k8s.sh
 	@bash tests/cluster/build-crd-server.sh
+
+# promtool and prometheus from Debian's package (the alert rules' unit tests); cached after the first run
+prometheus:
+	@bash tests/cluster/build-prometheus.sh
 
 # the real node's kubelet, container packages and images (tests/test_real_node.py); cached after the first run
 node: venv k8s
@@ -30,7 +34,7 @@ demo: venv k8s
 demo-down:
 	@$(PY) -m tests.cluster.stack down --dir $${SPYRE_DEMO_DIR:-/tmp/spyre-serve-demo}
 
-test: venv k8s node
+test: venv k8s node prometheus
 	@echo "[test] ruff, import contracts, the docs site (mkdocs build --strict), then pytest"
 	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/lint-imports
