@@ -15,7 +15,7 @@ from spyre_runtime.entrypoints.server.metrics import Metrics
 from tests.conftest import REPO
 
 # a name of ours in an expression: vLLM's and sendnn's (with their colon), our spyre_* ones
-OUR_METRIC = re.compile(r"(?<![\w:])((?:vllm|sendnn):[a-z_:]+|spyre_[a-z_]+)")
+OUR_METRIC = re.compile(r"(?<![\w:])((?:vllm|sendnn):[a-z0-9_:]+|spyre_[a-z0-9_]+)")
 SUFFIXES = {"counter": ("_total", "_created"), "histogram": ("_bucket", "_sum", "_count", "_created")}
 
 
