@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import copy
 
+import helm_python as helm
+import kubernetes_validate
 import pytest
 import yaml
 from kubernetes import client
@@ -17,11 +19,22 @@ from spyre_operator.settings import COMPILE_LABEL, MODEL_LABEL, OperatorSettings
 
 from tests.conftest import REPO, kubectl
 from tests.operator.objects import MODEL, spec_of
-from tests.test_chart import by_kind, render
+from tests.test_chart import CHART, by_kind, render
 
 CRDS = REPO / "tests/cluster/crds/monitoring-coreos.yaml"
 GROUP, VERSION = "monitoring.coreos.com", "v1"
 ON = {"metrics": {"podMonitor": True}, "alerts": {"enabled": True}}
+
+
+def test_lint_is_clean_with_everything_on():
+    values = {**ON, "dashboard": {"enabled": True}, "metrics": {"podMonitor": True, "serviceMonitor": True}}
+    report = helm.lint(str(CHART), values, strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+    (dashboard,) = [
+        c for c in by_kind(render(values), "ConfigMap") if c["metadata"]["name"].endswith("board")
+    ]
+    kubernetes_validate.validate(dashboard, kubernetes_validate.latest_version(), strict=True)
 
 
 def selector_string(selector: dict) -> str:
