@@ -1,5 +1,5 @@
-"""Waves kept whole: the continuous scheduler's step-time policy (SENDNN_INFERENCE_CB_STEP_BUDGET_MS). Pure
-functions, no tensors.
+"""Waves kept whole: the continuous scheduler's step-time policy (SENDNN_INFERENCE_CB_STEP_BUDGET_MS). No
+tensors.
 
 A wave is the prompts that arrive together (a client's fixed concurrency refills its streams at once). With
 a token count per step, a wave larger than one step is split first come, first served: its first prompts
@@ -14,7 +14,8 @@ vLLM-client ITL p99 3.65x vLLM's, 1.78x once a wave fitted one step). With the p
 - a window of prompts (the first `prefill_pieces` being prefilled) that does not fit one step finishes
   together: no prompt of the window gets its last token until all of them do (`wave_pieces`), so the wave
   starts decoding in one step and its streams stay in step. Held back is one token per prompt (its last,
-  which takes a place of its own beside the chunk): the wave needs no extra step.
+  which takes a place of its own beside the chunk), so the wave needs no extra step; the price is the
+  window's first prompts' TTFT, which becomes the window's last one's.
 
 The compiled limits still hold: at most `--max-num-batched-tokens` (or the largest chunk bucket) prompt
 tokens, `prefill_pieces` prompts, `max_num_seqs` sequences and the volumetric limit (admission is
