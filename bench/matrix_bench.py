@@ -4,6 +4,7 @@ a timed test: only the ratios of one run count (the machine is shared).
 
     .venv/bin/python bench/matrix_bench.py [--dtypes float32,bfloat16] [--streams 1,8,32] [--no-vllm-client]
                                            [--mixed-prefill-tokens 64] [--systems ours,vllm]
+                                           [--step-budget-ms 150 [--step-cost-us 34000,900,2600]]
                                            [--out bench/results-matrix.json] [--model DIR]
                                            [--backend inductor] [--bandwidth-gib 1]
 
@@ -22,7 +23,9 @@ Ours serves every phase from one configuration: continuous batching, inductor, 3
 its bucket multiplies and attends for its live rows only), steps of up to `--chunk` prompt tokens (default
 1024) from up to `--prefill-pieces` prompts (default 8; SENDNN_INFERENCE_CB_PREFILL_PIECES), at most
 `--mixed-prefill-tokens` of them beside running decodes (default 0: no limit;
-SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS).
+SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS), with waves kept whole under a step-time budget of
+`--step-budget-ms` (default 0: off; SENDNN_INFERENCE_CB_STEP_BUDGET_MS) by the step cost `--step-cost-us`
+(fixed, per chunk token, per decode row; SENDNN_INFERENCE_CB_STEP_COST_US, default run 20's profile).
 """
 
 from __future__ import annotations
@@ -71,7 +74,10 @@ def ours_config(args) -> tuple[dict, tuple[str, ...]]:
         "SENDNN_INFERENCE_CB_KV_LENS": str(args.max_model_len),
         "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": str(args.mixed_prefill_tokens),
         "SENDNN_INFERENCE_CB_PREFILL_PIECES": str(args.prefill_pieces),
+        "SENDNN_INFERENCE_CB_STEP_BUDGET_MS": str(args.step_budget_ms),
     }
+    if args.step_cost_us:
+        env["SENDNN_INFERENCE_CB_STEP_COST_US"] = args.step_cost_us
     flags = (
         *OURS_ARGS,
         "--max-model-len",
@@ -257,6 +263,8 @@ def main() -> int:
     ap.add_argument("--no-vllm-client", dest="vllm_client", action="store_false")
     ap.add_argument("--mixed-prefill-tokens", type=int, default=0)
     ap.add_argument("--prefill-pieces", type=int, default=8)
+    ap.add_argument("--step-budget-ms", type=int, default=0, help="waves kept whole (0: off)")
+    ap.add_argument("--step-cost-us", default="", help="fixed,per-token,per-row (default: the runtime's)")
     ap.add_argument("--chunk", type=int, default=1024, help="our --max-num-batched-tokens")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--systems", default="ours,vllm")

@@ -25,6 +25,10 @@ CB_DEFAULT_CHUNK = 256
 CB_DEFAULT_MIXED_PREFILL_TOKENS = 0
 # prompts one mixed step prefills pieces of, at most (SENDNN_INFERENCE_CB_PREFILL_PIECES)
 CB_DEFAULT_PREFILL_PIECES = 4
+# waves kept whole (SENDNN_INFERENCE_CB_STEP_BUDGET_MS, 0: off) and the step cost it plans with: fixed, per
+# chunk token, per decode row, in microseconds (bench/README.md run 20's profile, SmolLM2-135M fp32, a Xeon)
+CB_DEFAULT_STEP_BUDGET_MS = 0
+CB_DEFAULT_STEP_COST_US = (34000, 900, 2600)
 ENV_PREFIX = "SENDNN_INFERENCE_"
 ALIAS_PREFIX = "VLLM_SPYRE_"  # 1.x's prefix: sendnn-inference 2.x no longer reads it, so neither do we
 # Spyre's volumetric limit: a decode step's rows x context (tkv) stay at or under it (known configurations
@@ -223,6 +227,8 @@ class EnvironmentSettings:
     cp_interleave_steps: bool = True
     mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES
+    step_budget_ms: int = CB_DEFAULT_STEP_BUDGET_MS
+    step_cost_us: tuple[int, int, int] = CB_DEFAULT_STEP_COST_US
     max_batch_tkv_limit: int = 0  # rows x context of a decode step, at most (0: no limit)
     pausing_enabled: bool = True
     long_output_priority: bool = False
@@ -289,6 +295,8 @@ def read_environment(
         cp_interleave_steps=env.bool("CP_INTERLEAVE_STEPS", True),
         mixed_prefill_tokens=env.int("CB_MIXED_PREFILL_TOKENS", CB_DEFAULT_MIXED_PREFILL_TOKENS, minimum=0),
         max_prefill_pieces=env.int("CB_PREFILL_PIECES", CB_DEFAULT_PREFILL_PIECES, minimum=1),
+        step_budget_ms=env.int("CB_STEP_BUDGET_MS", CB_DEFAULT_STEP_BUDGET_MS, minimum=0),
+        step_cost_us=_step_cost(env),
         max_batch_tkv_limit=env.int(TKV_LIMIT_VAR, 0, minimum=0, full=True),
         pausing_enabled=env.bool("PAUSING_ENABLED", True),
         long_output_priority=env.bool("LONG_OUT_PRIO", False),
@@ -297,6 +305,13 @@ def read_environment(
     if use_cb:
         _check_cb_limits(settings, env, chunk_given=flags.max_num_batched_tokens is not None)
     return settings
+
+
+def _step_cost(env: Env) -> tuple[int, int, int]:
+    var, parts = env.int_list("CB_STEP_COST_US", ",".join(map(str, CB_DEFAULT_STEP_COST_US)))
+    if len(parts) != 3:
+        raise ContractError(f"{var} needs 3 integers: fixed,per-token,per-row microseconds, not {len(parts)}")
+    return parts[0], parts[1], parts[2]
 
 
 def _backend(env: Env) -> str:

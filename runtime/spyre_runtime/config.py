@@ -19,6 +19,7 @@ from spyre_contract import (
     CB_DEFAULT_MAX_NUM_SEQS,
     CB_DEFAULT_MIXED_PREFILL_TOKENS,
     CB_DEFAULT_PREFILL_PIECES,
+    CB_DEFAULT_STEP_COST_US,
     ENV_PREFIX,
     PROMPT_LEN_MULTIPLE,
     ContractError,
@@ -163,11 +164,11 @@ class RuntimeConfig:
     update_thread_config: bool = True
     num_cpus: int = 0
     cp_interleave_steps: bool = True
-    # continuous batching: prompt tokens a mixed step carries beside running decodes (0: the whole chunk)
-    mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS
+    mixed_prefill_tokens: int = CB_DEFAULT_MIXED_PREFILL_TOKENS  # beside running decodes (0: the chunk)
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES  # prompts a mixed step prefills pieces of, at most
-    # Spyre's volumetric limit and request pausing (engine/sched/volume.py); 0: no limit
-    max_batch_tkv_limit: int = 0
+    step_budget_ms: int = 0  # waves kept whole (engine/sched/waves.py): a step's time budget (0: off)
+    step_cost_us: tuple[int, int, int] = CB_DEFAULT_STEP_COST_US  # fixed, per chunk token, per decode row
+    max_batch_tkv_limit: int = 0  # Spyre's volumetric limit, and pausing (engine/sched/volume.py); 0: none
     pausing_enabled: bool = True
     long_output_priority: bool = False
     shutdown_grace_seconds: float = 30.0

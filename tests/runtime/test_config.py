@@ -145,6 +145,18 @@ def test_serve_says_static_batching_is_1x_s_mode_in_one_line(tiny_model):
             {"SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": "half"},
             "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS='half' is not an integer",
         ),
+        (
+            {"SENDNN_INFERENCE_CB_STEP_BUDGET_MS": "-5"},
+            "SENDNN_INFERENCE_CB_STEP_BUDGET_MS='-5' must be >= 0",
+        ),
+        (
+            {"SENDNN_INFERENCE_CB_STEP_COST_US": "34000,900"},
+            "SENDNN_INFERENCE_CB_STEP_COST_US needs 3 integers: fixed,per-token,per-row microseconds, not 2",
+        ),
+        (
+            {"SENDNN_INFERENCE_CB_STEP_COST_US": "34000,0.9,2600"},
+            "SENDNN_INFERENCE_CB_STEP_COST_US='34000,0.9,2600': '0.9' is not an integer",
+        ),
         ({"TORCH_SENDNN_CACHE_ENABLE": "1"}, "TORCH_SENDNN_CACHE_ENABLE=1 needs TORCH_SENDNN_CACHE_DIR"),
     ],
 )

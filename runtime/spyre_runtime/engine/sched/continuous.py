@@ -24,7 +24,8 @@ A step is a decode of every running request, prefill chunks, or both at once:
   skipped, see the executor). Decode first, when set (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS; off by
   default): while requests are decoding, a step carries at most `mixed_prefill_tokens` prompt tokens, so a
   running stream's gap between two tokens stays near a decode step's length when prompts arrive; with
-  nothing decoding a step carries the whole chunk.
+  nothing decoding a step carries the whole chunk. Waves kept whole (SENDNN_INFERENCE_CB_STEP_BUDGET_MS, off
+  by default): a step's prompt tokens by a time budget, a wave's prompts finishing together (waves.py).
 - Without it, a prompt's chunks (at most `max_num_batched_tokens` tokens, the smallest bucket that fits) run
   alone, back to back, one prompt at a time.
 - A decode step runs at the smallest (batch, KV length) bucket holding every running request.
@@ -170,7 +171,7 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         self._admit(self.max_num_seqs)
         if not self.prefilling:
             return decode
-        chunks = self._next_pieces(self.mixed_budget if decode else self.chunk_tokens)
+        chunks = self._pieces(len(decode.decode) if decode else 0)
         mixed = {
             "chunks": chunks,
             "batch_size": max(self.batch_buckets),
@@ -209,6 +210,10 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
                 self.num_prefix_hits += allocation.num_cached_tokens
             req.status = Status.RUNNING
             self.prefilling.append(req)
+
+    def _pieces(self, rows: int) -> tuple[PrefillChunk, ...]:
+        """A mixed step's prompt pieces beside `rows` decode rows (waves.py's policy overrides this)."""
+        return self._next_pieces(self.mixed_budget if rows else self.chunk_tokens)
 
     def _next_pieces(self, budget: int) -> tuple[PrefillChunk, ...]:
         """Up to `pieces` prompts' next tokens, in admission order, within the step's token budget: the whole

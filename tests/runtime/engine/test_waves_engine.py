@@ -1,0 +1,57 @@
+"""Waves kept whole through the real engine (the tiny model, eager): a wave of prompts arriving beside
+running streams gets the same greedy tokens with the step-time policy on as off, and on, the wave's
+prompts get their first token in the same step."""
+
+import pytest
+from spyre_runtime.config import load_config
+from spyre_runtime.engine.llm_engine import LLMEngine
+from spyre_runtime.engine.sched.waves import WaveScheduler
+from spyre_runtime.sampling.params import SamplingParams
+
+RUNNING = [[3 + i for i in range(20)], [50 + i for i in range(24)]]
+WAVE = [[(7 * i + 11 * j) % 200 + 1 for j in range(40 + 9 * i)] for i in range(3)]
+
+
+def serve(tiny_model, budget_ms: int) -> tuple[list[list[int]], list[int]]:
+    """Every request's tokens, and the step each wave prompt got its first token in."""
+    env = {
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
+        "SENDNN_INFERENCE_USE_CB": "1",
+        "SENDNN_INFERENCE_CB_STEP_BUDGET_MS": str(budget_ms),
+        # 10 ms a step, 1 ms a chunk token, 2 ms a decode row: 64 prompt tokens beside 2 rows at 90 ms
+        "SENDNN_INFERENCE_CB_STEP_COST_US": "10000,1000,2000",
+    }
+    engine = LLMEngine(
+        load_config(tiny_model, environ=env, max_num_seqs=5, max_model_len=256, max_num_batched_tokens=128)
+    )
+    try:
+        assert isinstance(engine.scheduler, WaveScheduler) == bool(budget_ms)
+        params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+        requests = [engine.add_request(p, params) for p in RUNNING]
+        engine.step()  # the two prompts
+        engine.step()  # their first decode
+        wave = [engine.add_request(p, params) for p in WAVE]
+        first, t = [None] * len(wave), 0
+        while engine.has_work():
+            engine.step()
+            t += 1
+            for i, r in enumerate(wave):
+                if first[i] is None and r.num_output_tokens:
+                    first[i] = t
+        return [r.output_token_ids for r in requests + wave], first
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def policy_off(tiny_model):
+    return serve(tiny_model, 0)
+
+
+@pytest.mark.parametrize("budget_ms", [90, 200])
+def test_a_wave_gets_the_same_greedy_tokens_with_the_policy_on(tiny_model, policy_off, budget_ms):
+    off, off_first = policy_off
+    on, on_first = serve(tiny_model, budget_ms)
+    assert on == off and all(len(tokens) == 12 for tokens in on)
+    assert len(set(on_first)) == 1  # the wave starts decoding in one step
+    assert len(set(off_first)) > 1  # the token-count scheduler split it
