@@ -80,7 +80,7 @@ class S3Server:
     def endpoint(self) -> str:
         return f"http://{self.proxy_host}:{self._proxy.server_address[1]}"
 
-    def start(self, timeout: float = 30.0) -> S3Server:
+    def start(self, timeout: float = 120.0) -> S3Server:  # moto's imports take long on a loaded machine
         self.port = free_port()
         env = {**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(MIN_PART_SIZE), "MOTO_PORT": str(self.port)}
         with open(self.log_path, "ab") as log:
@@ -101,7 +101,8 @@ class S3Server:
                 if popen.poll() is not None or time.monotonic() > deadline:
                     self.stop()
                     raise RuntimeError(
-                        f"moto server did not start: {self.log_path.read_text()[-2000:]}"
+                        f"moto server did not start (exit code {popen.poll()}, {timeout:.0f} s): "
+                        f"{self.log_path.read_text()[-2000:]}"
                     ) from None
                 time.sleep(0.2)
         self._make_user()
