@@ -82,11 +82,8 @@ def _start_facts(pod: dict, conditions: dict, now: datetime.datetime) -> dict:
 
 
 def _age_seconds(created: str, now: datetime.datetime) -> float:
-    try:
-        then = datetime.datetime.strptime(created, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
-    except ValueError:
-        return 0.0
-    return (now - then).total_seconds()
+    then = _timestamp(created)
+    return 0.0 if then == _NO_TIME else (now - then).total_seconds()
 
 
 def _failing_readiness(name: str, status: dict, conditions: dict) -> tuple[str | None, str]:
@@ -112,11 +109,15 @@ def _failing_readiness(name: str, status: dict, conditions: dict) -> tuple[str |
     return None, ""
 
 
+_NO_TIME = datetime.datetime.min.replace(tzinfo=datetime.UTC)  # an unreadable timestamp
+
+
 def _timestamp(text: str) -> datetime.datetime:
+    """A Kubernetes timestamp (UTC, seconds); _NO_TIME when it cannot be read."""
     try:
-        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ")
+        return datetime.datetime.strptime(text, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
     except ValueError:
-        return datetime.datetime.min
+        return _NO_TIME
 
 
 def observe_pod(
