@@ -518,6 +518,7 @@ def test_two_replicas_share_the_graph_cache(stack, tmp_path):
         (hit, hit_key, _), (miss, miss_key, compiled) = sorted(m.groups() for m in found)
         assert (hit, miss) == ("hit", "miss") and hit_key == miss_key and int(compiled) > 0
         assert (folder / "graphs/entries" / miss_key / "manifest.json").is_file()  # on the shared volume
+        assert len(list((folder / "graphs/entries").iterdir())) == 1  # the second replica published nothing
         answers = {ask(p.status.pod_ip) for p in pods}
         assert len(answers) == 1, answers  # the loaded graphs answer as the compiled ones
     finally:
