@@ -129,7 +129,25 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.cache.owned_changed(key)  # new to the cache, drifted or deleted: check it again
         memo.queue.add(key)
 
-    # listed at start-up too: a model's policy left from when the setting was on is known, and removed
+    _watch_network_policies(registry)
+
+    @kopf.on.event("batch", "v1", "jobs", id="job", registry=registry)
+    async def job_event(namespace, labels, memo, **_):
+        if model := labels.get(COMPILE_LABEL) or labels.get(FETCH_LABEL):  # a compile or loader Job
+            memo.queue.add((namespace, model))
+
+    @kopf.on.cleanup(registry=registry)
+    def stop(memo, **_):
+        memo.resync.stop()
+        memo.queue.stop()
+
+    return registry
+
+
+def _watch_network_policies(registry: kopf.OperatorRegistry) -> None:
+    """The models' NetworkPolicies (kinds/network_policy.py), listed at start-up too: a model's policy left
+    from when the setting was on is known, and removed."""
+
     @kopf.on.event(
         "networking.k8s.io",
         "v1",
@@ -145,18 +163,6 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             return  # listed at start-up (checked anyway) or just created
         memo.cache.owned_changed(key)  # drifted, deleted, or left over: check it again
         memo.queue.add(key)
-
-    @kopf.on.event("batch", "v1", "jobs", id="job", registry=registry)
-    async def job_event(namespace, labels, memo, **_):
-        if model := labels.get(COMPILE_LABEL) or labels.get(FETCH_LABEL):  # a compile or loader Job
-            memo.queue.add((namespace, model))
-
-    @kopf.on.cleanup(registry=registry)
-    def stop(memo, **_):
-        memo.resync.stop()
-        memo.queue.stop()
-
-    return registry
 
 
 def build_memo(
