@@ -65,6 +65,7 @@ def configure(settings: kopf.OperatorSettings, memo, **_):
     managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
     settings.watching.label_selectors["batch", "jobs"] = managed
     settings.watching.label_selectors[POOL_GROUP, POOL_PLURAL] = MODEL_LABEL
+    settings.watching.label_selectors["networking.k8s.io", "networkpolicies"] = MODEL_LABEL
     memo.queue.start()
     memo.resync.start()
 
@@ -128,6 +129,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.cache.owned_changed(key)  # new to the cache, drifted or deleted: check it again
         memo.queue.add(key)
 
+    _watch_network_policies(registry)
+
     @kopf.on.event("batch", "v1", "jobs", id="job", registry=registry)
     async def job_event(namespace, labels, memo, **_):
         if model := labels.get(COMPILE_LABEL) or labels.get(FETCH_LABEL):  # a compile or loader Job
@@ -139,6 +142,27 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.queue.stop()
 
     return registry
+
+
+def _watch_network_policies(registry: kopf.OperatorRegistry) -> None:
+    """The models' NetworkPolicies (kinds/network_policy.py), listed at start-up too: a model's policy left
+    from when the setting was on is known, and removed."""
+
+    @kopf.on.event(
+        "networking.k8s.io",
+        "v1",
+        "networkpolicies",
+        labels={MODEL_LABEL: kopf.PRESENT},
+        id="netpol",
+        registry=registry,
+    )
+    async def policy_event(type, namespace, labels, memo, **_):
+        key = (namespace, labels[MODEL_LABEL])
+        memo.cache.policy_seen(key, type != "DELETED")
+        if type in (None, "ADDED") and memo.settings.network_policy:
+            return  # listed at start-up (checked anyway) or just created
+        memo.cache.owned_changed(key)  # drifted, deleted, or left over: check it again
+        memo.queue.add(key)
 
 
 def build_memo(

@@ -4,9 +4,10 @@
 2. admit the spec (admission.py; spec/ parses it, its source into one type per scheme);
 3. one step per owned kind, each in its own file under kinds/ holding its decide-and-ensure step and its
    builder, acting through io/kube.py: the Service (service.py), the graph-cache claim
-   (graph_cache_claim.py), the InferencePool (inference_pool.py), the loader Job that fills the model cache
-   (loader_job.py), the compile Job (compile_job.py), the ResourceClaimTemplate of DRA cards
-   (resource_claim_template.py) and the pods (pods/: acting on the watch's view, no list of its own);
+   (graph_cache_claim.py), the InferencePool (inference_pool.py), the NetworkPolicy (network_policy.py),
+   the loader Job that fills the model cache (loader_job.py), the compile Job (compile_job.py), the
+   ResourceClaimTemplate of DRA cards (resource_claim_template.py) and the pods (pods/: acting on the
+   watch's view, no list of its own);
 4. the status and its Events, written once (status/).
 
 Whatever fails while acting ends in the model's status (a condition naming the object and the API server's
@@ -31,6 +32,7 @@ from spyre_operator.kinds.compile_job import CompileJobStep
 from spyre_operator.kinds.graph_cache_claim import GraphCacheClaimStep
 from spyre_operator.kinds.inference_pool import InferencePoolStep, PoolState
 from spyre_operator.kinds.loader_job import UNREAD, LoaderJobStep
+from spyre_operator.kinds.network_policy import NetworkPolicyStep
 from spyre_operator.kinds.pods.step import PodStep
 from spyre_operator.kinds.pods.template import pod_template, template_hash
 from spyre_operator.kinds.resource_claim_template import ResourceClaimTemplateStep
@@ -60,6 +62,7 @@ class Reconciler:
         self.graph_cache_claim = GraphCacheClaimStep(settings, self.kube, events)
         self.resource_claim_template = ResourceClaimTemplateStep(settings, self.kube, events)
         self.inference_pool = InferencePoolStep(settings, self.kube, events)
+        self.network_policy = NetworkPolicyStep(settings, self.kube, events, self.cache)
         self.loader_job = LoaderJobStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
         self.pods = PodStep(settings, self.kube, events, self.cache)
@@ -74,8 +77,9 @@ class Reconciler:
         return result
 
     def _reconcile(self, key: Key, model: dict) -> Result:
-        """Admit the spec; the Service, the claims and the InferencePool; the model cache's loader Job; the
-        compile Job; the pods; the status and Events. The compile Job and the pods wait for the model."""
+        """Admit the spec; the Service, the claims, the InferencePool and the NetworkPolicy; the model
+        cache's loader Job; the compile Job; the pods; the status and Events. The compile Job and the pods
+        wait for the model."""
         try:
             spec = self.admission.admit(key, model)
         except InvalidSpec as e:
@@ -84,6 +88,7 @@ class Reconciler:
         work = Pass()
         has_claim = self._ensure_service_and_claim(key, model, spec, work)
         pool = self._ensure_inference_pool(key, model, spec, work)
+        self.network_policy.ensure(key, model, spec, work)
         downloads = spec.source.is_downloaded and not spec.suspend
         model_cache = self.loader_job.ensure(model, spec, work) if downloads and has_claim else None
         has_model = not downloads or (model_cache is not None and model_cache.is_ready)

@@ -80,6 +80,8 @@ class OperatorSettings:
     loader_retries: int = (
         2  # the loader Job's backoffLimit: transient failures retried with Kubernetes' back-off
     )
+    network_policy: bool = False  # a NetworkPolicy per model (kinds/network_policy.py)
+    monitoring_namespace: str | None = None  # its scrapers reach the pods' metrics through that policy
 
 
 ENV = {
@@ -114,6 +116,8 @@ ENV = {
     "oci_mode": "SPYRE_OPERATOR_OCI_MODE",
     "allow_host_path": "SPYRE_OPERATOR_ALLOW_HOST_PATH",
     "loader_retries": "SPYRE_OPERATOR_LOADER_RETRIES",
+    "network_policy": "SPYRE_OPERATOR_NETWORK_POLICY",
+    "monitoring_namespace": "SPYRE_OPERATOR_MONITORING_NAMESPACE",
 }
 OCI_MODES = ("modelcar", "image-volume")
 
@@ -239,6 +243,12 @@ def _port(value: str, source: str) -> int:
     return int(value)
 
 
+def _namespace(value: str, source: str) -> str | None:
+    if len(value) > 63 or (value and not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", value)):
+        raise SettingsError(f"{source}={value!r} is not a namespace name (a DNS label)")
+    return value or None
+
+
 def _names(value: str, source: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in value.split(",") if n.strip())
 
@@ -269,6 +279,8 @@ PARSE = {
     "require_known_config": _boolean,
     "inference_pool": _boolean,
     "allow_host_path": _boolean,
+    "network_policy": _boolean,
+    "monitoring_namespace": _namespace,
     "oci_mode": _oci_mode,
     "loader_retries": _count,
     "card_tiers": _card_tiers,

@@ -487,6 +487,18 @@ CATALOG = [
     ),
     # the image: a reference the kubelet parses (else InvalidImageName, and the pod never starts)
     Row(
+        "kv-events-static",
+        {"kvEvents": {}},
+        "spec.kvEvents: needs continuous batching: KV events come from its prefix cache",
+        at_create="spec.kvEvents needs continuous batching: KV events come from its prefix cache",
+    ),
+    Row(
+        "network-peer-ip-block-and-pods",
+        {"networkPolicy": {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}},
+        "spec.networkPolicy.from[0]: ipBlock excludes podSelector and namespaceSelector",
+        at_create="ipBlock excludes podSelector and namespaceSelector",
+    ),
+    Row(
         "image-empty",
         {"image": ""},
         "spec.image",

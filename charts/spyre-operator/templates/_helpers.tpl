@@ -69,4 +69,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, watch, create, patch, delete]
+# a NetworkPolicy per model when the chart's networkPolicy.enabled is on: made, watched and repaired,
+# removed when it is turned off
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 {{- end -}}

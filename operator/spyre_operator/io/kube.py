@@ -1,6 +1,6 @@
 """The operator's one door to the API server: create, read, list, patch and delete of the objects it owns
-(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate, InferencePool, the model loader's
-ServiceAccount, Role and RoleBinding), the nodes it may read, which
+(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate, InferencePool, NetworkPolicy, the model
+loader's ServiceAccount, Role and RoleBinding), the nodes it may read, which
 APIs the cluster serves, the SpyreModel and its status. Every call
 carries the settings' timeout and answers plain dicts; a 404 on a read or a delete is an answer (None;
 nothing left to delete), not an error. And how a refused or failed call reaches the status: as a Problem
@@ -26,6 +26,7 @@ _METHOD_NAMES = {
     "ServiceAccount": "service_account",
     "Role": "role",
     "RoleBinding": "role_binding",
+    "NetworkPolicy": "network_policy",
 }
 # the custom resources the operator owns: (group, version, plural)
 _CUSTOM_KINDS = {"InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL)}
@@ -38,6 +39,7 @@ class Kube:
         self.custom = client.CustomObjectsApi(api_client)
         self.resource = client.ResourceV1Api(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self.timeout = timeout
 
     def _method(self, verb: str, kind: str):
@@ -46,7 +48,7 @@ class Kube:
         api = {"Job": self.batch, "ResourceClaimTemplate": self.resource, "Role": self.rbac}.get(
             kind, self.core
         )
-        api = self.rbac if kind == "RoleBinding" else api
+        api = self.rbac if kind == "RoleBinding" else self.networking if kind == "NetworkPolicy" else api
         return getattr(api, f"{verb}_namespaced_{_METHOD_NAMES[kind]}")
 
     def _custom_method(self, verb: str, group: str, version: str, plural: str):

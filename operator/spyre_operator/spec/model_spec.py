@@ -130,6 +130,8 @@ class ModelSpec:
     suspend: bool = False
     rollout: Rollout = field(default_factory=Rollout)
     inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
+    network_peers: tuple = ()  # spec.networkPolicy.from: who else reaches the API (NetworkPolicyPeers)
+    kv_events_port: int | None = None  # spec.kvEvents: the port KV events are published on; None: off
 
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}

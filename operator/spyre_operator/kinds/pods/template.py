@@ -90,7 +90,12 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         "command": ["spyre-runtime"],
         "args": runtime_args(spec, settings),
         "env": runtime_env(spec),
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+        + (
+            [{"name": "kv-events", "containerPort": spec.kv_events_port, "protocol": "TCP"}]
+            if spec.kv_events_port is not None
+            else []
+        ),
         "resources": resources,
         "volumeMounts": mounts,
         "startupProbe": {
@@ -136,10 +141,10 @@ def placement_fields(pod_spec: dict, spec: ModelSpec, settings: OperatorSettings
 
 
 def spec_hash(model: dict) -> str:
-    """The model's spec as far as it shapes pods (replicas, suspend, the rollout budget and the InferencePool
-    aside): pods whose template changed but whose spec hash did not were changed by the operator's own
-    settings."""
-    aside = ("replicas", "suspend", "rollout", "inferencePool")
+    """The model's spec as far as it shapes pods (replicas, suspend, the rollout budget, the InferencePool
+    and the NetworkPolicy aside): pods whose template changed but whose spec hash did not were changed by the
+    operator's own settings."""
+    aside = ("replicas", "suspend", "rollout", "inferencePool", "networkPolicy")
     spec = {k: v for k, v in (model.get("spec") or {}).items() if k not in aside}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
