@@ -106,6 +106,7 @@ class TokenAuth:
         self._pending: dict[bytes, asyncio.Task] = {}
         self._client: httpx.AsyncClient | None = None
         self._last_warning = 0.0
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per review
 
     def describe(self) -> str:
         return (
