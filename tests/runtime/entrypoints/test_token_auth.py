@@ -213,3 +213,32 @@ def test_in_a_pod_the_runtime_uses_its_service_account(cp, tokens, tmp_path):
         return await asyncio.gather(status(tokens["alice"]), status(tokens["bob"]), status("garbage"))
 
     assert asyncio.run(statuses()) == [200, 403, 401]
+
+
+def test_answers_are_cached_allowed_and_denied(cp, tokens, tmp_path):
+    """Within the cache time an answer needs no API server: frozen, it still gives 200 and 403 at once."""
+    kubeconfig = tmp_path / "runtime.kubeconfig"
+    kubeconfig.write_text(
+        kubeconfig_yaml(cp.server, cp.workdir / "pki" / "ca.crt", tokens["runtime"], "runtime")
+    )
+    auth = TokenAuth(api_server_from({"KUBECONFIG": str(kubeconfig)}), MODEL, NS, cache_seconds=60)
+
+    async def statuses(*names):
+        refusals = await asyncio.gather(
+            *(auth.refusal(Headers({"authorization": f"Bearer {tokens[n]}"})) for n in names)
+        )
+        return [200 if r is None else r.status_code for r in refusals]
+
+    async def scenario():
+        first = await statuses("alice", "bob", "alice", "bob")  # concurrent: one review per token
+        cp.pause("kube-apiserver")
+        try:
+            t0 = time.monotonic()
+            cached = await statuses("alice", "bob")
+            return first, cached, time.monotonic() - t0
+        finally:
+            cp.resume("kube-apiserver")
+
+    first, cached, seconds = asyncio.run(scenario())
+    assert first == [200, 403, 200, 403]
+    assert cached == [200, 403] and seconds < 1
