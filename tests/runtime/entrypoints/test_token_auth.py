@@ -222,6 +222,13 @@ def test_answers_are_cached_allowed_and_denied(cp, tokens, tmp_path):
         kubeconfig_yaml(cp.server, cp.workdir / "pki" / "ca.crt", tokens["runtime"], "runtime")
     )
     auth = TokenAuth(api_server_from({"KUBECONFIG": str(kubeconfig)}), MODEL, NS, cache_seconds=60)
+    reviews, post = [], auth._post
+
+    async def counted(path, body):  # the real call, counted
+        reviews.append(body["kind"])
+        return await post(path, body)
+
+    auth._post = counted
 
     async def statuses(*names):
         refusals = await asyncio.gather(
@@ -241,4 +248,6 @@ def test_answers_are_cached_allowed_and_denied(cp, tokens, tmp_path):
 
     first, cached, seconds = asyncio.run(scenario())
     assert first == [200, 403, 200, 403]
+    assert sorted(reviews) == ["SubjectAccessReview"] * 2 + ["TokenReview"] * 2  # one of each per token
     assert cached == [200, 403] and seconds < 1
+    assert len(reviews) == 4
