@@ -1,20 +1,21 @@
 """Who may call a model (spec.auth, spec.tls; issue 40), the operator's half: the Secrets the pods read and
 the identity token authorization needs.
 
-- The API key's Secret and the TLS key pair's Secret are read (never logged, never in a status or an Event:
-  only their names and keys are), checked (the key is there; tls.crt and tls.key are PEM) and digested: the
-  digest goes into the pod template, so new data rolls the pods. A Secret missing or malformed is a problem
-  naming it, and the pods wait (no pod that cannot start, no crash loop); its watch event brings the model back.
+- The API key's Secret and the TLS key pair's Secret are read (never logged, never in a status or an
+  Event: only their names and keys are), checked (the key is there; tls.crt and tls.key are PEM) and
+  digested: the digest goes into the pod template, so new data rolls the pods. A Secret missing or malformed
+  is a problem naming it, and the pods wait (no pod that cannot start, no crash loop); its watch event
+  brings the model back.
 - `auth.kubernetes`: a ServiceAccount per model (owned) and a ClusterRoleBinding of it to
-  `system:auth-delegator` (TokenReviews and SubjectAccessReviews). A cluster-scoped object cannot be owned by a
-  namespaced one: the binding carries the model's labels, and is removed when the model goes (its DELETED
-  event, or the watch listing a binding whose model is gone) or stops asking for it."""
+  `system:auth-delegator` (TokenReviews and SubjectAccessReviews). A cluster-scoped object cannot be owned
+  by a namespaced one: the binding carries the model's labels, and is removed when the model goes (its
+  DELETED event, or the watch listing a binding whose model is gone) or stops asking for it."""
 
 from __future__ import annotations
 
 import base64
-import dataclasses
 import binascii
+import dataclasses
 import hashlib
 import logging
 import re

@@ -46,7 +46,10 @@ class ServiceStep:
             if patch:
                 self.kube.patch("Service", name, namespace, patch)
                 self.events.post(
-                    model, "Normal", "ServiceRepaired", f"Service {name}: {', '.join(patch_fields(patch))} restored"
+                    model,
+                    "Normal",
+                    "ServiceRepaired",
+                    f"Service {name}: {', '.join(patch_fields(patch))} restored",
                 )
             return True
         except ApiException as e:
@@ -72,7 +75,10 @@ def service_repair(have: dict, want: dict) -> dict | None:
 
 
 def patch_fields(patch: dict) -> list[str]:
-    return [*(["selector and ports"] if "spec" in patch else []), *(["annotations"] if "metadata" in patch else [])]
+    return [
+        *(["selector and ports"] if "spec" in patch else []),
+        *(["annotations"] if "metadata" in patch else []),
+    ]
 
 
 def build_service(model: dict, settings: OperatorSettings, tls: Tls | None = None) -> dict:
