@@ -132,6 +132,24 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.cache.owned_changed(key)  # new to the cache, drifted or deleted: check it again
         memo.queue.add(key)
 
+    register_access_handlers(registry)
+
+    @kopf.on.event("batch", "v1", "jobs", id="job", registry=registry)
+    async def job_event(namespace, labels, memo, **_):
+        if model := labels.get(COMPILE_LABEL) or labels.get(FETCH_LABEL):  # a compile or loader Job
+            memo.queue.add((namespace, model))
+
+    @kopf.on.cleanup(registry=registry)
+    def stop(memo, **_):
+        memo.resync.stop()
+        memo.queue.stop()
+
+    return registry
+
+
+def register_access_handlers(registry: kopf.OperatorRegistry) -> None:
+    """Who may call a model (kinds/access.py): the Secrets its pods read, token authorization's bindings."""
+
     # the Secrets models' pods read (spec.auth.apiKey, spec.tls): new data rolls the pods, a Secret that
     # appears lets them start. Users' Secrets carry no label of ours: every Secret's events arrive, and only
     # those of a Secret a model reads enqueue anything (their data is never kept).
@@ -154,18 +172,6 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         key = (labels[NAMESPACE_LABEL], labels[MODEL_LABEL])
         if type != "DELETED" and memo.reconciler.access.binding_seen(key):
             memo.queue.add(key)
-
-    @kopf.on.event("batch", "v1", "jobs", id="job", registry=registry)
-    async def job_event(namespace, labels, memo, **_):
-        if model := labels.get(COMPILE_LABEL) or labels.get(FETCH_LABEL):  # a compile or loader Job
-            memo.queue.add((namespace, model))
-
-    @kopf.on.cleanup(registry=registry)
-    def stop(memo, **_):
-        memo.resync.stop()
-        memo.queue.stop()
-
-    return registry
 
 
 def build_memo(

@@ -72,7 +72,7 @@ def reviewed(kube, user: str, verb: str, resource: str, sub: str, namespace: str
         ("create", "events", True),
         ("create", "jobs.batch", True),
         ("patch", "jobs.batch", False),
-        # the Secrets models' pods read (spec.auth.apiKey, spec.tls): read, checked and digested, never written
+        # the Secrets models' pods read (spec.auth, spec.tls): read, checked and digested, never written
         ("get", "secrets", True),
         ("watch", "secrets", True),
         ("create", "secrets", False),
