@@ -189,3 +189,30 @@ def test_service_of_a_tls_model_says_https_and_asks_the_service_ca_on_openshift(
     assert service_repair(tls, openshift) == {
         "metadata": {"annotations": {SERVICE_CA_ANNOTATION: "granite-tls"}}
     }
+
+
+class _NoSecrets:
+    """Kube's read as the API server answers it for a Secret that does not exist (yet)."""
+
+    def read(self, kind, name, namespace):
+        assert kind == "Secret"
+        return None
+
+
+@pytest.mark.parametrize(
+    ("service_ca", "reason", "problem"),
+    [(False, "WaitingForSecret", "SecretNotFound"), (True, "WaitingForSecret", None)],
+)
+def test_a_missing_key_pair_is_a_problem_unless_the_service_ca_writes_it(service_ca, reason, problem):
+    from spyre_operator.io.work import Pass
+    from spyre_operator.kinds.access import AccessStep
+
+    work = Pass()
+    step = AccessStep(OperatorSettings(openshift_service_ca=service_ca), _NoSecrets())
+    assert step.ensure(MODEL, spec_of(tls=TLS), work) is None  # the pods wait
+    assert work.waiting_reason == reason and "granite-tls" in work.waiting
+    assert [p.reason for p in work.problems] == ([problem] if problem else [])
+    if service_ca:
+        assert "service CA" in work.waiting
+    assert step.secret_changed("ml", "granite-tls") == [("ml", "granite")]  # its watch event brings it back
+    assert step.secret_changed("ml", "other") == []
