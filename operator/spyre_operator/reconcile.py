@@ -6,8 +6,9 @@
    builder, acting through io/kube.py: the Service (service.py), the graph-cache claim
    (graph_cache_claim.py), the InferencePool (inference_pool.py), the NetworkPolicy (network_policy.py),
    the loader Job that fills the model cache (loader_job.py), the compile Job (compile_job.py), the
-   ResourceClaimTemplate of DRA cards (resource_claim_template.py) and the pods (pods/: acting on the
-   watch's view, no list of its own);
+   ResourceClaimTemplate of DRA cards (resource_claim_template.py), who may call the model (access.py:
+   the Secrets its pods read, digested into their template, and token authorization's identity) and the
+   pods (pods/: acting on the watch's view, no list of its own);
 4. the status and its Events, written once (status/).
 
 Whatever fails while acting ends in the model's status (a condition naming the object and the API server's
@@ -28,6 +29,7 @@ from spyre_operator.io.metrics import OperatorMetrics
 from spyre_operator.io.watch import Key, WatchCache
 from spyre_operator.io.work import Pass, Problem
 from spyre_operator.io.workqueue import Result
+from spyre_operator.kinds.access import AccessStep
 from spyre_operator.kinds.compile_job import CompileJobStep
 from spyre_operator.kinds.graph_cache_claim import GraphCacheClaimStep
 from spyre_operator.kinds.inference_pool import InferencePoolStep, PoolState
@@ -65,6 +67,7 @@ class Reconciler:
         self.network_policy = NetworkPolicyStep(settings, self.kube, events, self.cache)
         self.loader_job = LoaderJobStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
+        self.access = AccessStep(settings, self.kube)
         self.pods = PodStep(settings, self.kube, events, self.cache)
         self.report = Reporter(settings, self.kube, events, self.metrics)
 
@@ -95,17 +98,19 @@ class Reconciler:
         cache = None
         if spec.cache.precompile and not spec.suspend and has_claim and has_model:
             cache = self.compile_job.ensure(model, spec, work)
-        thash = template_hash(pod_template(key[1], spec, self.settings))
         pods = self.cache.pods(key)
         has_claim = has_claim and self.resource_claim_template.ensure(model, spec, pods, work)
-        if has_claim:
+        secured = self.access.ensure(model, spec, work)  # the Secrets' digest, or None: the pods wait
+        spec = secured or spec
+        thash = template_hash(pod_template(key[1], spec, self.settings), spec.secret_digest)
+        if has_claim and secured is not None:
             # the new template waits for its model (also when its loader Job was unread), then its graphs
             gate = cache if has_model else (model_cache or UNREAD)
             pods, acted = self.pods.ensure(key, model, spec, thash, pods, gate, work)
             if acted and not work.problems:
                 # the watch reports the pods just made or removed, and that pass writes the status
                 return Result(after=work.after)
-        else:
+        elif secured is not None:
             work.waiting_reason = "WaitingForClaim"
             work.waiting = "the pods wait for their claims (graph cache, cards)"
         self.report.progress(model, spec, thash, pods, cache, work, pool, model_cache)
@@ -117,7 +122,7 @@ class Reconciler:
         stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
         if self.cache.owned_stamp(key, "service-and-claim") == stamp:
             return True
-        has_service = self.service.ensure(model, work)
+        has_service = self.service.ensure(model, work, spec.tls)
         has_claim = self.graph_cache_claim.ensure(model, spec, work)
         if has_service and has_claim and not work.problems:
             self.cache.set_owned_stamp(key, "service-and-claim", stamp)
@@ -148,6 +153,7 @@ class Reconciler:
             except ApiException as e:
                 if e.status == 404:
                     self.forget(key)
+                    self.access.release(key)  # its ClusterRoleBinding, which no owner reference removes
                     return Result()
                 log.warning("reading SpyreModel %s/%s: %s", namespace, name, api_message(e))
                 return Result(failed=True)
@@ -173,3 +179,4 @@ class Reconciler:
         self.pods.forget(key)
         self.inference_pool.forget(key)
         self.loader_job.forget(key)
+        self.access.forget(key)

@@ -77,6 +77,8 @@ class OperatorSettings:
         "modelcar"  # oci:// models: "modelcar" (an init container copies the files) or "image-volume"
     )
     allow_host_path: bool = False  # file:// models (a hostPath on the node): an admin's choice
+    # spec.tls on OpenShift: the service CA writes the Secret named by the Service's annotation
+    openshift_service_ca: bool = False
     loader_retries: int = (
         2  # the loader Job's backoffLimit: transient failures retried with Kubernetes' back-off
     )
@@ -115,6 +117,7 @@ ENV = {
     "inference_pool": "SPYRE_OPERATOR_INFERENCE_POOL",
     "oci_mode": "SPYRE_OPERATOR_OCI_MODE",
     "allow_host_path": "SPYRE_OPERATOR_ALLOW_HOST_PATH",
+    "openshift_service_ca": "SPYRE_OPERATOR_OPENSHIFT_SERVICE_CA",
     "loader_retries": "SPYRE_OPERATOR_LOADER_RETRIES",
     "network_policy": "SPYRE_OPERATOR_NETWORK_POLICY",
     "monitoring_namespace": "SPYRE_OPERATOR_MONITORING_NAMESPACE",
@@ -281,6 +284,7 @@ PARSE = {
     "allow_host_path": _boolean,
     "network_policy": _boolean,
     "monitoring_namespace": _namespace,
+    "openshift_service_ca": _boolean,
     "oci_mode": _oci_mode,
     "loader_retries": _count,
     "card_tiers": _card_tiers,

@@ -1,6 +1,7 @@
 """The operator's one door to the API server: create, read, list, patch and delete of the objects it owns
 (Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate, InferencePool, NetworkPolicy, the model
-loader's ServiceAccount, Role and RoleBinding), the nodes it may read, which
+loader's ServiceAccount, Role and RoleBinding, the token-authorized model's ServiceAccount and
+ClusterRoleBinding), the Secrets its pods read, the nodes it may read, which
 APIs the cluster serves, the SpyreModel and its status. Every call
 carries the settings' timeout and answers plain dicts; a 404 on a read or a delete is an answer (None;
 nothing left to delete), not an error. And how a refused or failed call reaches the status: as a Problem
@@ -27,6 +28,7 @@ _METHOD_NAMES = {
     "Role": "role",
     "RoleBinding": "role_binding",
     "NetworkPolicy": "network_policy",
+    "Secret": "secret",  # read only: the Secrets a model's pods read (spec.auth, spec.tls)
 }
 # the custom resources the operator owns: (group, version, plural)
 _CUSTOM_KINDS = {"InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL)}
@@ -71,6 +73,11 @@ class Kube:
         """Creates `body` (its kind and namespace read off it); the object as the API server stored it.
         `dry_run`: admission and validation only, nothing stored."""
         extra = {"dry_run": "All"} if dry_run else {}
+        if body["kind"] == "ClusterRoleBinding":  # the one cluster-scoped kind (spec.auth.kubernetes)
+            resp = self.rbac.create_cluster_role_binding(
+                body, _request_timeout=self.timeout, _preload_content=False, **extra
+            )
+            return json.loads(resp.data)
         resp = self._method("create", body["kind"])(
             body["metadata"]["namespace"],
             body,
