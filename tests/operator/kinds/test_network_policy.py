@@ -379,8 +379,12 @@ def test_the_operator_keeps_the_model_policy_on_the_api_server_and_removes_it_wh
     op = operator(kubeconfig, work, "off")
     try:
         wait_for(lambda: read_policy(ns, "granite") is None, what="the policy removed")
-        assert "NetworkPolicyDeleted" in [e.reason for e in ns.events("granite")]
-        assert ns.condition("granite", "Ready")["status"] == "True"
+        # the Event and the condition are written after the delete: a loaded machine sees them a moment later
+        wait_for(
+            lambda: "NetworkPolicyDeleted" in [e.reason for e in ns.events("granite")],
+            what="the NetworkPolicyDeleted Event",
+        )
+        wait_for(lambda: ns.condition("granite", "Ready")["status"] == "True", what="the model Ready")
     finally:
         op.stop()
     # on again, and the model deleted: the garbage collector takes its policy with it (ownerReference)
