@@ -67,3 +67,5 @@ def serve_http(app: FastAPI, state: ServingState) -> None:
         server.run()
     finally:
         state.close()
+        if state.tracer is not None:
+            state.tracer.shutdown()  # the spans the batch processor still holds
