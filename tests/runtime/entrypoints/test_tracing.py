@@ -189,9 +189,10 @@ def test_nothing_of_opentelemetry_is_imported_when_tracing_is_off(tiny_model):
     """The SDK, the exporter and the protobuf messages (FastAPI itself imports OpenTelemetry's API)."""
     off = probe(tiny_model)
     assert off == {"tracer": False, "otel": []}
-    on = probe(tiny_model, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4318")
+    endpoint = "http://127.0.0.1:4318"
+    on = probe(tiny_model, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint)
     assert on["tracer"] is True and "opentelemetry.sdk.trace" in on["otel"]  # the probe can see them
-    disabled = probe(tiny_model, OTEL_EXPORTER_OTLP_ENDPOINT="http://127.0.0.1:4318", OTEL_SDK_DISABLED="true")
+    disabled = probe(tiny_model, OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_SDK_DISABLED="true")
     assert disabled == {"tracer": False, "otel": []}
 
 

@@ -5,9 +5,9 @@ the caller's W3C `traceparent` (else a root span), sent by OTLP over HTTP (proto
 On when `--otlp-traces-endpoint` (the cli sets OTEL_EXPORTER_OTLP_TRACES_ENDPOINT from it) or the standard
 OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / OTEL_EXPORTER_OTLP_ENDPOINT is set, unless OTEL_SDK_DISABLED=true. The
 exporter and the batch processor read the other standard variables themselves (OTEL_EXPORTER_OTLP_HEADERS,
-_TIMEOUT, _COMPRESSION, _CERTIFICATE, OTEL_BSP_SCHEDULE_DELAY, OTEL_SERVICE_NAME...). Off, neither the SDK nor the exporter is
-imported (they are in `RequestTracer.__init__` only) and a request pays one `is None` test; FastAPI imports
-OpenTelemetry's API package itself."""
+_TIMEOUT, _COMPRESSION, _CERTIFICATE, OTEL_BSP_SCHEDULE_DELAY, OTEL_SERVICE_NAME...). Off, neither the SDK
+nor the exporter is imported (they are in `RequestTracer.__init__` only) and a request pays one `is None`
+test; FastAPI imports OpenTelemetry's API package itself."""
 
 from __future__ import annotations
 
