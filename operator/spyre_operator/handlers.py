@@ -65,6 +65,8 @@ def configure(settings: kopf.OperatorSettings, memo, **_):
     managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
     settings.watching.label_selectors["batch", "jobs"] = managed
     settings.watching.label_selectors[POOL_GROUP, POOL_PLURAL] = MODEL_LABEL
+    if memo.settings.pod_monitors:  # said in the start-up log: present or absent
+        memo.reconciler.pod_monitor.detect()
     memo.queue.start()
     memo.resync.start()
 

@@ -4,9 +4,10 @@
 2. admit the spec (admission.py; spec/ parses it, its source into one type per scheme);
 3. one step per owned kind, each in its own file under kinds/ holding its decide-and-ensure step and its
    builder, acting through io/kube.py: the Service (service.py), the graph-cache claim
-   (graph_cache_claim.py), the InferencePool (inference_pool.py), the loader Job that fills the model cache
-   (loader_job.py), the compile Job (compile_job.py), the ResourceClaimTemplate of DRA cards
-   (resource_claim_template.py) and the pods (pods/: acting on the watch's view, no list of its own);
+   (graph_cache_claim.py), the InferencePool (inference_pool.py), the PodMonitor (pod_monitor.py), the
+   loader Job that fills the model cache (loader_job.py), the compile Job (compile_job.py), the
+   ResourceClaimTemplate of DRA cards (resource_claim_template.py) and the pods (pods/: acting on the
+   watch's view, no list of its own);
 4. the status and its Events, written once (status/).
 
 Whatever fails while acting ends in the model's status (a condition naming the object and the API server's
@@ -31,6 +32,7 @@ from spyre_operator.kinds.compile_job import CompileJobStep
 from spyre_operator.kinds.graph_cache_claim import GraphCacheClaimStep
 from spyre_operator.kinds.inference_pool import InferencePoolStep, PoolState
 from spyre_operator.kinds.loader_job import UNREAD, LoaderJobStep
+from spyre_operator.kinds.pod_monitor import PodMonitorStep
 from spyre_operator.kinds.pods.step import PodStep
 from spyre_operator.kinds.pods.template import pod_template, template_hash
 from spyre_operator.kinds.resource_claim_template import ResourceClaimTemplateStep
@@ -60,6 +62,7 @@ class Reconciler:
         self.graph_cache_claim = GraphCacheClaimStep(settings, self.kube, events)
         self.resource_claim_template = ResourceClaimTemplateStep(settings, self.kube, events)
         self.inference_pool = InferencePoolStep(settings, self.kube, events)
+        self.pod_monitor = PodMonitorStep(settings, self.kube, events)
         self.loader_job = LoaderJobStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
         self.pods = PodStep(settings, self.kube, events, self.cache)
@@ -84,6 +87,7 @@ class Reconciler:
         work = Pass()
         has_claim = self._ensure_service_and_claim(key, model, spec, work)
         pool = self._ensure_inference_pool(key, model, spec, work)
+        self._ensure_once(key, model, "PodMonitor", lambda: self.pod_monitor.ensure(model, work))
         downloads = spec.source.is_downloaded and not spec.suspend
         model_cache = self.loader_job.ensure(model, spec, work) if downloads and has_claim else None
         has_model = not downloads or (model_cache is not None and model_cache.is_ready)
@@ -117,6 +121,12 @@ class Reconciler:
         if has_service and has_claim and not work.problems:
             self.cache.set_owned_stamp(key, "service-and-claim", stamp)
         return has_claim
+
+    def _ensure_once(self, key: Key, model: dict, what: str, ensure) -> None:
+        """An owned object checked once per model generation (again when `ensure` says it is not settled)."""
+        stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
+        if self.cache.owned_stamp(key, what) != stamp and ensure():
+            self.cache.set_owned_stamp(key, what, stamp)
 
     def _ensure_inference_pool(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> PoolState | None:
         """Checked once per generation and again when its watch reports a change; while the cluster does not

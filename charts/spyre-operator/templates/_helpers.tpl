@@ -69,4 +69,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, watch, create, patch, delete]
+# a PodMonitor per model when prometheus-operator's API is served: made, read and repaired (its owner
+# reference removes it with the model)
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [get, create, patch]
 {{- end -}}

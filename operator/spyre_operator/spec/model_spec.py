@@ -130,6 +130,7 @@ class ModelSpec:
     suspend: bool = False
     rollout: Rollout = field(default_factory=Rollout)
     inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
+    tracing_endpoint: str | None = None  # spec.tracing.otlpEndpoint: OTLP/HTTP traces URL (path defaulted)
 
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}

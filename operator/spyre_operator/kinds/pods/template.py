@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import json
 
+from spyre_contract.tracing import SERVICE_NAME_VAR, TRACES_ENDPOINT_VAR
+
 from spyre_operator.kinds.graph_cache_claim import cache_claim_name
 from spyre_operator.kinds.ownership import owner_reference, selector_labels
 from spyre_operator.settings import (
@@ -89,7 +91,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         "image": spec.image or settings.runtime_image,
         "command": ["spyre-runtime"],
         "args": runtime_args(spec, settings),
-        "env": runtime_env(spec),
+        "env": tracing_env(name, spec, settings) + runtime_env(spec),  # spec.env, last, wins
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
         "resources": resources,
         "volumeMounts": mounts,
@@ -119,6 +121,14 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         pod_spec["resourceClaims"] = claims
     placement_fields(pod_spec, spec, settings)
     return pod_spec
+
+
+def tracing_env(name: str, spec: ModelSpec, settings: OperatorSettings) -> list[dict]:
+    """Request traces: the model's endpoint, else the operator's; the model's name as the service's."""
+    endpoint = spec.tracing_endpoint or settings.otlp_traces_endpoint
+    if endpoint is None:
+        return []
+    return [{"name": TRACES_ENDPOINT_VAR, "value": endpoint}, {"name": SERVICE_NAME_VAR, "value": name}]
 
 
 def placement_fields(pod_spec: dict, spec: ModelSpec, settings: OperatorSettings) -> None:

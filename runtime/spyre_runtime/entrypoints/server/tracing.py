@@ -14,14 +14,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Mapping
-from urllib.parse import urlsplit
+
+from spyre_contract.tracing import TRACES_ENDPOINT_VAR, TRACES_PATH, endpoint_error, traces_url
 
 from spyre_runtime.config import ConfigError
 
-TRACES_ENDPOINT_VAR = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 ENDPOINT_VAR = "OTEL_EXPORTER_OTLP_ENDPOINT"
 PROTOCOL_VARS = ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL")
-TRACES_PATH = "/v1/traces"
 SPAN_NAME = "llm_request"
 SERVICE_NAME = "spyre-runtime"
 
@@ -48,23 +47,14 @@ class SpanAttributes:
 
 def check_endpoint(url: str, name: str) -> str:
     """An OTLP/HTTP URL (http or https, with a host); else a ConfigError naming where it came from."""
-    parts = urlsplit(url.strip())
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(
-            f"{name}: {url!r} is not an OTLP/HTTP endpoint (want http(s)://HOST:PORT[/v1/traces], "
-            "e.g. http://otel-collector:4318)"
-        )
-    try:
-        parts.port  # noqa: B018 - a bad port raises here
-    except ValueError as e:
-        raise ConfigError(f"{name}: {url!r} has a bad port ({e})") from None
+    if error := endpoint_error(url):
+        raise ConfigError(f"{name}: {error}")
     return url.strip()
 
 
 def flag_endpoint(url: str) -> str:
     """`--otlp-traces-endpoint`: a collector's address; without a path, its OTLP/HTTP traces path."""
-    url = check_endpoint(url, "--otlp-traces-endpoint")
-    return url.rstrip("/") + TRACES_PATH if urlsplit(url).path in ("", "/") else url
+    return traces_url(check_endpoint(url, "--otlp-traces-endpoint"))
 
 
 def traces_endpoint(environ: Mapping[str, str] | None = None) -> str | None:
