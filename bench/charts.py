@@ -6,11 +6,13 @@
   kernel) when the run compared them.
 
     .venv/bin/python -m bench.charts bench/results-*.json     # or: python bench/charts.py FILE...
+    .venv/bin/python -m bench.charts --into docs/images bench/results-matrix-xeon.json   # the docs' pictures
 
 Files of another shape are skipped with a line. matplotlib is imported here only (the `bench` extra)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import sys
@@ -127,13 +129,13 @@ def figure_for(results: dict, title: str):
     return None
 
 
-def write_chart(path: Path) -> Path | None:
-    """results-x.json -> results-x.png beside it; None when the file is not charted."""
+def write_chart(path: Path, into: Path | None = None) -> Path | None:
+    """results-x.json -> results-x.png beside it (or in `into`); None when the file is not charted."""
     results = json.loads(path.read_text())
     fig = figure_for(results, path.stem) if isinstance(results, dict) else None
     if fig is None:
         return None
-    out = path.with_suffix(".png")
+    out = (into / path.name if into else path).with_suffix(".png")
     fig.savefig(out, dpi=80)
     _pyplot().close(fig)
     return out
@@ -150,12 +152,12 @@ def chart_beside(path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    paths = [Path(p) for p in (sys.argv[1:] if argv is None else argv)]
-    if not paths:
-        print("usage: python -m bench.charts bench/results-*.json", file=sys.stderr)
-        return 2
-    for path in paths:
-        out = write_chart(path)
+    ap = argparse.ArgumentParser(prog="python -m bench.charts", description=__doc__.split("\n\n")[0])
+    ap.add_argument("results", nargs="+", type=Path, help="bench/results-*.json")
+    ap.add_argument("--into", type=Path, default=None, help="write the PNGs here (default: beside the JSON)")
+    args = ap.parse_args(argv)
+    for path in args.results:
+        out = write_chart(path, args.into)
         print(f"{path} -> {out}" if out else f"{path}: not a matrix or a profile, skipped")
     return 0
 

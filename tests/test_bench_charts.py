@@ -48,6 +48,10 @@ def test_the_matrix_chart_draws_both_systems_against_streams(tmp_path):
     width, height = png_size(out)
     assert width >= 600 and height >= 200
     assert 5_000 < out.stat().st_size < 200_000
+    into = tmp_path / "images"
+    into.mkdir()
+    assert charts.main(["--into", str(into), str(path)]) == 0
+    assert png_size(into / "results-matrix.png") == (width, height)
 
 
 def test_ours_alone_is_one_series_and_an_unknown_file_is_skipped(tmp_path):
