@@ -108,6 +108,13 @@ def test_profile_step(tiny, tmp_path):
     assert (tmp_path / "profile_step.py.png").stat().st_size > 5000  # the chart beside the JSON
 
 
+def test_tracing_bench(tmp_path):
+    res = bench("tracing_bench.py", tmp_path, "--spans", "50", "--runs", "1")
+    assert res["startup_off"] == {**res["startup_off"], "tracer": False, "otel_sdk_modules": 0}
+    assert res["startup_on"]["tracer"] and res["startup_on"]["otel_sdk_modules"] > 0
+    assert positive(res["record_us_per_span"], res["exported_bytes"])  # the spans reached the receiver
+
+
 def test_tp_bench(tmp_path):
     res = bench("tp_bench.py", tmp_path, "--models", "tiny", "--backend", "eager")
     row = res["tiny (hidden 64, 2 layers)"]

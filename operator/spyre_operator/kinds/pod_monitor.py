@@ -4,10 +4,12 @@ path /metrics: vLLM's vllm:* and sendnn:* metrics, labelled model_name. Made whe
 PodMonitor API and the operator's setting allows (SPYRE_OPERATOR_POD_MONITORS, default on; the chart turns it
 off when its own chart-level monitor, metrics.podMonitor, scrapes every model).
 
-The step: whether the API is served is asked at start-up (said in the operator's log: present or absent)
-and, while absent, again at most once per resync period, so the monitors are made once prometheus-operator's
-CRDs are installed; absent is no error and no condition (the model serves as before). The monitor is made
-once per model generation; what the operator owns of it (selector, endpoints), drifted, is restored then.
+The step: whether the API is served is asked at start-up (said in the operator's log: present or absent);
+absent is no error and no condition (the model serves as before), and is asked again only when a model
+changes (at most once per resync period), so a steady pass asks the API server nothing. Once
+prometheus-operator's CRDs are installed, a model gets its monitor at its next change, and every model at the
+operator's next start. The monitor is made once per model generation; what the operator owns of it
+(selector, endpoints), drifted, is restored then.
 A PodMonitor of the model's name that the model does not own is left alone (one Event says so)."""
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def api_line(served: bool) -> str:
         )
     return (
         f"prometheus-operator's PodMonitor API ({API}) is not served: no PodMonitor per model (asked again "
-        "every resync period; or scrape with the chart's metrics.podMonitor)"
+        "when a model changes; or scrape with the chart's metrics.podMonitor)"
     )
 
 
@@ -72,21 +74,21 @@ class PodMonitorStep:
         return served
 
     def ensure(self, model: dict, work: Pass) -> bool:
-        """True when settled for the model's generation (its monitor as built, or none wanted or possible
-        for now); False while the API is not served (asked again once the resync period has passed)."""
+        """True when settled for the model's generation: its monitor as built, or none wanted, or the API not
+        served (asked again at a model's change once the resync period has passed); False on a problem."""
         if not self.settings.pod_monitors:
             return True
         if not self.served and (self.served is None or time.monotonic() - self._asked >= self._period()):
             self.detect()
         if not self.served:
-            return False
+            return True
         want = build_pod_monitor(model, self.settings)
         try:
             self._apply(model, want)
         except ApiException as e:
             if e.status == 404:  # the CRD went away meanwhile
-                self.served = False
-                return False
+                self.detect()
+                return True
             work.problems.append(problem_of(KIND, e))
             return False
         return True

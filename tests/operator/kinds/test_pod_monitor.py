@@ -2,7 +2,7 @@
 checked without a cluster, then on the real control plane with the operator as a subprocess — without
 prometheus-operator's CRD (no monitor, no error, said in the start-up log) and with it
 (tests/cluster/crds/monitoring-coreos.yaml, installed for the test and removed after it: made, owned,
-selecting the model's serving pods, repaired after drift).
+selecting the model's serving pods once the model changes, repaired after drift).
 And the chart values that reach the operator's settings."""
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def test_without_the_crd_no_monitor_and_no_error_then_one_once_it_is_installed(c
     cluster.kubectl("apply", "-f", str(CRDS))
     cluster.kubectl("wait", "--for=condition=established", "--timeout=60s", "crd/podmonitors." + GROUP)
     try:
+        ns.patch_spec("g", {"replicas": 2})  # a change: asked again (a steady model is not), and made
         made = wait_for(lambda: monitor_of(ns, "g"), timeout=30, what="the model's PodMonitor")
         assert made["metadata"]["ownerReferences"][0]["uid"] == ns.model("g")["metadata"]["uid"]
         assert made["spec"] == build_pod_monitor(ns.model("g"), OperatorSettings())["spec"]  # none pruned
@@ -164,7 +165,7 @@ def test_without_the_crd_no_monitor_and_no_error_then_one_once_it_is_installed(c
         ns.custom.patch_namespaced_custom_object(
             GROUP, VERSION, ns.name, "podmonitors", "g", {"spec": {"podMetricsEndpoints": [{"port": "x"}]}}
         )
-        ns.patch_spec("g", {"replicas": 2})
+        ns.patch_spec("g", {"replicas": 1})
         wait_for(
             lambda: monitor_of(ns, "g")["spec"]["podMetricsEndpoints"] == made["spec"]["podMetricsEndpoints"],
             timeout=30,
