@@ -21,6 +21,27 @@ from tests.cluster.controlplane import ControlPlane, default_bin_dir, spyre_node
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The slowest modules first (seconds of work in a loaded two-worker run, 2026-11-26; `make test` passes
+# --no-loadscope-reorder so pytest-xdist keeps this order): a worker takes the next module when it finishes
+# one, so a long module handed out last would run alone at the end of the suite. The rest keep their order.
+SLOW_FIRST = (
+    "tests/test_real_node.py",  # 302 s
+    "tests/test_bench_smoke.py",  # 467 s
+    "tests/test_e2e.py",  # 330 s
+    "tests/runtime/executor/test_graph_cache.py",  # 161 s
+    "tests/operator/test_model_sources.py",  # 147 s
+    "tests/runtime/entrypoints/test_tool_calls_smollm2.py",  # 132 s
+    "tests/operator/test_fleet.py",  # 122 s
+    "tests/operator/test_unkind.py",  # 111 s
+    "tests/runtime/test_beam_search_smollm2.py",  # 104 s
+    "tests/runtime/executor/families/test_families.py",  # 102 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {module: i for i, module in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
 
 def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str = "condition", step=0.2):
     """Polls `predicate` until it returns a truthy value, which is returned; fails naming `what`."""

@@ -22,6 +22,7 @@ VALUES = {
     "defaultStorageClass": "nfs",
     "logLevel": "DEBUG",
     "resources": {"requests": {"cpu": "200m", "memory": "200Mi"}, "limits": {"cpu": "2", "memory": "512Mi"}},
+    "networkPolicy": {"enabled": True, "monitoringNamespace": "monitoring"},
 }
 
 
@@ -135,6 +136,34 @@ def test_inference_pool_value_reaches_the_operator_and_its_rbac():
         pools = [r for r in rules if r["apiGroups"] == ["inference.networking.k8s.io"]]
         assert [(r["resources"], r["verbs"]) for r in pools] == [
             (["inferencepools"], ["get", "list", "watch", "create", "patch", "delete"])
+        ]
+
+
+def test_network_policy_values_reach_the_operator_and_its_rbac():
+    env = env_of(by_kind(render({"networkPolicy": {"monitoringNamespace": "monitoring"}}), "Deployment")[0])
+    assert "SPYRE_OPERATOR_NETWORK_POLICY" not in env and "SPYRE_OPERATOR_MONITORING_NAMESPACE" not in env
+    on = {"networkPolicy": {"enabled": True, "monitoringNamespace": "monitoring"}}
+    env = env_of(by_kind(render(on), "Deployment")[0])
+    assert env["SPYRE_OPERATOR_NETWORK_POLICY"] == "1"
+    assert env["SPYRE_OPERATOR_MONITORING_NAMESPACE"] == "monitoring"
+    env = env_of(by_kind(render({"networkPolicy": {"enabled": True}}), "Deployment")[0])
+    assert "SPYRE_OPERATOR_MONITORING_NAMESPACE" not in env  # none by default: only the model's namespace
+    # the values the operator reads them as
+    from spyre_operator.settings import ENV, load_settings
+
+    settings = load_settings(
+        {
+            k: v
+            for k, v in env_of(by_kind(render(on), "Deployment")[0]).items()
+            if k in ENV.values() and v is not None
+        }
+    )
+    assert settings.network_policy and settings.monitoring_namespace == "monitoring"
+    for docs, kind in ((render(), "ClusterRole"), (render({"watchNamespaces": ["x"]}), "Role")):
+        rules = [r for role in by_kind(docs, kind) for r in role["rules"]]
+        policies = [r for r in rules if r["apiGroups"] == ["networking.k8s.io"]]
+        assert [(r["resources"], r["verbs"]) for r in policies] == [
+            (["networkpolicies"], ["get", "list", "watch", "create", "patch", "delete"])
         ]
 
 

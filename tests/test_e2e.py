@@ -1,6 +1,7 @@
 """End to end on one machine: the operator installed by Helm and run by the local pod runner, a SpyreModel
 applied, a Ready model behind its Service answering the official OpenAI client; scale, a rollout under
-load with no failed request, deletion; two replicas sharing the graph cache compile once between them."""
+load with no failed request, deletion. (Two replicas sharing the graph cache run on the real node:
+tests/test_real_node.py.)"""
 
 from __future__ import annotations
 
@@ -136,28 +137,6 @@ def test_delete_stops_processes_and_removes_objects(stack):
         60,
         "objects gone",
     )
-
-
-def test_two_replicas_sharing_the_graph_cache_compile_once(stack):
-    manifest = model_manifest(2, [{"promptLength": 64, "newTokens": 4, "batchSize": 1}])
-    manifest["metadata"]["name"] = "cached"
-    manifest["spec"]["model"]["servedModelName"] = "cached"
-    manifest["spec"]["backend"] = "inductor"
-    stack.apply_model(NS, manifest)
-    stack.wait(
-        lambda: stack.is_ready(NS, "cached", 2), 600, "2 replicas Ready", lambda: stack.diagnose(NS, "cached")
-    )
-    logs = [
-        rp.log.read_text(errors="replace")
-        for rp in stack.runner.pods.values()
-        if rp.namespace == NS and rp.name.startswith("cached-") and rp.log is not None
-    ]
-    assert len(logs) == 2
-    # one replica compiled and published; the other waited on the key's lock and loaded the entry
-    assert sum("Graph cache miss" in text for text in logs) == 1
-    assert sum("Graph cache hit" in text and "; 0 graphs compiled" in text for text in logs) == 1
-    cache_dir = stack.model_claim_dir(NS, "cached-graph-cache") / "graphs"
-    assert len(list((cache_dir / "entries").iterdir())) == 1
 
 
 def test_embedding_example_answers_the_openai_client_through_its_service(stack):

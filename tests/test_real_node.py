@@ -7,8 +7,9 @@ client with the same greedy text the engine gives on the host. The pod is the on
 Then the operator, installed by its chart from its image, on the same node: the kubelet's own failures
 (ErrImagePull, CreateContainerConfigError, OOMKilled, a failing readiness probe), the scheduler keeping a pod
 that wants more cards than are free Pending, two inductor replicas sharing one graph-cache volume, a rolling
-change and a deletion that lose no request, and an `s3://` model fetched by the loader Job from moto on the
-host. One node, one control plane and one operator for the module (tests/real_node_support.py).
+change and a deletion that lose no request, an `s3://` model fetched by the loader Job from moto on the
+host, and the model pod's hardening as the kernel enforces it (issue 40). One node, one control plane and
+one operator for the module (tests/real_node_support.py).
 
 Needs root and the caches `make node` fills (tests/cluster/build-node.sh, build-images.sh)."""
 
@@ -229,6 +230,40 @@ def test_chart_runs_the_operator_image_and_a_modelcar_model_becomes_ready(stack,
     ips = stack.wait(lambda: stack.endpoints(NS, tiny), 60, "a ready endpoint")
     assert ips[0].startswith("10.213.")  # the pod's address on the node's bridge
     assert ask(ips[0]) == host_greedy_answer(tmp_path)
+
+
+def test_the_kubelet_runs_the_model_pod_hardened(stack, node, tiny):
+    """Issue 40: the serving pod the operator made, as the kernel runs it: its root filesystem read-only (a
+    write outside its volumes is EROFS, even where the image lets its user write), its volumes writable, no
+    capability left, the runtime's default seccomp filter, no gaining privileges, and no service-account
+    token mounted (the model does not use Kubernetes auth)."""
+    (pod,) = [p for p in model_pods(stack, tiny) if is_ready(p)]
+    container = pod.spec.containers[0].security_context
+    assert container.read_only_root_filesystem and container.capabilities.drop == ["ALL"]
+    assert container.allow_privilege_escalation is False and container.run_as_non_root
+    assert pod.spec.security_context.seccomp_profile.type == "RuntimeDefault"
+    assert pod.spec.automount_service_account_token is False
+
+    def exec_(*cmd: str) -> subprocess.CompletedProcess:
+        return node.cp.kubectl("exec", "-n", NS, pod.metadata.name, "-c", "runtime", "--", *cmd, check=False)
+
+    for path in ("/hardening-check", "/opt/app-root/src/hardening-check"):  # the latter: group 0 may write
+        write = exec_("touch", path)
+        assert write.returncode != 0 and "Read-only file system" in write.stderr, (path, write.stderr)
+    for volume in ("/tmp", "/dev/shm"):  # emptyDirs
+        write = exec_("sh", "-c", f"echo ok > {volume}/hardening-check && cat {volume}/hardening-check")
+        assert write.returncode == 0 and write.stdout.strip() == "ok", (volume, write.stderr)
+        exec_("rm", f"{volume}/hardening-check")
+    status = dict(
+        line.split(":", 1) for line in exec_("cat", "/proc/self/status").stdout.splitlines() if ":" in line
+    )
+    status = {k: v.strip() for k, v in status.items()}
+    assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, status
+    assert int(status["CapBnd"], 16) == 0, status  # dropped, not only unused
+    assert status["Seccomp"] == "2" and status["NoNewPrivs"] == "1", status  # 2: a filter (RuntimeDefault)
+    token = exec_("ls", "/var/run/secrets/kubernetes.io/serviceaccount")
+    assert token.returncode != 0 and "No such file or directory" in token.stderr, token
+    assert "serviceaccount" not in exec_("cat", "/proc/self/mounts").stdout
 
 
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff")
@@ -518,6 +553,7 @@ def test_two_replicas_share_the_graph_cache(stack, tmp_path):
         (hit, hit_key, _), (miss, miss_key, compiled) = sorted(m.groups() for m in found)
         assert (hit, miss) == ("hit", "miss") and hit_key == miss_key and int(compiled) > 0
         assert (folder / "graphs/entries" / miss_key / "manifest.json").is_file()  # on the shared volume
+        assert len(list((folder / "graphs/entries").iterdir())) == 1  # the second replica published nothing
         answers = {ask(p.status.pod_ip) for p in pods}
         assert len(answers) == 1, answers  # the loaded graphs answer as the compiled ones
     finally:

@@ -68,6 +68,8 @@ class Admission:
         pod = build_pod(model, spec, self.settings)
         # a fixed name, so the API server's message (and the condition) is the same at every pass
         pod["metadata"]["name"] = pod["metadata"].pop("generateName").rstrip("-")
+        # token authorization's ServiceAccount is made after admission (kinds/access.py): not asked about here
+        pod["spec"].pop("serviceAccountName", None)
         stamp = (meta["uid"], meta.get("generation"), pod["metadata"]["labels"][HASH_LABEL])
         seen = self._validated.get(key)
         if seen is not None and seen[0] == stamp:

@@ -13,6 +13,7 @@ from kubernetes import client
 from spyre_operator.io.metrics import OperatorMetrics
 from spyre_operator.io.watch import KnownModels, Resync, WatchCache, plain
 from spyre_operator.io.workqueue import WorkQueue
+from spyre_operator.kinds.access import NAMESPACE_LABEL
 from spyre_operator.reconcile import Reconciler
 from spyre_operator.settings import (
     COMPILE_LABEL,
@@ -65,6 +66,8 @@ def configure(settings: kopf.OperatorSettings, memo, **_):
     managed = ",".join(f"{k}={v}" for k, v in MANAGED_BY.items())
     settings.watching.label_selectors["batch", "jobs"] = managed
     settings.watching.label_selectors[POOL_GROUP, POOL_PLURAL] = MODEL_LABEL
+    settings.watching.label_selectors["networking.k8s.io", "networkpolicies"] = MODEL_LABEL
+    settings.watching.label_selectors["rbac.authorization.k8s.io", "clusterrolebindings"] = MODEL_LABEL
     if memo.settings.pod_monitors:  # said in the start-up log: present or absent
         memo.reconciler.pod_monitor.detect()
     memo.queue.start()
@@ -88,6 +91,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             memo.known.discard(key)
             memo.cache.drop_model(key)
             memo.reconciler.forget(key)
+            if memo.reconciler.access.has_binding(key):
+                memo.queue.add(key)  # its reconcile finds it gone and removes its ClusterRoleBinding
             return
         memo.cache.put_model(key, plain(body))
         memo.known.add(key)
@@ -130,6 +135,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.cache.owned_changed(key)  # new to the cache, drifted or deleted: check it again
         memo.queue.add(key)
 
+    _watch_network_policies(registry)
+    register_access_handlers(registry)
+
     @kopf.on.event("batch", "v1", "jobs", id="job", registry=registry)
     async def job_event(namespace, labels, memo, **_):
         if model := labels.get(COMPILE_LABEL) or labels.get(FETCH_LABEL):  # a compile or loader Job
@@ -141,6 +149,54 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         memo.queue.stop()
 
     return registry
+
+
+def _watch_network_policies(registry: kopf.OperatorRegistry) -> None:
+    """The models' NetworkPolicies (kinds/network_policy.py), listed at start-up too: a model's policy left
+    from when the setting was on is known, and removed."""
+
+    @kopf.on.event(
+        "networking.k8s.io",
+        "v1",
+        "networkpolicies",
+        labels={MODEL_LABEL: kopf.PRESENT},
+        id="netpol",
+        registry=registry,
+    )
+    async def policy_event(type, namespace, labels, memo, **_):
+        key = (namespace, labels[MODEL_LABEL])
+        memo.cache.policy_seen(key, type != "DELETED")
+        if type in (None, "ADDED") and memo.settings.network_policy:
+            return  # listed at start-up (checked anyway) or just created
+        memo.cache.owned_changed(key)  # drifted, deleted, or left over: check it again
+        memo.queue.add(key)
+
+
+def register_access_handlers(registry: kopf.OperatorRegistry) -> None:
+    """Who may call a model (kinds/access.py): the Secrets its pods read, token authorization's bindings."""
+
+    # the Secrets models' pods read (spec.auth.apiKey, spec.tls): new data rolls the pods, a Secret that
+    # appears lets them start. Users' Secrets carry no label of ours: every Secret's events arrive, and only
+    # those of a Secret a model reads enqueue anything (their data is never kept).
+    @kopf.on.event("", "v1", "secrets", id="secret", registry=registry)
+    async def secret_event(namespace, name, memo, **_):
+        for key in memo.reconciler.access.secret_changed(namespace, name):
+            memo.queue.add(key)
+
+    # token authorization's ClusterRoleBindings (cluster-scoped, so no owner reference): a binding whose
+    # model is gone is removed by that model's reconcile, also when the model went while the operator was down
+    @kopf.on.event(
+        "rbac.authorization.k8s.io",
+        "v1",
+        "clusterrolebindings",
+        labels={MODEL_LABEL: kopf.PRESENT, NAMESPACE_LABEL: kopf.PRESENT},
+        id="binding",
+        registry=registry,
+    )
+    async def binding_event(type, labels, memo, **_):
+        key = (labels[NAMESPACE_LABEL], labels[MODEL_LABEL])
+        if type != "DELETED" and memo.reconciler.access.binding_seen(key):
+            memo.queue.add(key)
 
 
 def build_memo(

@@ -5,9 +5,11 @@
 3. one step per owned kind, each in its own file under kinds/ holding its decide-and-ensure step and its
    builder, acting through io/kube.py: the Service (service.py), the graph-cache claim
    (graph_cache_claim.py), the InferencePool (inference_pool.py), the PodMonitor (pod_monitor.py), the
-   loader Job that fills the model cache (loader_job.py), the compile Job (compile_job.py), the
-   ResourceClaimTemplate of DRA cards (resource_claim_template.py) and the pods (pods/: acting on the
-   watch's view, no list of its own);
+   NetworkPolicy (network_policy.py),
+   the loader Job that fills the model cache (loader_job.py), the compile Job (compile_job.py), the
+   ResourceClaimTemplate of DRA cards (resource_claim_template.py), who may call the model (access.py:
+   the Secrets its pods read, digested into their template, and token authorization's identity) and the
+   pods (pods/: acting on the watch's view, no list of its own);
 4. the status and its Events, written once (status/).
 
 Whatever fails while acting ends in the model's status (a condition naming the object and the API server's
@@ -28,10 +30,12 @@ from spyre_operator.io.metrics import OperatorMetrics
 from spyre_operator.io.watch import Key, WatchCache
 from spyre_operator.io.work import Pass, Problem
 from spyre_operator.io.workqueue import Result
+from spyre_operator.kinds.access import AccessStep
 from spyre_operator.kinds.compile_job import CompileJobStep
 from spyre_operator.kinds.graph_cache_claim import GraphCacheClaimStep
 from spyre_operator.kinds.inference_pool import InferencePoolStep, PoolState
 from spyre_operator.kinds.loader_job import UNREAD, LoaderJobStep
+from spyre_operator.kinds.network_policy import NetworkPolicyStep
 from spyre_operator.kinds.pod_monitor import PodMonitorStep
 from spyre_operator.kinds.pods.step import PodStep
 from spyre_operator.kinds.pods.template import pod_template, template_hash
@@ -63,8 +67,10 @@ class Reconciler:
         self.resource_claim_template = ResourceClaimTemplateStep(settings, self.kube, events)
         self.inference_pool = InferencePoolStep(settings, self.kube, events)
         self.pod_monitor = PodMonitorStep(settings, self.kube, events)
+        self.network_policy = NetworkPolicyStep(settings, self.kube, events, self.cache)
         self.loader_job = LoaderJobStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
+        self.access = AccessStep(settings, self.kube)
         self.pods = PodStep(settings, self.kube, events, self.cache)
         self.report = Reporter(settings, self.kube, events, self.metrics)
 
@@ -77,8 +83,9 @@ class Reconciler:
         return result
 
     def _reconcile(self, key: Key, model: dict) -> Result:
-        """Admit the spec; the Service, the claims and the InferencePool; the model cache's loader Job; the
-        compile Job; the pods; the status and Events. The compile Job and the pods wait for the model."""
+        """Admit the spec; the Service, the claims, the InferencePool and the NetworkPolicy; the model
+        cache's loader Job; the compile Job; the pods; the status and Events. The compile Job and the pods
+        wait for the model."""
         try:
             spec = self.admission.admit(key, model)
         except InvalidSpec as e:
@@ -88,23 +95,26 @@ class Reconciler:
         has_claim = self._ensure_service_and_claim(key, model, spec, work)
         pool = self._ensure_inference_pool(key, model, spec, work)
         self._ensure_once(key, model, "PodMonitor", lambda: self.pod_monitor.ensure(model, work))
+        self.network_policy.ensure(key, model, spec, work)
         downloads = spec.source.is_downloaded and not spec.suspend
         model_cache = self.loader_job.ensure(model, spec, work) if downloads and has_claim else None
         has_model = not downloads or (model_cache is not None and model_cache.is_ready)
         cache = None
         if spec.cache.precompile and not spec.suspend and has_claim and has_model:
             cache = self.compile_job.ensure(model, spec, work)
-        thash = template_hash(pod_template(key[1], spec, self.settings))
         pods = self.cache.pods(key)
         has_claim = has_claim and self.resource_claim_template.ensure(model, spec, pods, work)
-        if has_claim:
+        secured = self.access.ensure(model, spec, work)  # the Secrets' digest, or None: the pods wait
+        spec = secured or spec
+        thash = template_hash(pod_template(key[1], spec, self.settings), spec.secret_digest)
+        if has_claim and secured is not None:
             # the new template waits for its model (also when its loader Job was unread), then its graphs
             gate = cache if has_model else (model_cache or UNREAD)
             pods, acted = self.pods.ensure(key, model, spec, thash, pods, gate, work)
             if acted and not work.problems:
                 # the watch reports the pods just made or removed, and that pass writes the status
                 return Result(after=work.after)
-        else:
+        elif secured is not None:
             work.waiting_reason = "WaitingForClaim"
             work.waiting = "the pods wait for their claims (graph cache, cards)"
         self.report.progress(model, spec, thash, pods, cache, work, pool, model_cache)
@@ -116,7 +126,7 @@ class Reconciler:
         stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
         if self.cache.owned_stamp(key, "service-and-claim") == stamp:
             return True
-        has_service = self.service.ensure(model, work)
+        has_service = self.service.ensure(model, work, spec.tls)
         has_claim = self.graph_cache_claim.ensure(model, spec, work)
         if has_service and has_claim and not work.problems:
             self.cache.set_owned_stamp(key, "service-and-claim", stamp)
@@ -153,6 +163,7 @@ class Reconciler:
             except ApiException as e:
                 if e.status == 404:
                     self.forget(key)
+                    self.access.release(key)  # its ClusterRoleBinding, which no owner reference removes
                     return Result()
                 log.warning("reading SpyreModel %s/%s: %s", namespace, name, api_message(e))
                 return Result(failed=True)
@@ -178,3 +189,4 @@ class Reconciler:
         self.pods.forget(key)
         self.inference_pool.forget(key)
         self.loader_job.forget(key)
+        self.access.forget(key)

@@ -83,6 +83,8 @@ class OperatorSettings:
         "modelcar"  # oci:// models: "modelcar" (an init container copies the files) or "image-volume"
     )
     allow_host_path: bool = False  # file:// models (a hostPath on the node): an admin's choice
+    # spec.tls on OpenShift: the service CA writes the Secret named by the Service's annotation
+    openshift_service_ca: bool = False
     loader_retries: int = (
         2  # the loader Job's backoffLimit: transient failures retried with Kubernetes' back-off
     )
@@ -90,6 +92,8 @@ class OperatorSettings:
     pod_monitor_interval: str = "15s"
     pod_monitor_labels: tuple[tuple[str, str], ...] = ()  # e.g. (("release", "kube-prometheus-stack"),)
     otlp_traces_endpoint: str | None = None  # request traces of models whose spec.tracing does not say
+    network_policy: bool = False  # a NetworkPolicy per model (kinds/network_policy.py)
+    monitoring_namespace: str | None = None  # its scrapers reach the pods' metrics through that policy
 
 
 ENV = {
@@ -123,11 +127,14 @@ ENV = {
     "inference_pool": "SPYRE_OPERATOR_INFERENCE_POOL",
     "oci_mode": "SPYRE_OPERATOR_OCI_MODE",
     "allow_host_path": "SPYRE_OPERATOR_ALLOW_HOST_PATH",
+    "openshift_service_ca": "SPYRE_OPERATOR_OPENSHIFT_SERVICE_CA",
     "loader_retries": "SPYRE_OPERATOR_LOADER_RETRIES",
     "pod_monitors": "SPYRE_OPERATOR_POD_MONITORS",
     "pod_monitor_interval": "SPYRE_OPERATOR_POD_MONITOR_INTERVAL",
     "pod_monitor_labels": "SPYRE_OPERATOR_POD_MONITOR_LABELS",
     "otlp_traces_endpoint": "SPYRE_OPERATOR_OTLP_TRACES_ENDPOINT",
+    "network_policy": "SPYRE_OPERATOR_NETWORK_POLICY",
+    "monitoring_namespace": "SPYRE_OPERATOR_MONITORING_NAMESPACE",
 }
 OCI_MODES = ("modelcar", "image-volume")
 
@@ -279,6 +286,12 @@ def _otlp_endpoint(value: str, source: str) -> str | None:
     return traces_url(value)
 
 
+def _namespace(value: str, source: str) -> str | None:
+    if len(value) > 63 or (value and not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", value)):
+        raise SettingsError(f"{source}={value!r} is not a namespace name (a DNS label)")
+    return value or None
+
+
 def _names(value: str, source: str) -> tuple[str, ...]:
     return tuple(n.strip() for n in value.split(",") if n.strip())
 
@@ -309,6 +322,9 @@ PARSE = {
     "require_known_config": _boolean,
     "inference_pool": _boolean,
     "allow_host_path": _boolean,
+    "network_policy": _boolean,
+    "monitoring_namespace": _namespace,
+    "openshift_service_ca": _boolean,
     "oci_mode": _oci_mode,
     "loader_retries": _count,
     "pod_monitors": _boolean,

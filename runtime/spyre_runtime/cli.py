@@ -148,12 +148,9 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     """Where the server listens and who may call it."""
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=_positive_int, default=None)
-    p.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
-        "(default: $SPYRE_API_KEY, else no key)",
-    )
+    from spyre_runtime.entrypoints.server.security import add_security_flags
+
+    add_security_flags(p)  # --api-key, --auth, --ssl-*
     p.add_argument(
         "--kv-events-config",
         default=None,
@@ -239,6 +236,7 @@ def _config(args):
 
 def cmd_serve(args) -> int:
     from spyre_runtime.entrypoints.api_server import serve
+    from spyre_runtime.entrypoints.server.security import security_from
     from spyre_runtime.executor.graph_cache import check_precompiled
     from spyre_runtime.executor.model_executor import compiler_for
 
@@ -246,13 +244,14 @@ def cmd_serve(args) -> int:
         from spyre_runtime.entrypoints.server.tracing import TRACES_ENDPOINT_VAR, flag_endpoint
 
         os.environ[TRACES_ENDPOINT_VAR] = flag_endpoint(args.otlp_traces_endpoint)
+    security = security_from(args, os.environ)  # one line and exit 2 for a bad key, auth or TLS setting
     chat = _chat_settings(args)
     config = _config(args)
     compiler_for(config.backend)  # fail before binding the port when the backend is missing
     check_precompiled(config)
     if not is_pooling_task(config.task):
         config = check_memory(config)  # after the one-line checks, before anything loads or compiles
-    return serve(config, api_key=args.api_key or os.environ.get("SPYRE_API_KEY") or None, chat=chat)
+    return serve(config, chat=chat, security=security)
 
 
 def cmd_compile(args) -> int:

@@ -218,12 +218,21 @@ class ControlPlane:
     def restart_apiserver(self, down_seconds: float = 0.0) -> None:
         """Kills kube-apiserver (SIGKILL: no graceful shutdown, watches break mid-stream), keeps it down for
         `down_seconds` (connections are refused meanwhile), and starts it again on the same port."""
+        self.kill_apiserver()
+        time.sleep(down_seconds)
+        self.start_apiserver()
+
+    def kill_apiserver(self) -> None:
+        """SIGKILL to kube-apiserver: connections are refused until start_apiserver()."""
         proc = self._proc("kube-apiserver")
         os.kill(proc.pid, signal.SIGKILL)
         if proc.popen is not None:
             proc.popen.wait(timeout=30)
         self.procs.remove(proc)
-        time.sleep(down_seconds)
+
+    def start_apiserver(self) -> None:
+        """Starts kube-apiserver again on its port, from the main thread: a child started from another
+        thread gets its parent-death signal when that thread ends."""
         self._start_apiserver()
         self._write_state()
 

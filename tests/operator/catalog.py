@@ -22,6 +22,7 @@ BASE = {
     "backend": "inductor",
     "batching": {"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 20, "batchSize": 1}]},
 }
+KEY_AUTH = {"apiKey": {"secretRef": {"name": "model-key", "key": "api-key"}}}
 CB = {"mode": "continuous", "maxNumSeqs": 4, "maxModelLen": 256}
 POOLING_SHAPES = [{"promptLength": 64, "batchSize": 4}]
 LLAMA_70B = {
@@ -485,7 +486,57 @@ CATALOG = [
         "spec.inferencePool.endpointPickerRef.name: 'My EPP' is not a Service name",
         at_create="spec.inferencePool.endpointPickerRef.name: Invalid value: 'My EPP' is not a Service name",
     ),
+    # who may call the model (spec.auth, spec.tls)
+    Row(
+        "auth-key-and-kubernetes",
+        {"auth": {"apiKey": {"secretRef": {"name": "model-key", "key": "api-key"}}, "kubernetes": {}}},
+        "spec.auth: apiKey and kubernetes exclude each other",
+        at_create="apiKey and kubernetes exclude each other",
+    ),
+    Row(
+        "auth-key-without-key",
+        {"auth": {"apiKey": {"secretRef": {"name": "model-key"}}}},
+        "spec.auth.apiKey.secretRef.key: must be a Secret key",
+        at_create="spec.auth.apiKey.secretRef.key: Required value",
+        schema=True,
+    ),
+    Row(
+        "auth-key-secret-not-a-name",
+        {"auth": {"apiKey": {"secretRef": {"name": "Model Key", "key": "api-key"}}}},
+        "spec.auth.apiKey.secretRef.name: must be a Secret's name",
+        at_create="spec.auth.apiKey.secretRef.name in body should match",
+        schema=True,
+    ),
+    Row(
+        "auth-key-also-in-env",
+        {"auth": KEY_AUTH, "env": [{"name": "VLLM_API_KEY", "value": "in-clear"}]},
+        "spec.env: VLLM_API_KEY is set by spec.auth",
+    ),
+    Row(
+        "tls-secret-not-a-name",
+        {"tls": {"secretName": "My TLS"}},
+        "spec.tls.secretName: must be a Secret's name",
+        at_create="spec.tls.secretName in body should match",
+        schema=True,
+    ),
+    Row(
+        "tls-paths-also-in-env",
+        {"tls": {"secretName": "model-tls"}, "env": [{"name": "SPYRE_SSL_KEYFILE", "value": "/tmp/k"}]},
+        "spec.env: SPYRE_SSL_KEYFILE is set by spec.tls",
+    ),
     # the image: a reference the kubelet parses (else InvalidImageName, and the pod never starts)
+    Row(
+        "kv-events-static",
+        {"kvEvents": {}},
+        "spec.kvEvents: needs continuous batching: KV events come from its prefix cache",
+        at_create="spec.kvEvents needs continuous batching: KV events come from its prefix cache",
+    ),
+    Row(
+        "network-peer-ip-block-and-pods",
+        {"networkPolicy": {"from": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "podSelector": {}}]}},
+        "spec.networkPolicy.from[0]: ipBlock excludes podSelector and namespaceSelector",
+        at_create="ipBlock excludes podSelector and namespaceSelector",
+    ),
     Row(
         "image-empty",
         {"image": ""},

@@ -72,8 +72,16 @@ def reviewed(kube, user: str, verb: str, resource: str, sub: str, namespace: str
         ("create", "events", True),
         ("create", "jobs.batch", True),
         ("patch", "jobs.batch", False),
-        ("get", "secrets", False),
-        ("list", "secrets", False),
+        # the Secrets models' pods read (spec.auth, spec.tls): read, checked and digested, never written
+        ("get", "secrets", True),
+        ("watch", "secrets", True),
+        ("create", "secrets", False),
+        ("patch", "secrets", False),
+        # token authorization (spec.auth.kubernetes): a ClusterRoleBinding per model, removed with it
+        ("create", "clusterrolebindings.rbac.authorization.k8s.io", True),
+        ("delete", "clusterrolebindings.rbac.authorization.k8s.io", True),
+        ("patch", "clusterrolebindings.rbac.authorization.k8s.io", False),
+        ("bind", "clusterroles.rbac.authorization.k8s.io", False),
         ("create", "deployments.apps", False),
         ("delete", "services", False),
         ("patch", "nodes", False),
@@ -120,6 +128,22 @@ def test_operator_service_account_is_least_privilege(cluster, kube, operator_rba
     assert res.stdout.strip() == ("yes" if allowed else "no"), res.stdout + res.stderr
 
 
+@pytest.mark.parametrize(("role", "allowed"), [("system:auth-delegator", "yes"), ("cluster-admin", "no")])
+def test_operator_may_bind_only_the_auth_delegator_role(cluster, operator_rbac, role, allowed):
+    """Token authorization binds each such model's ServiceAccount to system:auth-delegator: the operator
+    holds `bind` on that ClusterRole by name, and on no other."""
+    res = kubectl(
+        cluster,
+        "auth",
+        "can-i",
+        "bind",
+        f"clusterroles.rbac.authorization.k8s.io/{role}",
+        f"--as={operator_rbac}",
+        check=False,
+    )
+    assert res.stdout.strip() == allowed, res.stdout + res.stderr
+
+
 def test_namespaced_role_variant(cluster, kube, crd, ns):
     manifest = (REPO / "deploy/rbac/role.yaml").read_text().replace("NAMESPACE", ns.name)
     path = REPO / "tests" / f".role-{ns.name}.yaml"
@@ -135,6 +159,9 @@ def test_namespaced_role_variant(cluster, kube, crd, ns):
         == "no"
     )
     assert (
-        kubectl(cluster, "auth", "can-i", "get", "secrets", who, "-n", ns.name, check=False).stdout.strip()
+        kubectl(cluster, "auth", "can-i", "get", "secrets", who, "-n", "default", check=False).stdout.strip()
         == "no"
     )
+    assert kubectl(cluster, "auth", "can-i", "get", "secrets", who, "-n", ns.name).stdout.strip() == "yes"
+    delegator = "clusterroles.rbac.authorization.k8s.io/system:auth-delegator"
+    assert kubectl(cluster, "auth", "can-i", "bind", delegator, who).stdout.strip() == "yes"

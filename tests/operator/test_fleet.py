@@ -78,6 +78,7 @@ EXPECTED = {
     "events": {"create"},
     "resourceclaimtemplates.resource.k8s.io": {"list", "create", "delete"},
     "inferencepools.inference.networking.k8s.io": {"get", "list", "watch", "create", "patch", "delete"},
+    "networkpolicies.networking.k8s.io": {"get", "list", "watch", "create", "patch", "delete"},
     "nodes": {"get"},
     "customresourcedefinitions.apiextensions.k8s.io": {"get", "list", "watch"},
 }

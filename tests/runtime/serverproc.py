@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import ssl
 import subprocess
 import sys
 import time
@@ -23,9 +24,12 @@ class ServerProcess:
         served_name: str = "tiny",
         extra_args: tuple[str, ...] = (),
         module: str = "spyre_runtime.cli",
+        ca_file: Path | None = None,
     ):
+        """`ca_file`: the server serves HTTPS with a certificate this CA signed (its health is checked so)."""
         self.port = free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
+        self.base = f"{'https' if ca_file else 'http'}://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.served_name = served_name
         self.health_codes: list[int] = []
@@ -52,7 +56,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
             with contextlib.suppress(httpx.HTTPError):
-                code = httpx.get(self.base + "/health", timeout=2).status_code
+                code = httpx.get(self.base + "/health", timeout=2, verify=self.verify).status_code
                 self.health_codes.append(code)
                 if code == 200:
                     return

@@ -53,6 +53,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+# the Secrets a model's pods read (spec.auth.apiKey, spec.tls): checked and digested (new data rolls the pods),
+# their data never kept, logged or written anywhere
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, list, watch]
 # the model loader of hf:// and s3:// models: a ServiceAccount, Role and RoleBinding per model, owned by it
 - apiGroups: [""]
   resources: [serviceaccounts]
@@ -74,4 +79,23 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [monitoring.coreos.com]
   resources: [podmonitors]
   verbs: [get, create, patch]
+# a NetworkPolicy per model when the chart's networkPolicy.enabled is on: made, watched and repaired,
+# removed when it is turned off
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+{{- end -}}
+
+{{/* Cluster-scoped rules (the ClusterRole in either mode; deploy/rbac has the same). */}}
+{{- define "spyre-operator.clusterRules" -}}
+# token authorization (spec.auth.kubernetes): a ClusterRoleBinding per model of its ServiceAccount to
+# system:auth-delegator (TokenReviews, SubjectAccessReviews), removed with the model; binding a role needs
+# its rights or `bind` on it
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [clusterrolebindings]
+  verbs: [list, watch, create, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [clusterroles]
+  verbs: [bind]
+  resourceNames: ["system:auth-delegator"]
 {{- end -}}

@@ -1,6 +1,7 @@
 """The operator's one door to the API server: create, read, list, patch and delete of the objects it owns
-(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate, InferencePool, PodMonitor, the model
-loader's ServiceAccount, Role and RoleBinding), the nodes it may read, which APIs the cluster serves, the
+(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate, InferencePool, NetworkPolicy, PodMonitor,
+the model loader's ServiceAccount, Role and RoleBinding, the token-authorized model's ServiceAccount and
+ClusterRoleBinding), the Secrets its pods read, the nodes it may read, which APIs the cluster serves, the
 SpyreModel and its status. Every call carries the settings' timeout and answers plain dicts; a 404 on a read
 or a delete is an answer (None; nothing left to delete), not an error. And how a refused or failed call
 reaches the status: as a Problem with the API server's own message."""
@@ -35,6 +36,8 @@ _METHOD_NAMES = {
     "ServiceAccount": "service_account",
     "Role": "role",
     "RoleBinding": "role_binding",
+    "NetworkPolicy": "network_policy",
+    "Secret": "secret",  # read only: the Secrets a model's pods read (spec.auth, spec.tls)
 }
 # the custom resources the operator owns: (group, version, plural)
 _CUSTOM_KINDS = {
@@ -50,6 +53,7 @@ class Kube:
         self.custom = client.CustomObjectsApi(api_client)
         self.resource = client.ResourceV1Api(api_client)
         self.rbac = client.RbacAuthorizationV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
         self.timeout = timeout
 
     def _method(self, verb: str, kind: str):
@@ -58,7 +62,7 @@ class Kube:
         api = {"Job": self.batch, "ResourceClaimTemplate": self.resource, "Role": self.rbac}.get(
             kind, self.core
         )
-        api = self.rbac if kind == "RoleBinding" else api
+        api = self.rbac if kind == "RoleBinding" else self.networking if kind == "NetworkPolicy" else api
         return getattr(api, f"{verb}_namespaced_{_METHOD_NAMES[kind]}")
 
     def _custom_method(self, verb: str, group: str, version: str, plural: str):
@@ -81,6 +85,11 @@ class Kube:
         """Creates `body` (its kind and namespace read off it); the object as the API server stored it.
         `dry_run`: admission and validation only, nothing stored."""
         extra = {"dry_run": "All"} if dry_run else {}
+        if body["kind"] == "ClusterRoleBinding":  # the one cluster-scoped kind (spec.auth.kubernetes)
+            resp = self.rbac.create_cluster_role_binding(
+                body, _request_timeout=self.timeout, _preload_content=False, **extra
+            )
+            return json.loads(resp.data)
         resp = self._method("create", body["kind"])(
             body["metadata"]["namespace"],
             body,

@@ -47,6 +47,7 @@ class WatchCache:
         self._pods: dict[Key, dict[str, dict]] = {}
         self._owned: dict[Key, dict[str, tuple]] = {}  # key -> {what was checked: the model's stamp}
         self._pools: set[Key] = set()  # models whose InferencePool the watch has seen (and not seen go)
+        self._policies: set[Key] = set()  # models whose NetworkPolicy the watch has seen (and not seen go)
         # the operator's own pod writes the watch has not shown yet: key -> {pod name: (created?, deadline)}
         self._expected: dict[Key, dict[str, tuple[bool, float]]] = {}
 
@@ -165,6 +166,16 @@ class WatchCache:
         """Whether the watch has seen an InferencePool of the model (none seen: nothing to remove)."""
         with self._lock:
             return key in self._pools
+
+    def policy_seen(self, key: Key, is_there: bool) -> None:
+        """Notes whether the model has a NetworkPolicy (its watch's last word)."""
+        with self._lock:
+            (self._policies.add if is_there else self._policies.discard)(key)
+
+    def has_policy(self, key: Key) -> bool:
+        """Whether the watch has seen a NetworkPolicy of the model (none seen: nothing to remove)."""
+        with self._lock:
+            return key in self._policies
 
 
 def _older(body: dict, version: str) -> bool:

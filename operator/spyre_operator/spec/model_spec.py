@@ -99,6 +99,30 @@ def _scaled(value: int | str, replicas: int, up: bool) -> int:
 
 
 @dataclass(frozen=True)
+class ApiKey:
+    """spec.auth.apiKey.secretRef: the Secret and the key in it holding the model's API key."""
+
+    secret_name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class Auth:
+    """spec.auth: who may call the model. `api_key`: callers present the Secret's key; `kubernetes`: callers
+    present a Kubernetes token allowed to `get` the SpyreModel. Neither: anyone who reaches the Service."""
+
+    api_key: ApiKey | None = None
+    kubernetes: bool = False
+
+
+@dataclass(frozen=True)
+class Tls:
+    """spec.tls: the runtime serves HTTPS with the key pair (tls.crt, tls.key) of this Secret."""
+
+    secret_name: str
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     source: ModelSource  # spec.model.source (with secretRef and endpoint when it is downloaded)
     served_model_name: str
@@ -131,6 +155,13 @@ class ModelSpec:
     rollout: Rollout = field(default_factory=Rollout)
     inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
     tracing_endpoint: str | None = None  # spec.tracing.otlpEndpoint: OTLP/HTTP traces URL (path defaulted)
+    network_peers: tuple = ()  # spec.networkPolicy.from: who else reaches the API (NetworkPolicyPeers)
+    kv_events_port: int | None = None  # spec.kvEvents: the port KV events are published on; None: off
+    auth: Auth = field(default_factory=Auth)
+    tls: Tls | None = None
+    # observed, not parsed: a digest of the data of the Secrets the pods read (the API key's, the key pair's),
+    # set by the reconcile (kinds/access.py) so that new data rolls the pods
+    secret_digest: str = ""
 
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}

@@ -1,7 +1,7 @@
 """The SpyreModel spec, validated by the operator itself: the 1.20 API server ignores the CRD's CEL rules,
 and a spec written before a CRD upgrade may predate its schema. Every rule the CRD states is checked here,
-one section of the spec at a time (model, engine, batching, graphCache, the pod's own fields, rollout), in the
-order a reader meets them; the first broken rule is the one reported."""
+one section of the spec at a time (model, engine, batching, graphCache, the pod's own fields, rollout; auth
+and tls in spec/security.py), in the order a reader meets them; the first broken rule is the one reported."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from spyre_operator.spec.model_spec import (
     StaticShape,
 )
 from spyre_operator.spec.pod_fields import DNS_NAME, object_field, parse_pod_fields, string_field
+from spyre_operator.spec.security import parse_security
 
 VALID_CARDS = (1, 2, 4, 8)
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
@@ -84,10 +85,8 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         suspend=_bool(spec, "suspend"),
         rollout=_rollout(object_field(spec, "rollout")),
         inference_pool=_inference_pool_section(spec),
+        **parse_security(spec, pod_fields["env"]),
     )
-
-
-# ---- sections ------------------------------------------------------------------------------------
 
 
 def _model_section(name: str, spec: dict) -> dict:

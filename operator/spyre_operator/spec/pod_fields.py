@@ -50,6 +50,8 @@ def parse_pod_fields(spec: dict) -> dict:
         "scheduler_name": _dns_name(spec, "schedulerName"),
         "priority_class_name": _dns_name(spec, "priorityClassName"),
         "tracing_endpoint": _tracing_endpoint(object_field(spec, "tracing")),
+        "network_peers": _network_peers(object_field(spec, "networkPolicy").get("from")),
+        "kv_events_port": _kv_events_port(spec.get("kvEvents")),
     }
 
 
@@ -261,3 +263,41 @@ def _tolerations(value) -> tuple:
         if t.get("effect") not in (None, "", "NoSchedule", "PreferNoSchedule", "NoExecute"):
             raise InvalidSpec(f"tolerations[{i}].effect", f"is not a taint effect: {t.get('effect')!r}")
     return tuple(value)
+
+
+PEER_KEYS = ("podSelector", "namespaceSelector", "ipBlock")
+
+
+def _network_peers(value) -> tuple:
+    """spec.networkPolicy.from: NetworkPolicyPeers, passed on to the model's NetworkPolicy as they are (the
+    API server checks their selectors when the operator writes the policy)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InvalidSpec("networkPolicy.from", f"must be a list of NetworkPolicyPeers, got {value!r}")
+    for i, peer in enumerate(value):
+        at = f"networkPolicy.from[{i}]"
+        if not isinstance(peer, dict) or not peer or set(peer) - set(PEER_KEYS):
+            raise InvalidSpec(at, f"must be an object of {', '.join(PEER_KEYS)}, got {peer!r}")
+        if "ipBlock" in peer and len(peer) > 1:
+            raise InvalidSpec(at, "ipBlock excludes podSelector and namespaceSelector")
+        for key, part in peer.items():
+            if not isinstance(part, dict) or (key == "ipBlock" and not isinstance(part.get("cidr"), str)):
+                raise InvalidSpec(f"{at}.{key}", f"must be an object{' with a cidr' * (key == 'ipBlock')}")
+    return tuple(dict(p) for p in value)
+
+
+DEFAULT_KV_EVENTS_PORT = 5557  # vLLM's default endpoint, tcp://*:5557
+
+
+def _kv_events_port(value) -> int | None:
+    """spec.kvEvents: present means the runtime publishes its prefix cache's KV events (vLLM's ZeroMQ format)
+    on this port of the pod, for subscribers such as llm-d's KV-cache-aware router."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"port"}:
+        raise InvalidSpec("kvEvents", f"must be an object with an optional port, got {value!r}")
+    port = value.get("port", DEFAULT_KV_EVENTS_PORT)
+    if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port <= 65535:
+        raise InvalidSpec("kvEvents.port", f"must be a port number (1-65535), got {port!r}")
+    return port

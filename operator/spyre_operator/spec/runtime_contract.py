@@ -4,6 +4,8 @@ contract: environment, memory plan, known configurations) run on them before any
 
 from __future__ import annotations
 
+import json
+
 from spyre_contract import ContractError, EngineFlags, read_environment
 from spyre_contract.memory import DTYPE_BYTES, GIB, ModelDims, plan_memory
 from spyre_contract.registry import check_known_config
@@ -61,7 +63,23 @@ def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
 def runtime_args(spec: ModelSpec, settings: OperatorSettings) -> list[str]:
     serving = ["--served-model-name", spec.served_model_name, "--host", "$(POD_IP)", "--port"]
     task = ["--task", spec.task] if spec.task != "generate" else []
-    return ["serve", spec.source.path_in_pod, *serving, str(settings.runtime_port), *task, *engine_args(spec)]
+    return [
+        "serve",
+        spec.source.path_in_pod,
+        *serving,
+        str(settings.runtime_port),
+        *task,
+        *engine_args(spec),
+        *kv_events_args(spec),
+    ]
+
+
+def kv_events_args(spec: ModelSpec) -> list[str]:
+    """spec.kvEvents: vLLM's flag, the runtime binding its publisher on every address of the pod."""
+    if spec.kv_events_port is None:
+        return []
+    config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{spec.kv_events_port}"}
+    return ["--kv-events-config", json.dumps(config)]
 
 
 def engine_args(spec: ModelSpec) -> list[str]:
@@ -113,6 +131,10 @@ def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
     as the spec tells the model (`model.config`, `model.architecture`): InvalidSpec when the plan cannot fit
     the cards requested (or the container's memory limit on CPU backends), UnknownConfiguration when known
     configurations are required (spec or settings) and this one is not."""
+    if spec.kv_events_port is not None and spec.mode != "continuous":
+        raise InvalidSpec("kvEvents", "needs continuous batching: KV events come from its prefix cache")
+    if spec.kv_events_port == settings.runtime_port:
+        raise InvalidSpec("kvEvents.port", f"{spec.kv_events_port} is the runtime's API port")
     contract = check_runtime_contract(spec)
     if spec.model_config:
         try:

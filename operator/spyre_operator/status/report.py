@@ -6,6 +6,7 @@ reaches the status (`failure`)."""
 from __future__ import annotations
 
 import json
+import ssl
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -108,7 +109,8 @@ class Reporter:
             health=[h for _, h in observed],
             selector=f"{MODEL_LABEL}={meta['name']}",
             service_address=(
-                f"http://{meta['name']}.{meta['namespace']}.svc:{self.settings.runtime_port}"
+                f"{'https' if spec.tls else 'http'}://{meta['name']}.{meta['namespace']}.svc:"
+                f"{self.settings.runtime_port}"
                 if spec
                 else None
             ),
@@ -122,7 +124,9 @@ class Reporter:
             problems=tuple(work.problems),
             waiting=work.waiting,
             waiting_reason=work.waiting_reason,
-            warming=warmup_progress(pods, observed, self.settings.runtime_port) if spec else {},
+            warming=(
+                warmup_progress(pods, observed, self.settings.runtime_port, bool(spec.tls)) if spec else {}
+            ),
             inference_pool=pool,
         )
         pod_states, job_state = _states(observed, cache)
@@ -184,11 +188,13 @@ class Reporter:
 
 
 def warmup_progress(
-    pods: list[dict], observed: list[tuple[PodView, PodHealth]], runtime_port: int
+    pods: list[dict], observed: list[tuple[PodView, PodHealth]], runtime_port: int, is_https: bool = False
 ) -> dict[str, tuple[int, int]]:
     """Graphs warmed so far by pods that run but are not Ready yet, from their /health (the runtime
     answers 503 {"warming": {"done", "total"}}): a person watching the model sees `compiling 7/12`.
-    At most 4 pods, half a second each; a pod that does not answer is left out."""
+    At most 4 pods, half a second each; a pod that does not answer is left out. Over HTTPS for a model
+    with spec.tls, its certificate unchecked: only a progress count is read, nothing is sent."""
+    context = ssl._create_unverified_context() if is_https else None
     progress: dict[str, tuple[int, int]] = {}
     by_name = {p["metadata"]["name"]: p for p in pods}
     for view, _ in observed:
@@ -197,9 +203,9 @@ def warmup_progress(
         status = by_name[view.name].get("status") or {}
         if status.get("phase") != "Running" or not status.get("podIP"):
             continue
-        url = f"http://{status['podIP']}:{runtime_port}/health"
+        url = f"{'https' if is_https else 'http'}://{status['podIP']}:{runtime_port}/health"
         try:
-            urllib.request.urlopen(url, timeout=0.5).close()  # 200: warm by now
+            urllib.request.urlopen(url, timeout=0.5, context=context).close()  # 200: warm by now
         except urllib.error.HTTPError as e:
             try:
                 warming = json.loads(e.read() or b"{}").get("warming") or {}

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP server (FastAPI + uvicorn), one for every task: the model's task picks the
-engine that boots (GenerateState or PoolingState) and the routers that mount; the lifespan, the API-key
-guard, the error bodies, /health, /metrics, /v1/models and the SIGTERM drain (server/) are the same for all.
-One folder per API, each with its router, protocol and serving module:
+engine that boots (GenerateState or PoolingState) and the routers that mount; the lifespan, the guard (an
+API key or Kubernetes tokens, server/security.py), TLS, the error bodies, /health, /metrics, /v1/models and
+the SIGTERM drain (server/) are the same for all. One folder per API, each with its router, protocol and
+serving module:
 
     generate:           completions/ (/v1/completions, /v1/chat/completions)
                         responses/ (/v1/responses)
@@ -16,6 +17,8 @@ the background so /health can answer 503 until they are done."""
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
 from contextlib import asynccontextmanager
 
@@ -33,23 +36,30 @@ from spyre_runtime.entrypoints.pooling.state import PoolingState
 from spyre_runtime.entrypoints.responses.protocol import RESPONSES_UNSUPPORTED
 from spyre_runtime.entrypoints.responses.router import router as responses_router
 from spyre_runtime.entrypoints.responses.serving import ResponseStore
+from spyre_runtime.entrypoints.server.auth import Authorizer
 from spyre_runtime.entrypoints.server.errors import install_error_handlers
-from spyre_runtime.entrypoints.server.guard import Guard
+from spyre_runtime.entrypoints.server.guard import OPEN_PATHS, Guard
 from spyre_runtime.entrypoints.server.launcher import serve_http
+from spyre_runtime.entrypoints.server.security import Security
 from spyre_runtime.entrypoints.server.state import ServingState
 from spyre_runtime.entrypoints.tokenization.router import router as tokenization_router
 
+log = logging.getLogger(__name__)
 
-def build_state(config: RuntimeConfig, api_key: str | None = None) -> ServingState:
+
+def build_state(config: RuntimeConfig) -> ServingState:
     """The state of the engine the model's task needs (a pooling model's is checked here, before the port
     is bound: a ConfigError is one line and exit 2)."""
     if is_pooling_task(config.task):
-        return PoolingState(config, api_key=api_key)
-    return GenerateState(config, api_key=api_key)
+        return PoolingState(config)
+    return GenerateState(config)
 
 
-def build_app(state: ServingState, chat: ChatSettings | None = None) -> FastAPI:
-    """`chat`: how chat output is read (tool calls, reasoning); decoders only."""
+def build_app(
+    state: ServingState, chat: ChatSettings | None = None, authorizer: Authorizer | None = None
+) -> FastAPI:
+    """`chat`: how chat output is read (tool calls, reasoning); decoders only. `authorizer`: who may call
+    (server/security.py; None: anyone)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -64,7 +74,7 @@ def build_app(state: ServingState, chat: ChatSettings | None = None) -> FastAPI:
     )
     app.state.serving = state
     app.state.chat = chat or ChatSettings()
-    app.add_middleware(Guard, api_key=lambda: state.api_key)
+    app.add_middleware(Guard, authorizer=authorizer)
     app.include_router(admin_router)
     if pooling:
         app.include_router(pooling_router)
@@ -78,8 +88,12 @@ def build_app(state: ServingState, chat: ChatSettings | None = None) -> FastAPI:
     return app
 
 
-def serve(config: RuntimeConfig, api_key: str | None = None, chat: ChatSettings | None = None) -> int:
+def serve(config: RuntimeConfig, chat: ChatSettings | None = None, security: Security | None = None) -> int:
     """Serves the model until SIGTERM (drained: exit 0) or a failure (exit 1)."""
-    state = build_state(config, api_key)
-    serve_http(build_app(state, chat), state)
+    security = security or Security()
+    authorizer = security.authorizer(os.environ)  # before the engine is built: a ConfigError is one line
+    state = build_state(config)
+    if authorizer is not None:
+        log.info("Callers need %s on all but %s", authorizer.describe(), ", ".join(sorted(OPEN_PATHS)))
+    serve_http(build_app(state, chat, authorizer), state, security.uvicorn_ssl())
     return state.exit_code()

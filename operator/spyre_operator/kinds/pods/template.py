@@ -7,8 +7,21 @@ from __future__ import annotations
 import hashlib
 import json
 
+from spyre_contract.auth import (
+    API_KEY_ENV,
+    AUTH_MODE_ENV,
+    AUTH_MODE_KUBERNETES,
+    AUTH_MODEL_ENV,
+    AUTH_NAMESPACE_ENV,
+    TLS_CERT_KEY,
+    TLS_CERTFILE_ENV,
+    TLS_KEY_KEY,
+    TLS_KEYFILE_ENV,
+    TLS_MOUNT,
+)
 from spyre_contract.tracing import SERVICE_NAME_VAR, TRACES_ENDPOINT_VAR
 
+from spyre_operator.kinds.access import account_name
 from spyre_operator.kinds.graph_cache_claim import cache_claim_name
 from spyre_operator.kinds.ownership import owner_reference, selector_labels
 from spyre_operator.settings import (
@@ -33,6 +46,8 @@ PROBE_PERIOD = 10
 # kube-proxy syncs) met 503s and reset connections in a rollout on a real node (tests/test_real_node.py).
 # Within terminationGracePeriodSeconds, with the runtime's 30 s drain.
 DEREGISTRATION_SECONDS = 5
+# the digest of the Secrets the pods read (kinds/access.py): new data, new template hash, a rollout
+SECRET_DIGEST_ANNOTATION = "spyre-serve.io/secret-digest"
 
 
 def _num_doublings(start: int, top: int) -> int:
@@ -82,7 +97,7 @@ def pod_storage(
 def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict:
     """The pod spec every replica shares; its hash detects drift."""
     port = settings.runtime_port
-    probe = {"httpGet": {"path": "/health", "port": port}}
+    probe = {"httpGet": {"path": "/health", "port": port, **({"scheme": "HTTPS"} if spec.tls else {})}}
     resources = {k: dict(v) for k, v in spec.resources.items() if k in ("requests", "limits")}
     claims = placement.request_cards(resources, name, spec, settings)
     mounts, volumes, init = pod_storage(name, spec, settings)
@@ -91,8 +106,13 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         "image": spec.image or settings.runtime_image,
         "command": ["spyre-runtime"],
         "args": runtime_args(spec, settings),
-        "env": tracing_env(name, spec, settings) + runtime_env(spec),  # spec.env, last, wins
-        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}],
+        "env": tracing_env(name, spec, settings) + runtime_env(spec),  # spec.env, later, wins
+        "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]
+        + (
+            [{"name": "kv-events", "containerPort": spec.kv_events_port, "protocol": "TCP"}]
+            if spec.kv_events_port is not None
+            else []
+        ),
         "resources": resources,
         "volumeMounts": mounts,
         "startupProbe": {
@@ -119,6 +139,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
     }
     if claims:
         pod_spec["resourceClaims"] = claims
+    access_fields(name, spec, container, pod_spec)
     placement_fields(pod_spec, spec, settings)
     return pod_spec
 
@@ -129,6 +150,31 @@ def tracing_env(name: str, spec: ModelSpec, settings: OperatorSettings) -> list[
     if endpoint is None:
         return []
     return [{"name": TRACES_ENDPOINT_VAR, "value": endpoint}, {"name": SERVICE_NAME_VAR, "value": name}]
+
+
+def access_fields(name: str, spec: ModelSpec, container: dict, pod_spec: dict) -> None:
+    """spec.auth and spec.tls on the serving pod: the API key from its Secret (an env valueFrom, never an
+    argument); token authorization's identity (the model's ServiceAccount, its token mounted) and the
+    SpyreModel a caller must be allowed to `get`; the key pair mounted read-only, and its paths."""
+    env = container["env"]
+    if spec.auth.api_key:
+        ref = {"name": spec.auth.api_key.secret_name, "key": spec.auth.api_key.key}
+        env.append({"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": ref}})
+    if spec.auth.kubernetes:
+        env += [
+            {"name": AUTH_MODE_ENV, "value": AUTH_MODE_KUBERNETES},
+            {"name": AUTH_MODEL_ENV, "value": name},
+            {"name": AUTH_NAMESPACE_ENV, "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        ]
+        pod_spec["serviceAccountName"] = account_name(name)
+        pod_spec["automountServiceAccountToken"] = True
+    if spec.tls:
+        env += [
+            {"name": TLS_CERTFILE_ENV, "value": f"{TLS_MOUNT}/{TLS_CERT_KEY}"},
+            {"name": TLS_KEYFILE_ENV, "value": f"{TLS_MOUNT}/{TLS_KEY_KEY}"},
+        ]
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+        pod_spec["volumes"].append({"name": "tls", "secret": {"secretName": spec.tls.secret_name}})
 
 
 def placement_fields(pod_spec: dict, spec: ModelSpec, settings: OperatorSettings) -> None:
@@ -146,48 +192,50 @@ def placement_fields(pod_spec: dict, spec: ModelSpec, settings: OperatorSettings
 
 
 def spec_hash(model: dict) -> str:
-    """The model's spec as far as it shapes pods (replicas, suspend, the rollout budget and the InferencePool
-    aside): pods whose template changed but whose spec hash did not were changed by the operator's own
-    settings."""
-    aside = ("replicas", "suspend", "rollout", "inferencePool")
+    """The model's spec as far as it shapes pods (replicas, suspend, the rollout budget, the InferencePool
+    and the NetworkPolicy aside): pods whose template changed but whose spec hash did not were changed by the
+    operator's own settings."""
+    aside = ("replicas", "suspend", "rollout", "inferencePool", "networkPolicy")
     spec = {k: v for k, v in (model.get("spec") or {}).items() if k not in aside}
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:10]
 
 
-def template_hash(pod_spec: dict) -> str:
-    return hashlib.sha256(json.dumps(pod_spec, sort_keys=True).encode()).hexdigest()[:10]
+def template_hash(pod_spec: dict, secret_digest: str = "") -> str:
+    """The pod spec's hash, and the digest of the Secrets it reads when there are any."""
+    text = json.dumps(pod_spec, sort_keys=True) + (f"\n{secret_digest}" if secret_digest else "")
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def build_pod(model: dict, spec: ModelSpec, settings: OperatorSettings) -> dict:
     """The API server completes the name (generateName): `<model>-<template hash>-<random>`."""
     name = model["metadata"]["name"]
     pod_spec = pod_template(name, spec, settings)
+    thash = template_hash(pod_spec, spec.secret_digest)
+    annotations = {SECRET_DIGEST_ANNOTATION: spec.secret_digest} if spec.secret_digest else {}
+    if settings.prometheus_annotations:
+        annotations.update(
+            {
+                "prometheus.io/scrape": "true",
+                "prometheus.io/port": str(settings.runtime_port),
+                "prometheus.io/path": "/metrics",
+            }
+        )
     return {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {
-            "generateName": f"{name}-{template_hash(pod_spec)}-",
+            "generateName": f"{name}-{thash}-",
             "namespace": model["metadata"]["namespace"],
             "labels": {
                 **selector_labels(name),
-                HASH_LABEL: template_hash(pod_spec),
+                HASH_LABEL: thash,
                 SPEC_LABEL: spec_hash(model),
                 COMPONENT_LABEL: "inference",
                 **ENGINE_TYPE_LABEL,
                 **MANAGED_BY,
             },
             "ownerReferences": [owner_reference(model)],
-            **(
-                {
-                    "annotations": {
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(settings.runtime_port),
-                        "prometheus.io/path": "/metrics",
-                    }
-                }
-                if settings.prometheus_annotations
-                else {}
-            ),
+            **({"annotations": annotations} if annotations else {}),
         },
         "spec": pod_spec,
     }

@@ -17,8 +17,8 @@ from spyre_runtime.sampling.guided import GuideCompiler
 
 
 class GenerateState(ServingState):
-    def __init__(self, config: RuntimeConfig, api_key: str | None = None) -> None:
-        super().__init__(config, api_key)
+    def __init__(self, config: RuntimeConfig) -> None:
+        super().__init__(config)
         self.client = EngineClient(config, self.metrics)  # before the port is bound: a bad value exits 2
         self.client.on_fatal = lambda: self.on_fatal()
         self.validator: Validator | None = None

@@ -17,8 +17,8 @@ from spyre_runtime.entrypoints.server.state import ServingState
 
 
 class PoolingState(ServingState):
-    def __init__(self, config: RuntimeConfig, api_key: str | None = None) -> None:
-        super().__init__(config, api_key)
+    def __init__(self, config: RuntimeConfig) -> None:
+        super().__init__(config)
         self.client = PoolingClient(config, self.metrics)  # before the port is bound: exit 2 with one line
         self.spec = self.client.spec
         self._in_flight = 0

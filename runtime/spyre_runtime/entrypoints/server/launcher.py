@@ -46,8 +46,9 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve_http(app: FastAPI, state: ServingState) -> None:
-    """Serves `app` until SIGTERM (drained), SIGINT, or a fatal error; then releases the engine."""
+def serve_http(app: FastAPI, state: ServingState, tls: dict | None = None) -> None:
+    """Serves `app` until SIGTERM (drained), SIGINT, or a fatal error; then releases the engine. `tls`:
+    uvicorn's ssl_* arguments (security.Security.uvicorn_ssl, checked at start-up): HTTPS only."""
     config = state.config
     uv_config = uvicorn.Config(
         app,
@@ -56,6 +57,7 @@ def serve_http(app: FastAPI, state: ServingState) -> None:
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=5,
+        **(tls or {}),
     )
     server = DrainingServer(uv_config, state)
 

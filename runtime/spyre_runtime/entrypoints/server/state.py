@@ -36,9 +36,8 @@ class ServingState(ABC):
     (new requests get 503) and the server exits once `num_in_flight()` is 0 (launcher.DrainingServer).
     Subclasses load their engine in `load()` and stop it in `stop_engine()` and `close()`."""
 
-    def __init__(self, config: RuntimeConfig, api_key: str | None = None) -> None:
+    def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        self.api_key = api_key
         self.metrics = Metrics(config.served_model_name, generate=not is_pooling_task(config.task))
         self.tracer = tracer_from_env(config.served_model_name)  # None: off (before the port is bound)
         self.loop: asyncio.AbstractEventLoop | None = None

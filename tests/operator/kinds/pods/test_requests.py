@@ -93,6 +93,7 @@ def test_the_pod_step_lists_no_pods_and_a_steady_pass_asks_nothing(audited):
     assert counts[("create", "pods", "")] >= 4, counts  # the log holds the operator's requests
     assert counts[("list", "pods", "")] == 0, counts  # it acted on its watch's view of the pods
     assert counts[("get", "inferencepools", "")] == 0, counts  # the model wants none, and has none
+    assert counts[("get", "networkpolicies", "")] == 0, counts  # the setting is off, and the watch saw none
 
     # steady: resync passes (every 3 s here) over the model with nothing to change ask the API server nothing
     wait_for(lambda: not op.metric("spyre_operator_workqueue_depth"), what="the work queue drained")
