@@ -59,6 +59,8 @@ from vllm_bench import (  # noqa: E402
     vllm_argv,
 )
 
+from charts import chart_beside  # noqa: E402
+
 OURS_ENV = {
     "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
     "SENDNN_INFERENCE_USE_CB": "1",
@@ -288,6 +290,7 @@ def main() -> int:
             results[dtype] = run_dtype(dtype, args, vllm_python, Path(tmp))
             args.out.write_text(json.dumps(results, indent=2) + "\n")
             print(markdown(dtype, results[dtype]), flush=True)
+    chart_beside(args.out)  # tok/s and ITL p99 against streams, as a PNG beside the JSON
     return 0
 
 

@@ -180,6 +180,9 @@ def main() -> int:
     print(text)
     if args.out:
         args.out.write_text(text + "\n")
+        from charts import chart_beside
+
+        chart_beside(args.out)  # the top ops per step, as a PNG beside the JSON
     return 0
 
 

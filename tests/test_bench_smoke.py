@@ -105,6 +105,14 @@ def test_profile_step(tiny, tmp_path):
     assert set(res["decode_forward_ms"]) == {"aten", "kernel"}  # both attention paths were measured
     for path, top in res["decode_top_ops"].items():  # each path's profile names the ops that took time
         assert top["ops"] and positive(top["ops"][0]["self_ms_per_step"], top["profiled_step_ms"]), path
+    assert (tmp_path / "profile_step.py.png").stat().st_size > 5000  # the chart beside the JSON
+
+
+def test_tracing_bench(tmp_path):
+    res = bench("tracing_bench.py", tmp_path, "--spans", "50", "--runs", "1")
+    assert res["startup_off"] == {**res["startup_off"], "tracer": False, "otel_sdk_modules": 0}
+    assert res["startup_on"]["tracer"] and res["startup_on"]["otel_sdk_modules"] > 0
+    assert positive(res["record_us_per_span"], res["exported_bytes"])  # the spans reached the receiver
 
 
 def test_tp_bench(tmp_path):
@@ -154,6 +162,7 @@ def test_matrix_bench(tiny, tmp_path, systems):
         served(res["float32"][name]["c1"], 1)
         served(res["float32"][name]["c2"], 2)
         assert positive(res["float32"][name]["ready_s"])
+    assert (tmp_path / "matrix_bench.py.png").stat().st_size > 5000  # the chart beside the JSON
 
 
 @pytest.mark.cluster

@@ -68,6 +68,8 @@ def configure(settings: kopf.OperatorSettings, memo, **_):
     settings.watching.label_selectors[POOL_GROUP, POOL_PLURAL] = MODEL_LABEL
     settings.watching.label_selectors["networking.k8s.io", "networkpolicies"] = MODEL_LABEL
     settings.watching.label_selectors["rbac.authorization.k8s.io", "clusterrolebindings"] = MODEL_LABEL
+    if memo.settings.pod_monitors:  # said in the start-up log: present or absent
+        memo.reconciler.pod_monitor.detect()
     memo.queue.start()
     memo.resync.start()
 

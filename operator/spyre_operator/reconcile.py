@@ -4,7 +4,8 @@
 2. admit the spec (admission.py; spec/ parses it, its source into one type per scheme);
 3. one step per owned kind, each in its own file under kinds/ holding its decide-and-ensure step and its
    builder, acting through io/kube.py: the Service (service.py), the graph-cache claim
-   (graph_cache_claim.py), the InferencePool (inference_pool.py), the NetworkPolicy (network_policy.py),
+   (graph_cache_claim.py), the InferencePool (inference_pool.py), the PodMonitor (pod_monitor.py), the
+   NetworkPolicy (network_policy.py),
    the loader Job that fills the model cache (loader_job.py), the compile Job (compile_job.py), the
    ResourceClaimTemplate of DRA cards (resource_claim_template.py), who may call the model (access.py:
    the Secrets its pods read, digested into their template, and token authorization's identity) and the
@@ -35,6 +36,7 @@ from spyre_operator.kinds.graph_cache_claim import GraphCacheClaimStep
 from spyre_operator.kinds.inference_pool import InferencePoolStep, PoolState
 from spyre_operator.kinds.loader_job import UNREAD, LoaderJobStep
 from spyre_operator.kinds.network_policy import NetworkPolicyStep
+from spyre_operator.kinds.pod_monitor import PodMonitorStep
 from spyre_operator.kinds.pods.step import PodStep
 from spyre_operator.kinds.pods.template import pod_template, template_hash
 from spyre_operator.kinds.resource_claim_template import ResourceClaimTemplateStep
@@ -64,6 +66,7 @@ class Reconciler:
         self.graph_cache_claim = GraphCacheClaimStep(settings, self.kube, events)
         self.resource_claim_template = ResourceClaimTemplateStep(settings, self.kube, events)
         self.inference_pool = InferencePoolStep(settings, self.kube, events)
+        self.pod_monitor = PodMonitorStep(settings, self.kube, events)
         self.network_policy = NetworkPolicyStep(settings, self.kube, events, self.cache)
         self.loader_job = LoaderJobStep(settings, self.kube, events)
         self.compile_job = CompileJobStep(settings, self.kube, events)
@@ -91,6 +94,7 @@ class Reconciler:
         work = Pass()
         has_claim = self._ensure_service_and_claim(key, model, spec, work)
         pool = self._ensure_inference_pool(key, model, spec, work)
+        self._ensure_once(key, model, "PodMonitor", lambda: self.pod_monitor.ensure(model, work))
         self.network_policy.ensure(key, model, spec, work)
         downloads = spec.source.is_downloaded and not spec.suspend
         model_cache = self.loader_job.ensure(model, spec, work) if downloads and has_claim else None
@@ -127,6 +131,12 @@ class Reconciler:
         if has_service and has_claim and not work.problems:
             self.cache.set_owned_stamp(key, "service-and-claim", stamp)
         return has_claim
+
+    def _ensure_once(self, key: Key, model: dict, what: str, ensure) -> None:
+        """An owned object checked once per model generation (again when `ensure` says it is not settled)."""
+        stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
+        if self.cache.owned_stamp(key, what) != stamp and ensure():
+            self.cache.set_owned_stamp(key, what, stamp)
 
     def _ensure_inference_pool(self, key: Key, model: dict, spec: ModelSpec, work: Pass) -> PoolState | None:
         """Checked once per generation and again when its watch reports a change; while the cluster does not

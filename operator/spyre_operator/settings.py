@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from spyre_contract.image_reference import image_reference_error
+from spyre_contract.tracing import endpoint_error, traces_url
 
 GROUP = "spyre-serve.io"
 VERSION = "v1alpha1"
@@ -33,6 +35,10 @@ ENGINE_TYPE_LABEL = {"llm-d.ai/engine-type": "vllm"}
 POOL_GROUP = "inference.networking.k8s.io"
 POOL_VERSION = "v1"
 POOL_PLURAL = "inferencepools"
+# prometheus-operator's PodMonitor: one per model when the cluster serves the API (kinds/pod_monitor.py)
+MONITOR_GROUP = "monitoring.coreos.com"
+MONITOR_VERSION = "v1"
+MONITOR_PLURAL = "podmonitors"
 RESOURCE_NAME = re.compile(
     r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[a-z0-9A-Z_.-]+$"
 )
@@ -82,6 +88,10 @@ class OperatorSettings:
     loader_retries: int = (
         2  # the loader Job's backoffLimit: transient failures retried with Kubernetes' back-off
     )
+    pod_monitors: bool = True  # a PodMonitor per model when prometheus-operator's API is served
+    pod_monitor_interval: str = "15s"
+    pod_monitor_labels: tuple[tuple[str, str], ...] = ()  # e.g. (("release", "kube-prometheus-stack"),)
+    otlp_traces_endpoint: str | None = None  # request traces of models whose spec.tracing does not say
     network_policy: bool = False  # a NetworkPolicy per model (kinds/network_policy.py)
     monitoring_namespace: str | None = None  # its scrapers reach the pods' metrics through that policy
 
@@ -119,6 +129,10 @@ ENV = {
     "allow_host_path": "SPYRE_OPERATOR_ALLOW_HOST_PATH",
     "openshift_service_ca": "SPYRE_OPERATOR_OPENSHIFT_SERVICE_CA",
     "loader_retries": "SPYRE_OPERATOR_LOADER_RETRIES",
+    "pod_monitors": "SPYRE_OPERATOR_POD_MONITORS",
+    "pod_monitor_interval": "SPYRE_OPERATOR_POD_MONITOR_INTERVAL",
+    "pod_monitor_labels": "SPYRE_OPERATOR_POD_MONITOR_LABELS",
+    "otlp_traces_endpoint": "SPYRE_OPERATOR_OTLP_TRACES_ENDPOINT",
     "network_policy": "SPYRE_OPERATOR_NETWORK_POLICY",
     "monitoring_namespace": "SPYRE_OPERATOR_MONITORING_NAMESPACE",
 }
@@ -246,6 +260,32 @@ def _port(value: str, source: str) -> int:
     return int(value)
 
 
+def _duration(value: str, source: str) -> str:
+    if not re.match(r"^[0-9]+(ms|s|m|h)$", value):
+        raise SettingsError(f"{source}={value!r} is not a Prometheus duration like 15s")
+    return value
+
+
+def _labels(value: str, source: str) -> tuple[tuple[str, str], ...]:
+    try:
+        labels = json.loads(value or "{}")
+    except ValueError:
+        labels = None
+    if not isinstance(labels, dict) or not all(isinstance(v, str) for v in labels.values()):
+        raise SettingsError(
+            f'{source}={value!r} is not a JSON object of label values like {{"release": "x"}}'
+        )
+    return tuple(sorted(labels.items()))
+
+
+def _otlp_endpoint(value: str, source: str) -> str | None:
+    if not value.strip():
+        return None
+    if error := endpoint_error(value):
+        raise SettingsError(f"{source}: {error}")
+    return traces_url(value)
+
+
 def _namespace(value: str, source: str) -> str | None:
     if len(value) > 63 or (value and not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", value)):
         raise SettingsError(f"{source}={value!r} is not a namespace name (a DNS label)")
@@ -287,6 +327,10 @@ PARSE = {
     "openshift_service_ca": _boolean,
     "oci_mode": _oci_mode,
     "loader_retries": _count,
+    "pod_monitors": _boolean,
+    "pod_monitor_interval": _duration,
+    "pod_monitor_labels": _labels,
+    "otlp_traces_endpoint": _otlp_endpoint,
     "card_tiers": _card_tiers,
     "shm_size": _memory_size,
     "run_as_user": _id,

@@ -157,6 +157,12 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
         help="vLLM's KV-cache events (continuous batching's prefix cache) on a ZeroMQ PUB socket, as JSON: "
         '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": ""}\' (default: off)',
     )
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        help="send one OpenTelemetry span per request (OTLP/HTTP) to this collector, e.g. "
+        "http://otel-collector:4318 (default: $OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off)",
+    )
     _chat_flags(p)
 
 
@@ -234,6 +240,10 @@ def cmd_serve(args) -> int:
     from spyre_runtime.executor.graph_cache import check_precompiled
     from spyre_runtime.executor.model_executor import compiler_for
 
+    if getattr(args, "otlp_traces_endpoint", None):  # as vLLM does: the exporter's standard variable
+        from spyre_runtime.entrypoints.server.tracing import TRACES_ENDPOINT_VAR, flag_endpoint
+
+        os.environ[TRACES_ENDPOINT_VAR] = flag_endpoint(args.otlp_traces_endpoint)
     security = security_from(args, os.environ)  # one line and exit 2 for a bad key, auth or TLS setting
     chat = _chat_settings(args)
     config = _config(args)

@@ -74,6 +74,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [inference.networking.k8s.io]
   resources: [inferencepools]
   verbs: [get, list, watch, create, patch, delete]
+# a PodMonitor per model when prometheus-operator's API is served: made, read and repaired (its owner
+# reference removes it with the model)
+- apiGroups: [monitoring.coreos.com]
+  resources: [podmonitors]
+  verbs: [get, create, patch]
 # a NetworkPolicy per model when the chart's networkPolicy.enabled is on: made, watched and repaired,
 # removed when it is turned off
 - apiGroups: [networking.k8s.io]

@@ -1,11 +1,10 @@
 """The operator's one door to the API server: create, read, list, patch and delete of the objects it owns
-(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate, InferencePool, NetworkPolicy, the model
-loader's ServiceAccount, Role and RoleBinding, the token-authorized model's ServiceAccount and
-ClusterRoleBinding), the Secrets its pods read, the nodes it may read, which
-APIs the cluster serves, the SpyreModel and its status. Every call
-carries the settings' timeout and answers plain dicts; a 404 on a read or a delete is an answer (None;
-nothing left to delete), not an error. And how a refused or failed call reaches the status: as a Problem
-with the API server's own message."""
+(Pod, Service, PersistentVolumeClaim, Job, ResourceClaimTemplate, InferencePool, NetworkPolicy, PodMonitor,
+the model loader's ServiceAccount, Role and RoleBinding, the token-authorized model's ServiceAccount and
+ClusterRoleBinding), the Secrets its pods read, the nodes it may read, which APIs the cluster serves, the
+SpyreModel and its status. Every call carries the settings' timeout and answers plain dicts; a 404 on a read
+or a delete is an answer (None; nothing left to delete), not an error. And how a refused or failed call
+reaches the status: as a Problem with the API server's own message."""
 
 from __future__ import annotations
 
@@ -15,7 +14,17 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from spyre_operator.io.work import Problem
-from spyre_operator.settings import GROUP, PLURAL, POOL_GROUP, POOL_PLURAL, POOL_VERSION, VERSION
+from spyre_operator.settings import (
+    GROUP,
+    MONITOR_GROUP,
+    MONITOR_PLURAL,
+    MONITOR_VERSION,
+    PLURAL,
+    POOL_GROUP,
+    POOL_PLURAL,
+    POOL_VERSION,
+    VERSION,
+)
 
 # the kinds the operator owns, as the client's method names spell them
 _METHOD_NAMES = {
@@ -31,7 +40,10 @@ _METHOD_NAMES = {
     "Secret": "secret",  # read only: the Secrets a model's pods read (spec.auth, spec.tls)
 }
 # the custom resources the operator owns: (group, version, plural)
-_CUSTOM_KINDS = {"InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL)}
+_CUSTOM_KINDS = {
+    "InferencePool": (POOL_GROUP, POOL_VERSION, POOL_PLURAL),
+    "PodMonitor": (MONITOR_GROUP, MONITOR_VERSION, MONITOR_PLURAL),
+}
 
 
 class Kube:
@@ -136,6 +148,19 @@ class Kube:
                 raise
 
     # ---- what the cluster serves --------------------------------------------------------------------
+
+    def serves(self, group: str, version: str, plural: str) -> bool:
+        """Whether the API server serves `plural` in group/version (its discovery document); a 404 is a no
+        (the CRD is not installed)."""
+        try:
+            resp = self.custom.get_api_resources(
+                group, version, _preload_content=False, _request_timeout=self.timeout
+            )
+        except ApiException as e:
+            if e.status == 404:
+                return False
+            raise
+        return any(r.get("name") == plural for r in json.loads(resp.data).get("resources") or [])
 
     def serves_claim_templates(self) -> bool:
         """Whether the API server serves ResourceClaimTemplates in resource.k8s.io/v1 (DRA, Kubernetes 1.34

@@ -154,6 +154,7 @@ class ModelSpec:
     suspend: bool = False
     rollout: Rollout = field(default_factory=Rollout)
     inference_pool: InferencePoolSpec = field(default_factory=InferencePoolSpec)
+    tracing_endpoint: str | None = None  # spec.tracing.otlpEndpoint: OTLP/HTTP traces URL (path defaulted)
     network_peers: tuple = ()  # spec.networkPolicy.from: who else reaches the API (NetworkPolicyPeers)
     kv_events_port: int | None = None  # spec.kvEvents: the port KV events are published on; None: off
     auth: Auth = field(default_factory=Auth)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 from spyre_contract.image_reference import image_reference_error
+from spyre_contract.tracing import endpoint_error, traces_url
 
 from spyre_operator.spec.model_spec import Devices, InvalidSpec, quantity_bytes
 
@@ -48,9 +49,20 @@ def parse_pod_fields(spec: dict) -> dict:
         "affinity": object_field(spec, "affinity") or None,
         "scheduler_name": _dns_name(spec, "schedulerName"),
         "priority_class_name": _dns_name(spec, "priorityClassName"),
+        "tracing_endpoint": _tracing_endpoint(object_field(spec, "tracing")),
         "network_peers": _network_peers(object_field(spec, "networkPolicy").get("from")),
         "kv_events_port": _kv_events_port(spec.get("kvEvents")),
     }
+
+
+def _tracing_endpoint(tracing: dict) -> str | None:
+    """spec.tracing.otlpEndpoint: where the pods send one span per request (OTLP/HTTP)."""
+    url = tracing.get("otlpEndpoint")
+    if url is None:
+        return None
+    if error := endpoint_error(url):
+        raise InvalidSpec("tracing.otlpEndpoint", error)
+    return traces_url(url)
 
 
 def object_field(spec: dict, key: str) -> dict:

@@ -19,6 +19,7 @@ from spyre_contract.auth import (
     TLS_KEYFILE_ENV,
     TLS_MOUNT,
 )
+from spyre_contract.tracing import SERVICE_NAME_VAR, TRACES_ENDPOINT_VAR
 
 from spyre_operator.kinds.access import account_name
 from spyre_operator.kinds.graph_cache_claim import cache_claim_name
@@ -105,7 +106,7 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
         "image": spec.image or settings.runtime_image,
         "command": ["spyre-runtime"],
         "args": runtime_args(spec, settings),
-        "env": runtime_env(spec),
+        "env": tracing_env(name, spec, settings) + runtime_env(spec),  # spec.env, later, wins
         "ports": [{"name": "http", "containerPort": port, "protocol": "TCP"}]
         + (
             [{"name": "kv-events", "containerPort": spec.kv_events_port, "protocol": "TCP"}]
@@ -141,6 +142,14 @@ def pod_template(name: str, spec: ModelSpec, settings: OperatorSettings) -> dict
     access_fields(name, spec, container, pod_spec)
     placement_fields(pod_spec, spec, settings)
     return pod_spec
+
+
+def tracing_env(name: str, spec: ModelSpec, settings: OperatorSettings) -> list[dict]:
+    """Request traces: the model's endpoint, else the operator's; the model's name as the service's."""
+    endpoint = spec.tracing_endpoint or settings.otlp_traces_endpoint
+    if endpoint is None:
+        return []
+    return [{"name": TRACES_ENDPOINT_VAR, "value": endpoint}, {"name": SERVICE_NAME_VAR, "value": name}]
 
 
 def access_fields(name: str, spec: ModelSpec, container: dict, pod_spec: dict) -> None:

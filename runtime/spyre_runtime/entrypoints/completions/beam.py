@@ -101,7 +101,10 @@ async def search(
     while not bs.done:
         prompts = [prompt + list(beam.tokens) for beam in bs.running]
         sub = state.submit(
-            f"{rid}-{bs.num_generated}", [Choice(i, i, params) for i in range(len(prompts))], prompts
+            f"{rid}-{bs.num_generated}",
+            [Choice(i, i, params) for i in range(len(prompts))],
+            prompts,
+            headers=request.headers,
         )
         try:
             finals = await collect(request, sub)

@@ -79,7 +79,7 @@ async def respond(
 ):
     """Submits the request's sequences and answers: a stream of events, or the whole body at the end."""
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-    sub = state.submit(rid, choices, prompts, images)
+    sub = state.submit(rid, choices, prompts, images, request.headers)
     model = state.config.served_model_name
     reply = Reply(sub, body, int(time.time()), model, chat, state.token_text, output or OutputParser())
     if body.stream:

@@ -73,8 +73,13 @@ class GenerateState(ServingState):
         self.require_ready()
         return self.validator
 
-    def submit(self, rid: str, choices: list[Choice], prompts: list[list[int]], images=None) -> Submission:
+    def submit(
+        self, rid: str, choices: list[Choice], prompts: list[list[int]], images=None, headers=None
+    ) -> Submission:
+        """`headers`: the HTTP request's, whose `traceparent` the requests' spans continue (tracing.py)."""
         sub = Submission(self.client, rid, choices, prompts, images)
+        if self.tracer is not None:
+            sub.trace = (self.tracer, self.tracer.context(headers))
         self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts))
         sub.submit()
         return sub

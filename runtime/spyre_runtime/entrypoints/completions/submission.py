@@ -35,6 +35,7 @@ class Submission:
         self.engine_ids = [f"{rid}-{c.index}" for c in choices]
         self.choice_of = dict(zip(self.engine_ids, choices, strict=True))
         self.pending = set(self.engine_ids)
+        self.trace = None  # (the server's RequestTracer, the caller's trace context) when tracing is on
 
     def submit(self) -> None:
         for eid, choice in zip(self.engine_ids, self.choices, strict=True):
@@ -54,6 +55,9 @@ class Submission:
             raise APIError(500, item.message, code="engine_dead")
         if item.finished:
             self.pending.discard(item.request_id)
+            if self.trace is not None:
+                tracer, context = self.trace
+                tracer.record(context, item, self.choice_of[item.request_id].params, len(self.choices))
         return item
 
 

@@ -86,7 +86,7 @@ async def create_response(body: ResponsesRequest, request: Request):
     except APIError as e:
         raise rename(e, origins) from None
     meta = ResponseMeta(item_id("resp"), int(time.time()), model, body, body.store is True)
-    sub = state.submit(meta.id, choices, [ids])
+    sub = state.submit(meta.id, choices, [ids], headers=request.headers)
     output = OutputParser(plan, reasoning)
     kept = [m for m, o in zip(messages, origins, strict=True) if o != "instructions"]
     usage_of = functools.partial(_usage, ids, reasoning, tokenizer, params.skip_special_tokens)

@@ -69,3 +69,5 @@ def serve_http(app: FastAPI, state: ServingState, tls: dict | None = None) -> No
         server.run()
     finally:
         state.close()
+        if state.tracer is not None:
+            state.tracer.shutdown()  # the spans the batch processor still holds

@@ -16,6 +16,7 @@ from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.client import EngineDied
 from spyre_runtime.entrypoints.server.errors import APIError
 from spyre_runtime.entrypoints.server.metrics import Metrics
+from spyre_runtime.entrypoints.server.tracing import tracer_from_env
 
 log = logging.getLogger(__name__)
 NOT_READY = "the server is not ready (warming up or shutting down)"
@@ -38,6 +39,7 @@ class ServingState(ABC):
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         self.metrics = Metrics(config.served_model_name, generate=not is_pooling_task(config.task))
+        self.tracer = tracer_from_env(config.served_model_name)  # None: off (before the port is bound)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.is_ready = False
         self.is_draining = False
