@@ -79,6 +79,13 @@ EXPECTED = {
     "resourceclaimtemplates.resource.k8s.io": {"list", "create", "delete"},
     "inferencepools.inference.networking.k8s.io": {"get", "list", "watch", "create", "patch", "delete"},
     "networkpolicies.networking.k8s.io": {"get", "list", "watch", "create", "patch", "delete"},
+    # the per-model PodMonitor when prometheus-operator's API is served (kinds/pod_monitor.py)
+    "podmonitors.monitoring.coreos.com": {"get", "create", "patch"},
+    # the Secrets a model's pods read (spec.auth.apiKey, spec.tls), to check and digest them (kinds/access.py)
+    "secrets": {"get", "list", "watch"},
+    # token authorization: each such model's ServiceAccount bound to system:auth-delegator, that role only
+    "clusterrolebindings.rbac.authorization.k8s.io": {"list", "watch", "create", "delete"},
+    "clusterroles.rbac.authorization.k8s.io": {"bind"},
     "nodes": {"get"},
     "customresourcedefinitions.apiextensions.k8s.io": {"get", "list", "watch"},
 }
