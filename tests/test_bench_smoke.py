@@ -114,6 +114,15 @@ def test_profile_step(tiny, tmp_path):
         assert top["ops"] and positive(top["ops"][0]["self_ms_per_step"], top["profiled_step_ms"]), path
 
 
+def test_bf16_bench(tmp_path):
+    res = bench("bf16_bench.py", tmp_path, "--rows", "1", "--iters", "1", "--kv", "64")
+    arms = res["rows"]["1"]
+    assert positive(arms["gemm fp32 packed"], arms["gemm bf16 packed"], arms["attention bf16"]), arms
+    # oneDNN named the kernel of every GEMM path it ran (the packed ones are always oneDNN's)
+    kernels = res["onednn"]["kernels"]
+    assert len(kernels) == 12 and "not oneDNN" not in kernels["packed torch.bfloat16 8"], kernels
+
+
 def test_tp_bench(tmp_path):
     res = bench("tp_bench.py", tmp_path, "--models", "tiny", "--backend", "eager")
     row = res["tiny (hidden 64, 2 layers)"]
