@@ -276,6 +276,7 @@ def main() -> int:
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="the size of the bandwidth probe")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' and clients' logs here")
     args = ap.parse_args()
+    vllm_bench.stop_servers_on_sigterm()
     args.systems = args.systems.split(",")
     args.streams = [int(s) for s in args.streams.split(",")]
     vllm_bench.use_model(bench_model(args.model))

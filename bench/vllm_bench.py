@@ -149,6 +149,12 @@ def work_dir(prefix: str, logs: Path | None):
                 print(f"logs kept in {logs}", flush=True)
 
 
+def stop_servers_on_sigterm() -> None:
+    """A SIGTERM to the bench unwinds it (SystemExit), so every `finally` stops its servers: they run in
+    sessions of their own, and a killed bench used to leave them serving (and compiling) behind it."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def free_port(low: int = 18000, high: int = 18999) -> int:
     for port in range(low, high + 1):
         with socket.socket() as s:
@@ -391,6 +397,7 @@ def main() -> int:
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="ours")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' logs in this folder")
     args = ap.parse_args()
+    stop_servers_on_sigterm()
     from transformers import AutoTokenizer
 
     systems = args.systems.split(",")
