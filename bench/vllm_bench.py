@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -156,7 +157,10 @@ def stop_servers_on_sigterm() -> None:
 
 
 def free_port(low: int = 18000, high: int = 18999) -> int:
-    for port in range(low, high + 1):
+    """A port free now, tried from a random place in the range: other sessions' benches share the range, and
+    the lowest free port is the one they race for (run 23b: vLLM's port was taken before it bound it)."""
+    start = random.randrange(low, high + 1)
+    for port in [*range(start, high + 1), *range(low, start)]:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
