@@ -183,11 +183,12 @@ def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict
     systems: dict = {}
     if "ours" in args.systems:
         env, flags = ours_config(args)
-        env |= {"TORCHINDUCTOR_CACHE_DIR": str(log_dir / "inductor-ours")}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str((args.cache_dir or log_dir) / "inductor-ours")}
         systems["ours"] = (lambda port: ours_argv(port, dtype, flags), env)
     if "vllm" in args.systems:
-        env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache")}
-        env |= {"TORCHINDUCTOR_CACHE_DIR": str(log_dir / "ind-v")}
+        caches = args.cache_dir or log_dir
+        env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(caches / "vllm-cache")}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str(caches / "ind-v")}
         systems["vllm"] = (lambda port: vllm_argv(vllm_python, port, dtype), env)
     out: dict = {name: {} for name in systems}
     servers: dict = {}
@@ -275,6 +276,9 @@ def main() -> int:
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="ours")
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="the size of the bandwidth probe")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' and clients' logs here")
+    ap.add_argument(
+        "--cache-dir", type=Path, default=None, help="compile caches here, kept (default: fresh, cold starts)"
+    )
     args = ap.parse_args()
     vllm_bench.stop_servers_on_sigterm()
     args.systems = args.systems.split(",")
