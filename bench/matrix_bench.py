@@ -38,7 +38,6 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,6 +56,7 @@ from vllm_bench import (  # noqa: E402
     latency_summary,
     single_requests,
     vllm_argv,
+    work_dir,
 )
 
 from charts import chart_beside  # noqa: E402
@@ -185,11 +185,12 @@ def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict
     systems: dict = {}
     if "ours" in args.systems:
         env, flags = ours_config(args)
-        env |= {"TORCHINDUCTOR_CACHE_DIR": str(log_dir / "inductor-ours")}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str((args.cache_dir or log_dir) / "inductor-ours")}
         systems["ours"] = (lambda port: ours_argv(port, dtype, flags), env)
     if "vllm" in args.systems:
-        env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(log_dir / "vllm-cache")}
-        env |= {"TORCHINDUCTOR_CACHE_DIR": str(log_dir / "ind-v")}
+        caches = args.cache_dir or log_dir
+        env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(caches / "vllm-cache")}
+        env |= {"TORCHINDUCTOR_CACHE_DIR": str(caches / "ind-v")}
         systems["vllm"] = (lambda port: vllm_argv(vllm_python, port, dtype), env)
     out: dict = {name: {} for name in systems}
     servers: dict = {}
@@ -276,18 +277,25 @@ def main() -> int:
     )
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="ours")
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="the size of the bandwidth probe")
+    ap.add_argument("--logs", type=Path, default=None, help="keep the servers' and clients' logs here")
+    ap.add_argument(
+        "--cache-dir", type=Path, default=None, help="compile caches here, kept (default: fresh, cold starts)"
+    )
     args = ap.parse_args()
+    vllm_bench.stop_servers_on_sigterm()
     args.systems = args.systems.split(",")
     args.streams = [int(s) for s in args.streams.split(",")]
     vllm_bench.use_model(bench_model(args.model))
     OURS_ENV["SENDNN_INFERENCE_DYNAMO_BACKEND"] = args.backend
     vllm_python = ensure_vllm_venv() if "vllm" in args.systems or args.vllm_client else None
+    if "vllm" in args.systems:
+        vllm_bench.check_vllm_serves(vllm_bench.MODEL_DIR)
     env, flags = ours_config(args)
     results: dict = {"machine": machine(args.bandwidth_gib), "ours_env": env, "ours_args": list(flags)}
     print(json.dumps(results["machine"]), flush=True)
-    with tempfile.TemporaryDirectory(prefix="spyre-matrix-") as tmp:
+    with work_dir("spyre-matrix-", args.logs) as tmp:
         for dtype in args.dtypes.split(","):
-            results[dtype] = run_dtype(dtype, args, vllm_python, Path(tmp))
+            results[dtype] = run_dtype(dtype, args, vllm_python, tmp)
             args.out.write_text(json.dumps(results, indent=2) + "\n")
             print(markdown(dtype, results[dtype]), flush=True)
     chart_beside(args.out)  # tok/s and ITL p99 against streams, as a PNG beside the JSON

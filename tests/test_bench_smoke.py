@@ -29,6 +29,13 @@ def tiny(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("bench-model") / "tiny")
 
 
+@pytest.fixture(scope="module")
+def tiny_peer(tmp_path_factory) -> Path:
+    """The tiny model with a head size vLLM's CPU attention serves (32; the default tiny's 16 starts, then
+    kills vLLM's engine at the first request: "Unsupported CPU attention configuration: head_dim=16")."""
+    return write_tiny_model(tmp_path_factory.mktemp("bench-peer-model") / "tiny", hidden=128, heads=4)
+
+
 def bench(script: str, tmp_path: Path, *args: str, timeout: float = 600) -> dict:
     """Runs bench/<script> with `args` and --out in tmp_path; returns the JSON it wrote."""
     out = tmp_path / f"{script}.json"
@@ -115,6 +122,15 @@ def test_tracing_bench(tmp_path):
     assert positive(res["record_us_per_span"], res["exported_bytes"])  # the spans reached the receiver
 
 
+def test_bf16_bench(tmp_path):
+    res = bench("bf16_bench.py", tmp_path, "--rows", "1", "--iters", "1", "--kv", "64")
+    arms = res["rows"]["1"]
+    assert positive(arms["gemm fp32 packed"], arms["gemm bf16 packed"], arms["attention bf16"]), arms
+    # oneDNN named the kernel of every GEMM path it ran (the packed ones are always oneDNN's)
+    kernels = res["onednn"]["kernels"]
+    assert len(kernels) == 12 and "not oneDNN" not in kernels["packed torch.bfloat16 8"], kernels
+
+
 def test_tp_bench(tmp_path):
     res = bench("tp_bench.py", tmp_path, "--models", "tiny", "--backend", "eager")
     row = res["tiny (hidden 64, 2 layers)"]
@@ -132,11 +148,11 @@ def test_pooling_bench(tmp_path):
 
 
 @pytest.mark.parametrize("systems", PEER)
-def test_vllm_bench(tiny, tmp_path, systems):
+def test_vllm_bench(tiny_peer, tmp_path, systems):
     res = bench(
         "vllm_bench.py",
         tmp_path,
-        *("--model", str(tiny), "--backend", "eager", "--requests", "1", "--single-requests", "1"),
+        *("--model", str(tiny_peer), "--backend", "eager", "--requests", "1", "--single-requests", "1"),
         *("--skip-cold", "--systems", systems),
         timeout=900,
     )
@@ -147,11 +163,11 @@ def test_vllm_bench(tiny, tmp_path, systems):
 
 
 @pytest.mark.parametrize("systems", PEER)
-def test_matrix_bench(tiny, tmp_path, systems):
+def test_matrix_bench(tiny_peer, tmp_path, systems):
     res = bench(
         "matrix_bench.py",
         tmp_path,
-        *("--model", str(tiny), "--backend", "eager", "--dtypes", "float32", "--streams", "1,2"),
+        *("--model", str(tiny_peer), "--backend", "eager", "--dtypes", "float32", "--streams", "1,2"),
         *("--single-requests", "1", "--requests-per-stream", "1", "--max-model-len", "384"),
         *("--chunk", "256", "--bandwidth-gib", "0.0625", "--systems", systems),
         *(() if "vllm" in systems else ("--no-vllm-client",)),
