@@ -21,6 +21,7 @@ import base64
 import contextlib
 import datetime
 import re
+import ssl
 import subprocess
 import threading
 import time
@@ -366,7 +367,7 @@ class TestWhoMayCallAModel:
         assert [p.http_get.scheme for p in probes] == ["HTTPS"] * 3  # the kubelet probed it over HTTPS
         assert stack.model(NS, TLS_MODEL)["status"]["serviceAddress"].startswith("https://")
         ip = pod.status.pod_ip
-        with httpx.Client(verify=str(secured)) as http:
+        with httpx.Client(verify=ssl.create_default_context(cafile=secured)) as http:
             c = openai.OpenAI(
                 base_url=f"https://{ip}:8000/v1",
                 api_key="unused",
@@ -427,9 +428,14 @@ class TestWhoMayCallAModel:
             return False
 
         stack.wait(refused, 30, "a 403 once the RoleBinding is gone")
-        assert time.monotonic() - revoked < AUTH_CACHE_SECONDS + 10  # the cache time plus RBAC's propagation
+        took = time.monotonic() - revoked
+        print(
+            f"\n[real-node] a revoked RoleBinding refused after {took:.1f} s (cache {AUTH_CACHE_SECONDS} s)"
+        )
+        assert took < AUTH_CACHE_SECONDS + 10  # the cache time plus RBAC's propagation
         logs = node.cp.kubectl("logs", "-n", NS, pod.metadata.name, "-c", "runtime").stdout
-        assert "Kubernetes tokens" in logs and not any(t in logs for t in tokens.values())
+        assert "in-cluster ServiceAccount" in logs, logs  # its own identity, as a pod of a cluster has it
+        assert not any(t in logs for t in tokens.values())
 
 
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff")
