@@ -191,3 +191,80 @@ class EndpointClient:
 
     def addresses_answered(self) -> set[str]:
         return {a for a, _ in self.answers}
+
+
+def serving_pair(service: str, octet: int) -> tuple[bytes, bytes, bytes]:
+    """(CA certificate, server certificate, server key), PEM, made for a test: the server's names are the
+    Service's DNS names and every address the node's IPAM gives a pod (10.213.N.10-254; a pod's address is
+    known only once it runs, after its Secret must exist)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "spyre-test-serving-ca")])
+
+    def builder(subject: x509.Name, public_key) -> x509.CertificateBuilder:
+        return (
+            x509.CertificateBuilder()
+            .subject_name(subject)
+            .issuer_name(ca_name)
+            .public_key(public_key)
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+        )
+
+    ca = (
+        builder(ca_name, ca_key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    names = [f"{service}.{NS}.svc.cluster.local", f"{service}.{NS}.svc", f"{service}.{NS}", service]
+    addresses = [ipaddress.ip_address(f"10.213.{octet}.{n}") for n in range(10, 255)]
+    server = (
+        builder(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]), key.public_key())
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [*(x509.DNSName(n) for n in names), *(x509.IPAddress(a) for a in addresses)]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    key_pem = key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    return ca.public_bytes(pem), server.public_bytes(pem), key_pem
+
+
+def caller_token(stack: LocalStack, account: str) -> str:
+    """A ServiceAccount `account` in NS and a token of it from the TokenRequest API (as `kubectl create
+    token` gets one)."""
+    core = client.CoreV1Api(stack.kube)
+    core.create_namespaced_service_account(NS, {"metadata": {"name": account}})
+    body = {"spec": {"expirationSeconds": 3600}}
+    return core.create_namespaced_service_account_token(account, NS, body).status.token
+
+
+def let_call(stack: LocalStack, model: str, account: str) -> str:
+    """A Role with `get` on spyremodels/`model` and a RoleBinding of it to `account` (security.md's
+    example); returns the RoleBinding's name."""
+    rbac = client.RbacAuthorizationV1Api(stack.kube)
+    rule = {"apiGroups": ["spyre-serve.io"], "resources": ["spyremodels"], "resourceNames": [model]}
+    rbac.create_namespaced_role(
+        NS, {"metadata": {"name": f"{model}-caller"}, "rules": [{**rule, "verbs": ["get"]}]}
+    )
+    name = f"{model}-caller-{account}"
+    binding = {
+        "metadata": {"name": name},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": f"{model}-caller"},
+        "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": NS}],
+    }
+    rbac.create_namespaced_role_binding(NS, binding)
+    return name

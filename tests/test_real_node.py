@@ -8,16 +8,20 @@ Then the operator, installed by its chart from its image, on the same node: the 
 (ErrImagePull, CreateContainerConfigError, OOMKilled, a failing readiness probe), the scheduler keeping a pod
 that wants more cards than are free Pending, two inductor replicas sharing one graph-cache volume, a rolling
 change and a deletion that lose no request, an `s3://` model fetched by the loader Job from moto on the
-host, and the model pod's hardening as the kernel enforces it (issue 40). One node, one control plane and
-one operator for the module (tests/real_node_support.py).
+host, and the model pod's hardening as the kernel enforces it (issue 40). Who may call a model (issue 40),
+the operator and the runtime together: HTTPS from the model's key pair, probed by the kubelet and verified by
+the official client, and Kubernetes token authorization asked of the real API server by the pod's own
+ServiceAccount. One node, one control plane and one operator for the module (tests/real_node_support.py).
 
 Needs root and the caches `make node` fills (tests/cluster/build-node.sh, build-images.sh)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import re
+import ssl
 import subprocess
 import threading
 import time
@@ -32,7 +36,14 @@ from tests.cluster import images
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.deviceplugin import env_name
 from tests.cluster.hoststate import FIXED_PATHS, SYSCTLS, mount_points
-from tests.cluster.node import CARD_RESOURCE, RealNode, apiserver_args, missing_prerequisites
+from tests.cluster.node import (
+    CARD_RESOURCE,
+    RealNode,
+    apiserver_args,
+    free_subnet_octet,
+    missing_prerequisites,
+    node_address,
+)
 from tests.real_node_support import (
     NS,
     PROMPT,
@@ -40,16 +51,19 @@ from tests.real_node_support import (
     UID,
     EndpointClient,
     ask,
+    caller_token,
     condition,
     delete_model,
     host_greedy_answer,
     host_volume,
     install_operator,
     is_ready,
+    let_call,
     model_events,
     model_manifest,
     model_pods,
     patch_spec,
+    serving_pair,
     wait_pod,
     wait_ready,
 )
@@ -59,11 +73,22 @@ LONG_TOKENS = 64  # a second shape of the shared model: answers long enough to b
 
 
 @pytest.fixture(scope="module")
-def control_plane(tmp_path_factory):
+def node_octet() -> int:
+    """The shared node's pod subnet, 10.213.N.0/24, chosen first: the API server's certificate names the
+    node's address, where its pods reach the API server (token authorization)."""
+    return free_subnet_octet()
+
+
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory, node_octet):
     missing = missing_prerequisites(("pause", "runtime", "operator", "tiny-model"))
     if missing:
         pytest.fail("the real node is not built (run `make node`): missing " + ", ".join(missing))
-    cp = ControlPlane(workdir=tmp_path_factory.mktemp("real-cp"), extra_apiserver_args=apiserver_args())
+    cp = ControlPlane(
+        workdir=tmp_path_factory.mktemp("real-cp"),
+        extra_apiserver_args=apiserver_args(),
+        extra_ip_sans=(node_address(node_octet),),
+    )
     cp.start()
     try:
         yield cp
@@ -132,8 +157,8 @@ def test_node_registers_runs_a_pod_and_puts_the_host_back(control_plane, tmp_pat
 
 
 @pytest.fixture(scope="module")
-def node(control_plane, tmp_path_factory):
-    with RealNode(control_plane, tmp_path_factory.mktemp("real-node")) as n:
+def node(control_plane, tmp_path_factory, node_octet):
+    with RealNode(control_plane, tmp_path_factory.mktemp("real-node"), subnet_octet=node_octet) as n:
         client.CoreV1Api(control_plane.api_client()).create_namespace({"metadata": {"name": NS}})
         yield n
     assert n.restore_problems == []
@@ -264,6 +289,153 @@ def test_the_kubelet_runs_the_model_pod_hardened(stack, node, tiny):
     token = exec_("ls", "/var/run/secrets/kubernetes.io/serviceaccount")
     assert token.returncode != 0 and "No such file or directory" in token.stderr, token
     assert "serviceaccount" not in exec_("cat", "/proc/self/mounts").stdout
+
+
+# ---- who may call a model (issue 40): HTTPS and token authorization, the operator and the runtime together
+
+
+TLS_MODEL, TOKEN_MODEL = "tiny-tls", "tiny-token"
+AUTH_CACHE_SECONDS = 2  # spec.env SPYRE_AUTH_CACHE_SECONDS: how long a revoked RoleBinding may still pass
+
+
+@pytest.fixture(scope="class")
+def secured(stack, node, tmp_path_factory):
+    """One model per mode, started together: `tiny-tls` serving HTTPS with a key pair of a test CA (whose
+    file this yields), `tiny-token` authorizing Kubernetes tokens. The pods reach the API server as pods of a
+    cluster do, by KUBERNETES_SERVICE_HOST and their ServiceAccount's mounted token; here the address is the
+    node's relay (no kube-proxy routes the `kubernetes` Service), set through spec.env."""
+    core = client.CoreV1Api(stack.kube)
+    ca, crt, key = serving_pair(TLS_MODEL, node.subnet_octet)
+    ca_file = tmp_path_factory.mktemp("secured") / "ca.crt"
+    ca_file.write_bytes(ca)
+    data = {"tls.crt": base64.b64encode(crt).decode(), "tls.key": base64.b64encode(key).decode()}
+    secret = {"metadata": {"name": f"{TLS_MODEL}-tls"}, "type": "kubernetes.io/tls", "data": data}
+    core.create_namespaced_secret(NS, secret)
+    host, port = node.api_server_for_pods()
+    env = [
+        {"name": "KUBERNETES_SERVICE_HOST", "value": host},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": str(port)},
+        {"name": "SPYRE_AUTH_CACHE_SECONDS", "value": str(AUTH_CACHE_SECONDS)},
+    ]
+    stack.apply_model(NS, model_manifest(TLS_MODEL, tls={"secretName": f"{TLS_MODEL}-tls"}))
+    stack.apply_model(NS, model_manifest(TOKEN_MODEL, auth={"kubernetes": {}}, env=env))
+    try:
+        yield ca_file
+    finally:
+        for name in (TLS_MODEL, TOKEN_MODEL):
+            with contextlib.suppress(client.ApiException):
+                delete_model(stack, name)
+        core.delete_namespaced_secret(f"{TLS_MODEL}-tls", NS)
+
+
+@pytest.mark.usefixtures("secured")
+class TestWhoMayCallAModel:
+    def test_https_with_the_secret_key_pair_and_a_missing_secret_is_no_crash_loop(self, stack, secured):
+        """The kubelet's HTTPS probes make the pod Ready; the official client, verifying against the test
+        CA, gets a completion at the pod's address; plain HTTP on the same port fails, and so does a client
+        that does not trust the CA. A model whose Secret does not exist: a condition and a Warning naming
+        it, and no pod at all."""
+        stack.apply_model(NS, model_manifest("tls-missing", tls={"secretName": "absent-tls"}))
+        try:
+            cond = stack.wait(
+                lambda: (
+                    (c := condition(stack, "tls-missing", "Degraded")).get("reason") == "SecretNotFound" and c
+                ),
+                60,
+                "Degraded SecretNotFound",
+            )
+            assert "Secret absent-tls (spec.tls.secretName) does not exist" in cond["message"], cond
+            stack.wait(
+                lambda: any(
+                    t == "Warning" and r == "SecretNotFound" and "absent-tls" in m
+                    for t, r, m in model_events(stack, "tls-missing")
+                ),
+                30,
+                "a Warning naming the Secret",
+            )
+            for _ in range(6):  # a few seconds: no pod is made, so none can crash-loop
+                assert model_pods(stack, "tls-missing") == []
+                time.sleep(0.5)
+            assert condition(stack, "tls-missing", "Ready")["status"] == "False"
+        finally:
+            delete_model(stack, "tls-missing")
+
+        wait_ready(stack, TLS_MODEL, 1, 600)
+        (pod,) = [p for p in model_pods(stack, TLS_MODEL) if is_ready(p)]
+        container = pod.spec.containers[0]
+        probes = (container.startup_probe, container.readiness_probe, container.liveness_probe)
+        assert [p.http_get.scheme for p in probes] == ["HTTPS"] * 3  # the kubelet probed it over HTTPS
+        assert stack.model(NS, TLS_MODEL)["status"]["serviceAddress"].startswith("https://")
+        ip = pod.status.pod_ip
+        with httpx.Client(verify=ssl.create_default_context(cafile=secured)) as http:
+            c = openai.OpenAI(
+                base_url=f"https://{ip}:8000/v1",
+                api_key="unused",
+                max_retries=0,
+                timeout=60,
+                http_client=http,
+            )
+            done = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0)
+        assert done.choices[0].text and done.usage.completion_tokens >= 1
+        with pytest.raises(httpx.TransportError):  # the TLS port does not speak plain HTTP
+            httpx.get(f"http://{ip}:8000/health", timeout=10)
+        with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):  # nor trust by default
+            httpx.get(f"https://{ip}:8000/health", timeout=10)
+
+    def test_kubernetes_tokens_a_role_binding_gives_access_and_its_removal_takes_it_away(self, stack, node):
+        """The runtime, as the model's ServiceAccount with its mounted token, asks the real API server: a
+        caller ServiceAccount with a RoleBinding to `get` the model gets its completion (200), one without
+        a 403, garbage a 401, and once its RoleBinding is deleted the first caller gets 403 within the
+        cache time."""
+        tokens = {account: caller_token(stack, account) for account in ("chat-app", "stranger")}
+        binding = let_call(stack, TOKEN_MODEL, "chat-app")
+        wait_ready(stack, TOKEN_MODEL, 1, 600)
+        (pod,) = [p for p in model_pods(stack, TOKEN_MODEL) if is_ready(p)]
+        assert pod.spec.service_account_name == f"{TOKEN_MODEL}-runtime"
+        mounted = node.cp.kubectl(
+            "exec", "-n", NS, pod.metadata.name, "-c", "runtime", "--",
+            "ls", "/var/run/secrets/kubernetes.io/serviceaccount/token", check=False,
+        )  # fmt: skip
+        assert mounted.returncode == 0, mounted.stderr
+        ip = pod.status.pod_ip
+
+        def caller(token: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key=token, max_retries=0, timeout=60)
+
+        done = caller(tokens["chat-app"]).completions.create(
+            model="tiny", prompt=PROMPT, max_tokens=4, temperature=0
+        )
+        assert done.choices[0].text and done.usage.completion_tokens >= 1
+        with pytest.raises(openai.PermissionDeniedError) as denied:
+            caller(tokens["stranger"]).models.list()
+        assert denied.value.status_code == 403
+        assert (
+            f"system:serviceaccount:{NS}:stranger may not get spyremodels.spyre-serve.io '{TOKEN_MODEL}'"
+            in denied.value.message
+        )
+        with pytest.raises(openai.AuthenticationError) as garbage:
+            caller("garbage.token.value").models.list()
+        assert garbage.value.status_code == 401
+
+        client.RbacAuthorizationV1Api(stack.kube).delete_namespaced_role_binding(binding, NS)
+        revoked = time.monotonic()
+
+        def refused() -> bool:
+            try:
+                caller(tokens["chat-app"]).models.list()
+            except openai.PermissionDeniedError:
+                return True
+            return False
+
+        stack.wait(refused, 30, "a 403 once the RoleBinding is gone")
+        took = time.monotonic() - revoked
+        print(
+            f"\n[real-node] a revoked RoleBinding refused after {took:.1f} s (cache {AUTH_CACHE_SECONDS} s)"
+        )
+        assert took < AUTH_CACHE_SECONDS + 10  # the cache time plus RBAC's propagation
+        logs = node.cp.kubectl("logs", "-n", NS, pod.metadata.name, "-c", "runtime").stdout
+        assert "in-cluster ServiceAccount" in logs, logs  # its own identity, as a pod of a cluster has it
+        assert not any(t in logs for t in tokens.values())
 
 
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff")

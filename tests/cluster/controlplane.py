@@ -147,6 +147,7 @@ class ControlPlane:
         die_with_parent: bool = True,
         ready_timeout: float = 90.0,
         extra_apiserver_args: tuple[str, ...] = (),
+        extra_ip_sans: tuple[str, ...] = (),
     ) -> None:
         self.workdir = Path(workdir or tempfile.mkdtemp(prefix="spyre-k8s-"))
         self.bin_dir = Path(bin_dir or default_bin_dir())
@@ -155,6 +156,7 @@ class ControlPlane:
         self.die_with_parent = die_with_parent
         self.ready_timeout = ready_timeout
         self.extra_apiserver_args = tuple(extra_apiserver_args)
+        self.extra_ip_sans = tuple(extra_ip_sans)  # more addresses the API server's certificate is valid for
         self.procs: list[Proc] = []
         self.ports: dict[str, int] = {}
         self.admin_token = os.urandom(16).hex()
@@ -282,7 +284,7 @@ class ControlPlane:
     def _write_pki_and_tokens(self) -> None:
         pki = self.workdir / "pki"
         pki.mkdir(parents=True, exist_ok=True)
-        write_pki(pki)
+        write_pki(pki, self.extra_ip_sans)
         # token,user,uid,"group1,group2" — the admin, the two components and nothing else
         rows = [
             f'{self.admin_token},admin,admin,"system:masters"',
@@ -590,8 +592,9 @@ def kubeconfig_yaml(server: str, ca: Path, token: str, user: str, namespace: str
     )
 
 
-def write_pki(pki: Path) -> None:
-    """A CA, a serving certificate for 127.0.0.1/localhost, and the service-account key pair."""
+def write_pki(pki: Path, extra_ip_sans: tuple[str, ...] = ()) -> None:
+    """A CA, a serving certificate for 127.0.0.1/localhost (and `extra_ip_sans`), and the service-account key
+    pair."""
     import ipaddress
 
     from cryptography import x509
@@ -639,6 +642,7 @@ def write_pki(pki: Path) -> None:
                     x509.DNSName("kubernetes"),
                     x509.DNSName("kubernetes.default.svc"),
                     x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                    *(x509.IPAddress(ipaddress.ip_address(a)) for a in extra_ip_sans),
                 ]
             ),
             critical=False,

@@ -38,6 +38,7 @@ from tests.cluster.controlplane import (
 )
 from tests.cluster.deviceplugin import KUBELET_SOCKET_DIR, TestDevicePlugin
 from tests.cluster.hoststate import HostState
+from tests.cluster.tcprelay import TcpRelay
 
 LOCK = Path("/run/lock/spyre-serve-real-node.lock")
 CARD_RESOURCE = "ibm.com/spyre_pf"
@@ -64,6 +65,19 @@ def missing_prerequisites(image_kinds: tuple[str, ...] = ("pause",)) -> list[str
 
 def apiserver_args() -> tuple[str, ...]:
     return APISERVER_ARGS
+
+
+def free_subnet_octet() -> int:
+    """An octet N whose 10.213.N.0/24 no route of this machine uses: a node's pod subnet chosen before the
+    control plane starts, so that the API server's certificate can name the node's address
+    (`RealNode(subnet_octet=N)`, `ControlPlane(extra_ip_sans=(node_address(N),))`)."""
+    taken = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+    free = [n for n in range(1, 251) if f"10.213.{n}." not in taken]
+    return random.choice(free)
+
+
+def node_address(octet: int) -> str:
+    return f"10.213.{octet}.1"
 
 
 def operator_values(node: RealNode, run_as_user: int = 1000650000) -> dict:
@@ -112,7 +126,14 @@ def host_volume(api_client, namespace: str, claim: str, folder: Path, size: str 
 
 
 class RealNode:
-    def __init__(self, cp: ControlPlane, workdir: Path, name: str = "spyre-kubelet-0", cards: int = 8):
+    def __init__(
+        self,
+        cp: ControlPlane,
+        workdir: Path,
+        name: str = "spyre-kubelet-0",
+        cards: int = 8,
+        subnet_octet: int | None = None,
+    ):
         self.cp = cp
         self.workdir = Path(workdir)
         self.name = name
@@ -120,7 +141,9 @@ class RealNode:
         self.procs: list[Proc] = []
         self.host: HostState | None = None
         self.plugin: TestDevicePlugin | None = None
-        self.subnet_octet = random.randint(1, 250)
+        self.fixed_subnet = subnet_octet is not None
+        self.subnet_octet = subnet_octet if subnet_octet is not None else random.randint(1, 250)
+        self.relay: TcpRelay | None = None
         self.bridge = f"spyrebr{self.subnet_octet}"
         self.ready_seconds: float | None = None
         self._lock_fd: int | None = None
@@ -130,7 +153,17 @@ class RealNode:
 
     @property
     def node_ip(self) -> str:
-        return f"10.213.{self.subnet_octet}.1"
+        return node_address(self.subnet_octet)
+
+    def api_server_for_pods(self) -> tuple[str, int]:
+        """Where the node's pods reach the API server: a relay on the node's bridge address to the control
+        plane's 127.0.0.1 (there is no kube-proxy to route the `kubernetes` Service). A pod verifies the API
+        server's certificate, so the control plane must name this address (`ControlPlane(extra_ip_sans=)`).
+        A pod is told by KUBERNETES_SERVICE_HOST and KUBERNETES_SERVICE_PORT in its env, as the operator's
+        pod is (operator_values)."""
+        if self.relay is None:
+            self.relay = TcpRelay(self.node_ip, ("127.0.0.1", self.cp.ports["kube-apiserver"])).start()
+        return self.relay.address
 
     @property
     def subnet(self) -> str:
@@ -191,6 +224,9 @@ class RealNode:
         if self.plugin is not None:
             self.plugin.stop()
             self.plugin = None
+        if self.relay is not None:
+            self.relay.stop()
+            self.relay = None
         kubelet_ran = any(p.name == "kubelet" for p in self.procs)
         for proc in reversed(self.procs):
             terminate(proc, grace=15)
@@ -238,6 +274,8 @@ class RealNode:
         """The pods' bridge, with the node's address on it, made here (so the bridge plugin needs neither
         to be a gateway nor to turn on IP forwarding)."""
         taken = subprocess.run(["ip", "-4", "route"], capture_output=True, text=True).stdout
+        if self.fixed_subnet and f"10.213.{self.subnet_octet}." in taken:
+            raise NodeError(f"the node's subnet {self.subnet} is taken on this machine: {taken}")
         while f"10.213.{self.subnet_octet}." in taken:
             self.subnet_octet = random.randint(1, 250)
             self.bridge = f"spyrebr{self.subnet_octet}"
