@@ -127,9 +127,10 @@ def host_snapshot(workdir: Path) -> dict:
 
 def test_node_registers_runs_a_pod_and_puts_the_host_back(control_plane, tmp_path):
     """Runs first, on a node of its own: what the kubelet, containerd and CNI changed is gone afterwards."""
-    before = host_snapshot(tmp_path)
     node = RealNode(control_plane, tmp_path / "node", name="spyre-kubelet-probe")
     try:
+        node.take_lock()  # the host as it is with no real node on it (another run's may be up until now)
+        before = host_snapshot(tmp_path)
         node.start()
         core = client.CoreV1Api(control_plane.api_client())
         status = core.read_node(node.name).status

@@ -198,7 +198,7 @@ class RealNode:
             )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket_dir.mkdir(parents=True, exist_ok=True)
-        self._take_lock()
+        self.take_lock()
         try:
             self.host = HostState.record()
             self._network()
@@ -249,8 +249,11 @@ class RealNode:
     def cgroup_root(self) -> str:
         return f"/spyre-node-{self.subnet_octet}"
 
-    def _take_lock(self, timeout: float = 1800) -> None:
-        """One real node per machine: the 1.20 kubelet's device-plugin socket has a fixed path."""
+    def take_lock(self, timeout: float = 1800) -> None:
+        """One real node per machine: the 1.20 kubelet's device-plugin socket has a fixed path. `start` takes
+        it; a test that looks at the host before its node starts takes it first (another node may be up)."""
+        if self._lock_fd is not None:
+            return
         LOCK.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(LOCK, os.O_CREAT | os.O_RDWR, 0o644)
         deadline = time.monotonic() + timeout
