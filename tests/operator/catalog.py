@@ -12,6 +12,7 @@ words of its own)."""
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, field
 
@@ -22,6 +23,18 @@ BASE = {
     "backend": "inductor",
     "batching": {"mode": "static", "shapes": [{"promptLength": 64, "newTokens": 20, "batchSize": 1}]},
 }
+
+
+def model_object(name: str = "granite", **spec) -> dict:
+    """A SpyreModel object as the API server gives it to the operator: BASE's spec, `spec` over it."""
+    return {
+        "apiVersion": "spyre-serve.io/v1alpha1",
+        "kind": "SpyreModel",
+        "metadata": {"name": name, "namespace": "ml", "uid": "u-1", "generation": 1},
+        "spec": {**copy.deepcopy(BASE), **spec},
+    }
+
+
 KEY_AUTH = {"apiKey": {"secretRef": {"name": "model-key", "key": "api-key"}}}
 CB = {"mode": "continuous", "maxNumSeqs": 4, "maxModelLen": 256}
 POOLING_SHAPES = [{"promptLength": 64, "batchSize": 4}]

@@ -18,18 +18,12 @@ from spyre_operator.settings import OperatorSettings, load_settings
 from spyre_operator.spec.model_spec import InvalidSpec
 from spyre_operator.status.conditions import compute_status
 
-from tests.operator.catalog import BASE
+from tests.operator.catalog import BASE, model_object
 
 SETTINGS = OperatorSettings()
 
 
-def model(name: str = "granite", **spec) -> dict:
-    return {
-        "apiVersion": "spyre-serve.io/v1alpha1",
-        "kind": "SpyreModel",
-        "metadata": {"name": name, "namespace": "ml", "uid": "u-1", "generation": 1},
-        "spec": {**copy.deepcopy(BASE), **spec},
-    }
+model = model_object
 
 
 def pool_of(m: dict, settings: OperatorSettings = SETTINGS) -> dict | None:

@@ -20,7 +20,7 @@ from spyre_operator.kinds.pods.template import build_pod
 from spyre_operator.settings import OperatorSettings, SettingsError, load_settings
 
 from tests.conftest import REPO, wait_for
-from tests.operator.catalog import BASE
+from tests.operator.catalog import model_object
 from tests.test_chart import by_kind, env_of, render
 
 SETTINGS = OperatorSettings()
@@ -28,13 +28,7 @@ GROUP, VERSION = "monitoring.coreos.com", "v1"
 CRDS = REPO / "tests/cluster/crds/monitoring-coreos.yaml"
 
 
-def model(name: str = "granite", **spec) -> dict:
-    return {
-        "apiVersion": "spyre-serve.io/v1alpha1",
-        "kind": "SpyreModel",
-        "metadata": {"name": name, "namespace": "ml", "uid": "u-1", "generation": 1},
-        "spec": {**copy.deepcopy(BASE), **spec},
-    }
+model = model_object
 
 
 def selects(monitor: dict, labels: dict) -> bool:
