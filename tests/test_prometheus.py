@@ -6,10 +6,12 @@ exporter (io/metrics.py) fed one reconcile and one failed API call, as a running
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import time
 from collections import Counter
+from pathlib import Path
 
 import httpx
 import pytest
@@ -78,13 +80,30 @@ def prometheus(tmp_path_factory, runtime, operator_endpoint):
         )  # fmt: skip
     proc = Proc("prometheus", popen.pid, log, popen)
     try:
-        yield f"http://127.0.0.1:{port}"
+        base = f"http://127.0.0.1:{port}"
+        wait_ready(base, popen, log)
+        yield base
     finally:
         terminate(proc, grace=10)
 
 
+def wait_ready(base: str, popen: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Prometheus answers 503 until its storage and rules are loaded (/-/ready): waited for, or its log."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{base}/-/ready", timeout=5).status_code == 200:
+                return
+        tail = log.read_text(errors="replace")[-2000:]
+        assert popen.poll() is None, f"prometheus exited {popen.returncode}: {tail}"
+        assert time.monotonic() < deadline, f"prometheus not ready in {timeout:.0f} s: {tail}"
+        time.sleep(0.5)
+
+
 def query(base: str, expr: str) -> list:
-    body = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10).json()
+    response = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10)
+    response.raise_for_status()  # a 503 while it starts: wait_for_data asks again
+    body = response.json()
     assert body["status"] == "success", (expr, body)
     return body["data"]["result"]
 

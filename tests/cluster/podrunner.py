@@ -4,9 +4,9 @@ infrastructure, never shipped.
 For every pod bound to one of its nodes it runs the first container's command as a local process and reports
 status back to the API server. The mappings, in one place:
 
-- image: `IMAGES` maps an image to this project's environment; any image whose name contains `runtime` runs
-  the venv's `spyre-runtime`, any containing `operator` runs `spyre-operator` (the command's first word is
-  looked up in the venv's bin/).
+- image: an image is this project's environment; any image whose name contains `runtime` runs the venv's
+  `spyre-runtime`, any containing `operator` runs `spyre-operator` (the command's first word is looked up in
+  the venv's bin/). The runtime image's own environment (`image_env`) comes first, the pod's env over it.
 - network: each pod gets its own loopback address 127.A.B.C as pod IP (A from the runner's PID); `$(VAR)` in
   args is expanded. The Endpoints API refuses loopback addresses; EndpointSlices carry them, so clients read
   the ready addresses of a Service from its EndpointSlices (as kube-proxy does).
@@ -71,6 +71,18 @@ def _now() -> str:
 
 class NotYet(Exception):
     """The pod cannot start yet (e.g. its service-account token does not exist yet); retried next pass."""
+
+
+def image_env(image: str) -> dict[str, str]:
+    """What an image's own ENV gives its containers before the pod's env. The runtime image
+    (Containerfile.runtime) sets TORCH_EXTENSIONS_DIR to the folder where its build prebuilt the paged
+    attention kernel, so a pod loads it and never builds it; here that folder is the host's build of the same
+    source (torch's default build root), made once and shared by every pod. (Without it each pod's HOME, an
+    emptyDir, made each runtime pod compile the kernel again: a C++ build per pod.)"""
+    if "runtime" not in image:
+        return {}
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or f"{cache}/torch_extensions"}
 
 
 @dataclass
@@ -361,6 +373,7 @@ class PodRunner:
         full_env = {
             "PATH": f"{VENV_BIN}:{os.environ.get('PATH', '')}",
             "HOME": str(rp.workdir),
+            **image_env(c.image or ""),
             "PYTHONUNBUFFERED": "1",
             # a checkout beside the installed one (a git worktree) runs its own code in pods too
             **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),

@@ -204,7 +204,7 @@ class Namespace:
     def events(self, name: str) -> list:
         return self.core.list_namespaced_event(self.name, field_selector=f"involvedObject.name={name}").items
 
-    def wait_ready(self, name: str, replicas: int, timeout: float = 60) -> dict:
+    def wait_ready(self, name: str, replicas: int, timeout: float = 180) -> dict:
         def ready():
             m = self.model(name)
             st = m.get("status") or {}
