@@ -118,8 +118,14 @@ def wait_ready(stack: LocalStack, name: str, replicas: int, timeout: float = 600
     )
 
 
+_HOST_ANSWERS: dict[int, str] = {}
+
+
 def host_greedy_answer(tmp_path: Path, max_tokens: int = 4) -> str:
-    """What the engine answers on the host for the same tiny model (same seed, same bytes)."""
+    """What the engine answers on the host for the same tiny model (same seed, same bytes); worked out once
+    per `max_tokens` in a test process (the engine is deterministic: each test compared the same text)."""
+    if max_tokens in _HOST_ANSWERS:
+        return _HOST_ANSWERS[max_tokens]
     from spyre_runtime.engine.llm import LLM
     from spyre_runtime.sampling.params import SamplingParams
     from spyre_runtime.testing.models import write_tiny_model
@@ -133,9 +139,11 @@ def host_greedy_answer(tmp_path: Path, max_tokens: int = 4) -> str:
     }
     llm = LLM(write_tiny_model(tmp_path / "tiny"), environ=env)
     try:
-        return llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
+        text = llm.generate([PROMPT], SamplingParams(max_tokens=max_tokens, temperature=0))[0].text
     finally:
         llm.close()
+    _HOST_ANSWERS[max_tokens] = text
+    return text
 
 
 def ask(address: str, max_tokens: int = 4, timeout: float = 60) -> str:

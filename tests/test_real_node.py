@@ -2,7 +2,7 @@
 and runc under a real kubelet 1.20, its cards handed out by the kubelet through the device-plugin API, its
 model copied in by the modelcar init container of an `oci://` model image, answering the official OpenAI
 client with the same greedy text the engine gives on the host. The pod is the one the operator builds
-(manifests.pod_template), so its security context, volumes, probes and environment are the product's.
+(kinds/pods/template.py), so its security context, volumes, probes and environment are the product's.
 
 Then the operator, installed by its chart from its image, on the same node: the kubelet's own failures
 (ErrImagePull, CreateContainerConfigError, OOMKilled, a failing readiness probe), the scheduler keeping a pod
@@ -165,63 +165,6 @@ def node(control_plane, tmp_path_factory, node_octet):
     assert n.restore_problems == []
 
 
-def operator_pod(name: str) -> dict:
-    """The serving pod the operator builds for an `oci://` tiny model (eager, one static shape, no cache)."""
-    from spyre_contract.source_uri import parse_source_uri
-    from spyre_operator.kinds.pods.template import pod_template
-    from spyre_operator.settings import OperatorSettings
-    from spyre_operator.spec.model_source import model_source
-    from spyre_operator.spec.model_spec import GraphCache, ModelSpec, StaticShape
-
-    spec = ModelSpec(
-        source=model_source(parse_source_uri(f"oci://{images.pod_image('tiny-model')}")),
-        served_model_name="tiny",
-        backend="eager",
-        shapes=(StaticShape(*SHAPE),),
-        cache=GraphCache(enabled=False),
-    )
-    settings = OperatorSettings(runtime_image=images.pod_image("runtime"), run_as_user=UID)
-    return {"metadata": {"name": name, "namespace": NS}, "spec": pod_template(name, spec, settings)}
-
-
-def test_runtime_image_serves_the_modelcar_model_on_the_real_node(node, tmp_path):
-    cp, core = node.cp, client.CoreV1Api(node.cp.api_client())
-    t0 = time.monotonic()
-    core.create_namespaced_pod(NS, operator_pod("tiny-0"))
-    pod = wait_pod(
-        core,
-        NS,
-        "tiny-0",
-        900,
-        lambda p: any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or []),
-        "the runtime pod to be Ready",
-    )
-    print(f"\n[real-node] runtime pod Ready in {time.monotonic() - t0:.1f} s (image pull included)")
-    assert pod.spec.node_name == node.name and pod.status.pod_ip.startswith("10.213.")
-
-    c = openai.OpenAI(
-        base_url=f"http://{pod.status.pod_ip}:8000/v1", api_key="unused", max_retries=0, timeout=60
-    )
-    answer = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
-    assert answer == host_greedy_answer(tmp_path)
-
-    def exec_(*cmd: str) -> subprocess.CompletedProcess:
-        return cp.kubectl("exec", "-n", NS, "tiny-0", "-c", "runtime", "--", *cmd, check=False)
-
-    ids = exec_("id", "-u").stdout.split() + exec_("id", "-G").stdout.split()
-    assert ids[0] == str(UID) and "0" in ids[1:], ids  # the arbitrary uid, in group 0
-    write = exec_("touch", "/models/written-by-the-pod")
-    assert write.returncode != 0 and "Read-only file system" in write.stderr  # the model mount is read-only
-    root = exec_("touch", "/opt/spyre-serve/x")
-    assert root.returncode != 0 and "Read-only file system" in root.stderr  # so is the root filesystem
-    cards = exec_("printenv", env_name(CARD_RESOURCE)).stdout.strip()
-    assert cards.split(",") == node.plugin.allocations[-1] and len(cards.split(",")) == 1
-    logs = cp.kubectl("logs", "-n", NS, "tiny-0", "-c", "runtime").stdout
-    assert "/v1/completions" in logs or "Uvicorn running" in logs or logs.strip(), logs
-    # the kernel the image built loads from the read-only root filesystem (it did not, at first)
-    assert "Paged attention kernel unavailable" not in logs and "Paged attention kernel spyre_" in logs, logs
-
-
 # ---- the operator, installed by its chart from its image, on the real node -------------------------------
 
 
@@ -256,6 +199,37 @@ def test_chart_runs_the_operator_image_and_a_modelcar_model_becomes_ready(stack,
     ips = stack.wait(lambda: stack.endpoints(NS, tiny), 60, "a ready endpoint")
     assert ips[0].startswith("10.213.")  # the pod's address on the node's bridge
     assert ask(ips[0]) == host_greedy_answer(tmp_path)
+
+
+def test_runtime_image_serves_the_modelcar_model_on_the_real_node(stack, node, tiny, tmp_path):
+    """The shared model's pod, as the operator built it (pod_template) and the kubelet runs it: on the node's
+    bridge, the arbitrary uid in group 0, the model the modelcar init container copied in mounted read-only,
+    one card the kubelet got from the device plugin, the image's prebuilt kernel loaded from the read-only
+    root filesystem, and the engine's greedy answer on the host."""
+    (pod,) = [p for p in model_pods(stack, tiny) if is_ready(p)]
+    name = pod.metadata.name
+    assert pod.spec.node_name == node.name and pod.status.pod_ip.startswith("10.213.")
+    c = openai.OpenAI(
+        base_url=f"http://{pod.status.pod_ip}:8000/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    answer = c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0).choices[0].text
+    assert answer == host_greedy_answer(tmp_path)
+
+    def exec_(*cmd: str) -> subprocess.CompletedProcess:
+        return node.cp.kubectl("exec", "-n", NS, name, "-c", "runtime", "--", *cmd, check=False)
+
+    ids = exec_("id", "-u").stdout.split() + exec_("id", "-G").stdout.split()
+    assert ids[0] == str(UID) and "0" in ids[1:], ids  # the arbitrary uid, in group 0
+    write = exec_("touch", "/models/written-by-the-pod")
+    assert write.returncode != 0 and "Read-only file system" in write.stderr  # the model mount is read-only
+    root = exec_("touch", "/opt/spyre-serve/x")
+    assert root.returncode != 0 and "Read-only file system" in root.stderr  # so is the root filesystem
+    cards = exec_("printenv", env_name(CARD_RESOURCE)).stdout.strip()
+    assert cards.split(",") in node.plugin.allocations and len(cards.split(",")) == 1, cards
+    logs = node.cp.kubectl("logs", "-n", NS, name, "-c", "runtime").stdout
+    assert "/v1/completions" in logs or "Uvicorn running" in logs or logs.strip(), logs
+    # the kernel the image built loads from the read-only root filesystem (it did not, at first)
+    assert "Paged attention kernel unavailable" not in logs and "Paged attention kernel spyre_" in logs, logs
 
 
 def test_the_kubelet_runs_the_model_pod_hardened(stack, node, tiny):
