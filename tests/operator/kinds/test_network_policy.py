@@ -369,7 +369,10 @@ def test_the_operator_keeps_the_model_policy_on_the_api_server_and_removes_it_wh
             rules_by_port(policy)[5557] == [{"podSelector": {}}, app]
             and GATEWAY not in rules_by_port(policy)[8000]
         )
-        assert "NetworkPolicyUpdated" in [e.reason for e in ns.events("granite")]
+        wait_for(  # the pass's Events are posted after its writes, the policy's among them
+            lambda: "NetworkPolicyUpdated" in [e.reason for e in ns.events("granite")],
+            what="a NetworkPolicyUpdated Event",
+        )
         # deleted by someone: its watch says so and it comes back
         client.NetworkingV1Api(ns.kube).delete_namespaced_network_policy("granite", NS)
         wait_for(lambda: read_policy(ns, "granite"), what="the policy made again")
