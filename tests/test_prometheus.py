@@ -6,7 +6,6 @@ exporter (io/metrics.py) fed one reconcile and one failed API call, as a running
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import time
@@ -20,6 +19,7 @@ from spyre_operator.io.metrics import OperatorMetrics, serve_health
 from spyre_runtime.testing.models import write_tiny_model
 
 from tests.cluster.controlplane import Proc, free_port, terminate
+from tests.conftest import wait_for
 from tests.monitoring import prometheus_bin
 from tests.runtime.serverproc import ServerProcess
 from tests.test_chart import by_kind, render
@@ -87,17 +87,14 @@ def prometheus(tmp_path_factory, runtime, operator_endpoint):
         terminate(proc, grace=10)
 
 
-def wait_ready(base: str, popen: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+def wait_ready(base: str, popen: subprocess.Popen, log: Path) -> None:
     """Prometheus answers 503 until its storage and rules are loaded (/-/ready): waited for, or its log."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base}/-/ready", timeout=5).status_code == 200:
-                return
-        tail = log.read_text(errors="replace")[-2000:]
-        assert popen.poll() is None, f"prometheus exited {popen.returncode}: {tail}"
-        assert time.monotonic() < deadline, f"prometheus not ready in {timeout:.0f} s: {tail}"
-        time.sleep(0.5)
+
+    def ready() -> bool:
+        assert popen.poll() is None, f"prometheus exited {popen.returncode}: {log.read_text()[-2000:]}"
+        return httpx.get(f"{base}/-/ready", timeout=5).status_code == 200
+
+    wait_for(ready, timeout=120, what="prometheus /-/ready", step=0.5)
 
 
 def query(base: str, expr: str) -> list:
