@@ -3,7 +3,8 @@ SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # test modules run side by side in this many processes (pytest-xdist; a module stays in one process, so its
-# shared server or control plane is made once); 1 runs them one after another. Three on two cores: two kept
+# shared server is made once, and the modules of the session control plane share one process and one plane:
+# tests/conftest.py's work_unit); 1 runs them one after another. Three on two cores: two kept
 # the cores about 80 % busy, three 93 % (much of a test's time is waiting on a control plane, a kubelet or a
 # server start); four took longer (23 min 06 s against 20 min 24 s: more CPU time in all, contended)
 PYTEST_WORKERS ?= 3
