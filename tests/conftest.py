@@ -37,7 +37,8 @@ SLOW_FIRST = (
     "tests/runtime/executor/families/test_pooling.py",  # 137 s
     "tests/runtime/executor/families/test_vision.py",  # 126 s
 )
-# The modules that use the session control plane (the `cluster` fixture and those made on it). `make test`
+# The modules that use the session control plane (the `cluster` fixture, which a test's fixture closure holds
+# whenever it uses one made on it: `kube`, `crd`, `operator`...). `make test`
 # hands each module to one test process (pytest-xdist, --dist loadfile), so that its shared server or stack is
 # made once, and these modules together to one process, so that one process starts one control plane: each
 # idles at about 2.2 CPU-s a minute for the whole run and takes 6 CPU-s to start, and three processes each
@@ -60,7 +61,6 @@ CONTROL_PLANE_MODULES = frozenset(
         "tests/test_crd_server.py",
     )
 )
-CONTROL_PLANE_FIXTURES = {"cluster", "kube", "kubeconfig", "crd", "operator", "operator_rbac"}
 
 
 def work_unit(nodeid: str) -> str:
@@ -85,11 +85,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     unlisted = sorted(
-        {
-            item.nodeid.split("::", 1)[0]
-            for item in items
-            if CONTROL_PLANE_FIXTURES.intersection(getattr(item, "fixturenames", ()))
-        }
+        {item.nodeid.split("::", 1)[0] for item in items if "cluster" in getattr(item, "fixturenames", ())}
         - CONTROL_PLANE_MODULES
     )
     if unlisted:

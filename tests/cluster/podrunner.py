@@ -43,6 +43,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import datetime
+import functools
 import json
 import os
 import re
@@ -77,12 +78,18 @@ def image_env(image: str) -> dict[str, str]:
     """What an image's own ENV gives its containers before the pod's env. The runtime image
     (Containerfile.runtime) sets TORCH_EXTENSIONS_DIR to the folder where its build prebuilt the paged
     attention kernel, so a pod loads it and never builds it; here that folder is the host's build of the same
-    source (torch's default build root), made once and shared by every pod. (Without it each pod's HOME, an
-    emptyDir, made each runtime pod compile the kernel again: a C++ build per pod.)"""
+    source (the runner's own TORCH_EXTENSIONS_DIR, else torch's default build root), made once and shared by
+    every pod. (Without it each pod's HOME, an emptyDir, made each runtime pod compile the kernel again.)"""
     if "runtime" not in image:
         return {}
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or f"{cache}/torch_extensions"}
+    return {"TORCH_EXTENSIONS_DIR": os.environ.get("TORCH_EXTENSIONS_DIR") or _torch_build_root()}
+
+
+@functools.cache
+def _torch_build_root() -> str:
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return get_default_build_root()
 
 
 @dataclass
