@@ -4,11 +4,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # test modules run side by side in this many processes (pytest-xdist; a module stays in one process, so its
 # shared server is made once, and the modules of the session control plane share one process and one plane:
-# tests/conftest.py's work_unit); 1 runs them one after another. Four on two cores: much of a test's time is
-# waiting on a control plane, a kubelet or a server start, and with the plane's modules in one process a fourth
-# process no longer starts a plane of its own (fresh clone, 2026-11-27: three 19 min 32 s to 20 min 45 s of
-# pytest, four 18 min 17 s, the cores idle 0-8 % a minute until the last one)
-PYTEST_WORKERS ?= 4
+# tests/conftest.py's work_unit); 1 runs them one after another. Three on two cores: two kept
+# the cores about 80 % busy, three 93 % (much of a test's time is waiting on a control plane, a kubelet or a
+# server start); four took longer (23 min 06 s against 20 min 24 s: more CPU time in all, contended)
+PYTEST_WORKERS ?= 3
 
 .PHONY: demo test venv k8s node prometheus lint format docs cluster-up cluster-down demo-down
 

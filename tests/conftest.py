@@ -5,10 +5,9 @@ from __future__ import annotations
 import os
 
 # Every test process and every server it starts: OpenMP threads that sleep when they wait instead of spinning.
-# pytest-xdist runs four test processes, each with servers of two torch threads, on two cores; spinning
-# threads then take the cores from the ones with work (measured: two servers' beam searches side by side took
-# 51-59 s with spinning threads, 14-15 s with sleeping ones). libgomp reads it when torch loads, after this
-# line.
+# pytest-xdist runs two workers, each with servers of two torch threads, on two cores; spinning threads then
+# take the cores from the ones with work (measured: two servers' beam searches side by side took 51-59 s with
+# spinning threads, 14-15 s with sleeping ones). libgomp reads it when torch loads, after this line.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import subprocess
