@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 # shared server is made once, and the modules of the session control plane share one process and one plane:
 # tests/conftest.py's work_unit); 1 runs them one after another. Three on two cores: two kept
 # the cores about 80 % busy, three 93 % (much of a test's time is waiting on a control plane, a kubelet or a
-# server start); four took longer (23 min 06 s against 20 min 24 s: more CPU time in all, contended)
+# server start). Four filled the cores (fresh clone, 2026-11-27: 18 min 17 s, then 22 min 50 s) and starved the
+# control plane: a test operator's 6 s Lease went unrenewed behind a 2 s API timeout and a test failed
 PYTEST_WORKERS ?= 3
 
 .PHONY: demo test venv k8s node prometheus lint format docs cluster-up cluster-down demo-down

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -91,6 +92,21 @@ struct Scratch {
         sum(p.group) {}
 };
 
+// Calls f(std::integral_constant<int, hn>{}) for hn in 1..kHeadChunk: the head loops' count as a constant.
+template <typename F>
+inline void with_head_count(int64_t hn, F&& f) {
+  switch (hn) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 // The scores of query heads [h0, h0 + HN) against n consecutive keys starting at `keys` (HN a constant, so
 // that the heads' sums stay in registers).
 template <typename T, int HN>
@@ -109,20 +125,6 @@ void score_heads(const Problem& p, const float* q, const T* keys, int64_t n, int
       for (int64_t i = vec_end; i < d; ++i) total += q[(h0 + j) * d + i] * static_cast<float>(k[i]);
       scores[(h0 + j) * p.block_size + t] = total;
     }
-  }
-}
-
-template <typename T>
-void score_block(const Problem& p, const float* q, const T* keys, int64_t n, int64_t h0, int64_t hn, float* scores) {
-  switch (hn) {
-    case 1: return score_heads<T, 1>(p, q, keys, n, h0, scores);
-    case 2: return score_heads<T, 2>(p, q, keys, n, h0, scores);
-    case 3: return score_heads<T, 3>(p, q, keys, n, h0, scores);
-    case 4: return score_heads<T, 4>(p, q, keys, n, h0, scores);
-    case 5: return score_heads<T, 5>(p, q, keys, n, h0, scores);
-    case 6: return score_heads<T, 6>(p, q, keys, n, h0, scores);
-    case 7: return score_heads<T, 7>(p, q, keys, n, h0, scores);
-    default: return score_heads<T, 8>(p, q, keys, n, h0, scores);
   }
 }
 
@@ -172,23 +174,6 @@ void accumulate_heads(const Problem& p, const T* values, int64_t n, const float*
   }
 }
 
-// acc[h] += sum_t weights[h][t] * values[t] for the group's heads.
-template <typename T>
-void accumulate_block(const Problem& p, const T* values, int64_t n, const float* weights, float* acc) {
-  for (int64_t h0 = 0; h0 < p.group; h0 += kHeadChunk) {
-    switch (std::min(kHeadChunk, p.group - h0)) {
-      case 1: accumulate_heads<T, 1>(p, values, n, weights, acc, h0); break;
-      case 2: accumulate_heads<T, 2>(p, values, n, weights, acc, h0); break;
-      case 3: accumulate_heads<T, 3>(p, values, n, weights, acc, h0); break;
-      case 4: accumulate_heads<T, 4>(p, values, n, weights, acc, h0); break;
-      case 5: accumulate_heads<T, 5>(p, values, n, weights, acc, h0); break;
-      case 6: accumulate_heads<T, 6>(p, values, n, weights, acc, h0); break;
-      case 7: accumulate_heads<T, 7>(p, values, n, weights, acc, h0); break;
-      default: accumulate_heads<T, 8>(p, values, n, weights, acc, h0); break;
-    }
-  }
-}
-
 // Asks for `rows` rows of `width` elements, `stride` apart, to be brought into the cache.
 template <typename T>
 inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t width) {
@@ -221,12 +206,18 @@ void attend_range(const Problem& p, const T* query, const T* kc, const T* vc, co
       prefetch_rows(vc + next * p.v_block + item.kvhead * p.v_head, m, p.v_slot, p.head_dim);
     }
     for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
-      score_block(p, s.query.data(), keys, n, h0, std::min(kHeadChunk, g - h0), s.scores.data());
+      with_head_count(std::min(kHeadChunk, g - h0), [&](auto hn) {
+        score_heads<T, decltype(hn)::value>(p, s.query.data(), keys, n, h0, s.scores.data());
+      });
     }
     for (int64_t h = 0; h < g; ++h) {
       softmax_block(s.scores.data() + h * p.block_size, n, s.max[h], s.sum[h], s.acc.data() + h * d, d);
     }
-    accumulate_block(p, values, n, s.scores.data(), s.acc.data());
+    for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
+      with_head_count(std::min(kHeadChunk, g - h0), [&](auto hn) {
+        accumulate_heads<T, decltype(hn)::value>(p, values, n, s.scores.data(), s.acc.data(), h0);
+      });
+    }
     pos += n;
   }
 }
