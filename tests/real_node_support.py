@@ -9,13 +9,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import openai
 from kubernetes import client
 
 from tests.cluster import images
 from tests.cluster.node import host_volume as node_host_volume
 from tests.cluster.node import operator_values
 from tests.cluster.stack import LocalStack
+from tests.httpclient import openai_client
 
 NS = "real-node"
 PROMPT = "The capital of France"
@@ -147,7 +147,7 @@ def host_greedy_answer(tmp_path: Path, max_tokens: int = 4) -> str:
 
 
 def ask(address: str, max_tokens: int = 4, timeout: float = 60) -> str:
-    c = openai.OpenAI(base_url=f"http://{address}:8000/v1", api_key="unused", max_retries=0, timeout=timeout)
+    c = openai_client(f"http://{address}:8000/v1", timeout=timeout)
     return (
         c.completions.create(model="tiny", prompt=PROMPT, max_tokens=max_tokens, temperature=0)
         .choices[0]

@@ -16,6 +16,7 @@ from kubernetes import client
 from spyre_runtime.testing.models import write_tiny_model
 
 from tests.cluster.stack import LocalStack
+from tests.httpclient import HTTP, openai_client
 
 pytestmark = pytest.mark.cluster
 
@@ -50,7 +51,7 @@ def put_key(stack, value: str) -> None:
 
 
 def ask(ip: str, key: str, prompt: str = "The capital of France") -> str:
-    c = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key=key, max_retries=0, timeout=30)
+    c = openai_client(f"http://{ip}:8000/v1", api_key=key, timeout=30)
     return c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0).choices[0].text
 
 
@@ -80,12 +81,12 @@ def test_api_key_guards_v1_then_a_new_key_rolls_the_pods_with_no_failed_request(
     with pytest.raises(openai.AuthenticationError) as err:
         ask(ips[0], "sk-wrong")
     assert err.value.status_code == 401
-    no_key = httpx.post(
+    no_key = HTTP.post(
         f"http://{ips[0]}:8000/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10
     )
     assert no_key.status_code == 401 and no_key.json()["error"]
     # /health stays open to the probes (and /metrics to scrapers)
-    assert httpx.get(f"http://{ips[0]}:8000/health", timeout=10).status_code == 200
+    assert HTTP.get(f"http://{ips[0]}:8000/health", timeout=10).status_code == 200
 
     first = stack.model(NS, "tiny")["status"]["templateHash"]
     keys = {first: KEY_ONE}

@@ -17,6 +17,7 @@ from spyre_runtime.testing.models import write_tiny_model
 
 from tests.cluster.stack import LocalStack
 from tests.hf_greedy import hf_greedy_text
+from tests.httpclient import openai_client
 
 pytestmark = pytest.mark.cluster
 
@@ -46,7 +47,7 @@ SHAPES_B = [
 
 
 def ask(ip: str, prompt: str | list[int] = "The capital of France") -> str:
-    c = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0, timeout=30)
+    c = openai_client(f"http://{ip}:8000/v1", timeout=30)
     return c.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0).choices[0].text
 
 
@@ -229,6 +230,6 @@ def test_model_converges_through_an_etcd_stall_and_an_api_server_restart(stack):
     status = stack.model(NS, "chaos")
     assert status["status"]["observedGeneration"] == status["metadata"]["generation"]
     ip = stack.wait(lambda: stack.endpoints(NS, "chaos"), 30, "a ready chaos endpoint")[0]
-    c = openai.OpenAI(base_url=f"http://{ip}:8000/v1", api_key="unused", max_retries=0, timeout=30)
+    c = openai_client(f"http://{ip}:8000/v1", timeout=30)
     answer = c.completions.create(model="chaos", prompt="Hi", max_tokens=2, temperature=0).choices[0].text
     assert answer == hf_greedy_text(stack.tiny_dir, "Hi", 2)

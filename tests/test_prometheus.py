@@ -20,6 +20,7 @@ from spyre_runtime.testing.models import write_tiny_model
 
 from tests.cluster.controlplane import Proc, free_port, terminate
 from tests.conftest import wait_for
+from tests.httpclient import HTTP
 from tests.monitoring import prometheus_bin
 from tests.runtime.serverproc import ServerProcess
 from tests.test_chart import by_kind, render
@@ -92,13 +93,13 @@ def wait_ready(base: str, popen: subprocess.Popen, log: Path) -> None:
 
     def ready() -> bool:
         assert popen.poll() is None, f"prometheus exited {popen.returncode}: {log.read_text()[-2000:]}"
-        return httpx.get(f"{base}/-/ready", timeout=5).status_code == 200
+        return HTTP.get(f"{base}/-/ready", timeout=5).status_code == 200
 
     wait_for(ready, timeout=120, what="prometheus /-/ready", step=0.5)
 
 
 def query(base: str, expr: str) -> list:
-    response = httpx.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10)
+    response = HTTP.get(f"{base}/api/v1/query", params={"query": expr}, timeout=10)
     response.raise_for_status()  # a 503 while it starts: wait_for_data asks again
     body = response.json()
     assert body["status"] == "success", (expr, body)
@@ -136,13 +137,13 @@ def test_every_panel_and_rule_has_data_from_a_served_model(runtime, prometheus):
     assert up == {"runtime": "1", "operator": "1"}
     served = query(prometheus, 'sum(vllm:request_success_total{finished_reason="length", model_name="tiny"})')
     assert float(served[0]["value"][1]) >= 3
-    groups = httpx.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
+    groups = HTTP.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
     rules = [r for g in groups for r in g["rules"]]
     assert len(rules) == 10
     deadline = time.monotonic() + 10
     while any(r.get("lastEvaluation", "").startswith("0001") for r in rules) and time.monotonic() < deadline:
         time.sleep(1)
         rules = [
-            r for g in httpx.get(f"{prometheus}/api/v1/rules").json()["data"]["groups"] for r in g["rules"]
+            r for g in HTTP.get(f"{prometheus}/api/v1/rules").json()["data"]["groups"] for r in g["rules"]
         ]
     assert [(r["name"], r["health"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 
 from tests.cluster.controlplane import Proc, free_port, terminate
+from tests.httpclient import openai_client
 
 
 class ServerProcess:
@@ -52,15 +53,17 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            with contextlib.suppress(httpx.HTTPError):
-                code = httpx.get(self.base + "/health", timeout=2, verify=self.verify).status_code
-                self.health_codes.append(code)
-                if code == 200:
-                    return
-            time.sleep(0.1)
+        # one client (one SSL context) for the whole wait, no idle connection kept (tests/httpclient.py)
+        with httpx.Client(verify=self.verify, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                with contextlib.suppress(httpx.HTTPError):
+                    code = http.get(self.base + "/health", timeout=2).status_code
+                    self.health_codes.append(code)
+                    if code == 200:
+                        return
+                time.sleep(0.1)
         raise AssertionError(f"server not ready in {timeout} s:\n{self.log()}")
 
     @contextlib.contextmanager
@@ -73,6 +76,9 @@ class ServerProcess:
             self.stop()
 
     def client(self, timeout: float = 60, api_key: str = "unused"):
+        """The official client, with no retries; on the shared HTTP client unless the server speaks TLS."""
+        if self.verify is True:
+            return openai_client(self.base + "/v1", api_key=api_key, timeout=timeout)
         import openai
 
         return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)

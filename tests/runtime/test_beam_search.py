@@ -6,7 +6,6 @@
 - the HTTP API on a continuous-batching server equals HF's beams and refuses what beam search cannot do.
 SmolLM2 against HF on 8 prompts is test_beam_search_smollm2.py."""
 
-import httpx
 import pytest
 import torch
 from spyre_runtime.config import RuntimeConfig
@@ -15,6 +14,7 @@ from spyre_runtime.sampling.beam_search import BeamSearch
 from spyre_runtime.sampling.params import SamplingParams
 from transformers import AutoModelForCausalLM
 
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 
 MODES = [(2, 1.0, False), (3, 0.5, True), (4, 1.5, "never"), (3, 0.0, False), (2, -1.0, "never")]
@@ -171,7 +171,7 @@ def test_completions_return_hfs_beams_best_first(server, hf_tiny, tiny_model):
     chat = client.chat.completions.create(
         model="tiny", messages=messages, max_tokens=5, n=2, extra_body={"use_beam_search": True}
     )
-    ids = httpx.post(server.base + "/tokenize", json={"messages": messages}).json()["tokens"]
+    ids = HTTP.post(server.base + "/tokenize", json={"messages": messages}).json()["tokens"]
     rows, _ = hf_beams(hf_tiny, ids, 2, 5, 1.0, False)
     texts = [tok.decode(row[: row.index(2)] if 2 in row else row, skip_special_tokens=True) for row in rows]
     assert [c.message.content for c in chat.choices] == texts and chat.usage.prompt_tokens == len(ids)
@@ -192,8 +192,8 @@ BAD = [
 
 @pytest.mark.parametrize(("change", "param"), BAD)
 def test_what_beam_search_cannot_do_is_a_400(server, change, param):
-    res = httpx.post(
+    res = HTTP.post(
         server.base + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4, **change}
     )
     assert res.status_code == 400 and res.json()["error"]["param"] == param, res.text
-    assert httpx.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/health").status_code == 200

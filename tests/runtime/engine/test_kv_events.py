@@ -13,7 +13,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import msgpack
 import pytest
 import zmq
@@ -30,6 +29,7 @@ from spyre_runtime.engine.kv_events import (
 )
 
 from tests.cluster.controlplane import free_port
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 from tests.runtime.vllm_reference import VLLM_VENV, load_table, vllm_source
 
@@ -231,11 +231,11 @@ def serve_with_events(tiny_model, tmp_path, flag: dict, port: int) -> ServerProc
 
 def complete(srv: ServerProcess, prompt: str) -> None:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
-    assert httpx.post(srv.base + "/v1/completions", json=body, timeout=60).status_code == 200
+    assert HTTP.post(srv.base + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def tokens(srv: ServerProcess, prompt: str) -> list[int]:
-    return httpx.post(srv.base + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30).json()[
+    return HTTP.post(srv.base + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30).json()[
         "tokens"
     ]
 

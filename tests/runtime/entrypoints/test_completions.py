@@ -5,10 +5,10 @@ import signal
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 
 SHAPE_ENV = {
@@ -104,7 +104,7 @@ def test_chat_streaming_and_not(client):
 
 def test_raw_sse_ends_with_done(server):
     body = {"model": "tiny", "prompt": "1 2 3", "max_tokens": 3, "stream": True}
-    with httpx.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", server.base + "/v1/completions", json=body, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]"
     assert all(line.startswith("data: ") for line in lines)
@@ -149,7 +149,7 @@ def test_seed_reproducible_over_http(client):
 
 
 def post(server, path, payload=None, content=None):
-    return httpx.post(
+    return HTTP.post(
         server.base + path,
         json=payload,
         content=content,
@@ -183,7 +183,7 @@ def test_bad_requests_get_openai_errors_and_server_stays_up(server, payload, sta
     assert res.status_code == status, res.text
     err = res.json()["error"]
     assert needle in err["message"] and err["type"] == "invalid_request_error"
-    assert httpx.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/health").status_code == 200
 
 
 def test_openai_client_sees_typed_errors(client):
@@ -196,7 +196,7 @@ def test_openai_client_sees_typed_errors(client):
 
 
 def metric(server, name, labels=""):
-    for line in httpx.get(server.base + "/metrics").text.splitlines():
+    for line in HTTP.get(server.base + "/metrics").text.splitlines():
         if line.startswith(name + labels + " ") or (not labels and line.startswith(name + " ")):
             return float(line.split()[-1])
     return 0.0
@@ -215,7 +215,7 @@ def test_disconnect_mid_stream_frees_the_slot(tiny_model, tmp_path):
             "stream": True,
             "ignore_eos": True,
         }
-        with httpx.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
+        with HTTP.stream("POST", srv.base + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
                     break  # got the first token, hang up
@@ -233,7 +233,7 @@ def test_disconnect_mid_stream_frees_the_slot(tiny_model, tmp_path):
 
 def test_metrics_and_perf_log(server, client):
     client.completions.create(model="tiny", prompt="metrics", max_tokens=4, extra_body={"ignore_eos": True})
-    text = httpx.get(server.base + "/metrics").text
+    text = HTTP.get(server.base + "/metrics").text
     for name in (
         "spyre_requests_total",
         "spyre_prompt_tokens_total",
@@ -272,7 +272,7 @@ def test_requests_are_accepted_while_a_batch_computes(server, client):
 
 
 def _requests_running(srv) -> float:
-    for line in httpx.get(srv.base + "/metrics", timeout=10).text.splitlines():
+    for line in HTTP.get(srv.base + "/metrics", timeout=10).text.splitlines():
         if line.startswith("vllm:num_requests_running"):
             return float(line.rsplit(" ", 1)[1])
     return 0.0

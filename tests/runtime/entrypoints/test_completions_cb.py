@@ -6,10 +6,10 @@ import re
 import threading
 import time
 
-import httpx
 import openai
 import pytest
 
+from tests.httpclient import HTTP
 from tests.runtime.entrypoints.test_completions import metric
 from tests.runtime.serverproc import ServerProcess
 
@@ -58,7 +58,7 @@ def test_concurrent_streams_share_the_batch_and_match_requests_alone(cb_server, 
         t.join(timeout=120)
     assert [results[i] for i in range(len(PROMPTS))] == alone
     # they really ran together: some decode step held more than one live row
-    text = httpx.get(cb_server.base + "/metrics").text
+    text = HTTP.get(cb_server.base + "/metrics").text
     assert "spyre_batch_occupancy" in text
     assert re.search(
         r"\[Warmup\]\[Decode\]\[\d+/\d+\] batch_size:4 kv_len:\d+ took", cb_server.log_path.read_text()
@@ -81,7 +81,7 @@ def test_prompt_plus_max_tokens_over_max_model_len_is_a_400(client):
 def test_disconnect_mid_stream_frees_its_sequence(cb_server, client):
     before = metric(cb_server, "spyre_requests_total", '{outcome="abort"}')
     body = {"model": "tiny", "prompt": "word " * 10, "max_tokens": 200, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", cb_server.base + "/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", cb_server.base + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 break

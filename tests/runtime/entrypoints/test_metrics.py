@@ -8,9 +8,9 @@ from __future__ import annotations
 import threading
 import time
 
-import httpx
 import pytest
 
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 from tests.runtime.vllm_reference import (
     dataclass_fields,
@@ -133,7 +133,7 @@ def cb_server(tiny_model, tmp_path_factory):
 
 
 def scrape(server) -> str:
-    return httpx.get(server.base + "/metrics", timeout=10).text
+    return HTTP.get(server.base + "/metrics", timeout=10).text
 
 
 def load_gauges(text: str) -> tuple[float, float, float]:
@@ -150,7 +150,7 @@ def run_concurrently(server, bodies: list[dict]) -> tuple[list[dict], list[tuple
     results: dict[int, dict] = {}
 
     def post(i: int) -> None:
-        r = httpx.post(server.base + "/v1/completions", json=bodies[i], timeout=120)
+        r = HTTP.post(server.base + "/v1/completions", json=bodies[i], timeout=120)
         results[i] = r.json()
 
     threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
@@ -179,7 +179,7 @@ def completion(prompt: str, max_tokens: int) -> dict:
 
 
 def test_cb_metrics_are_vllms_names_types_and_labels(cb_server):
-    httpx.post(cb_server.base + "/v1/completions", json=completion("hello", 3), timeout=60)
+    HTTP.post(cb_server.base + "/v1/completions", json=completion("hello", 3), timeout=60)
     text = scrape(cb_server)
     families = check_against_vllm(text, GENERATE_METRICS, "tiny")
     info = families["vllm:cache_config_info"][2][0]
@@ -223,8 +223,8 @@ def test_cb_load_gauges_and_counters_under_load(cb_server):
 def test_cb_prefix_cache_counters_count_tokens(cb_server):
     before = wait_idle(cb_server)
     prompt = "the same long prefix " * 10  # about 150 tokens: two full blocks
-    first = httpx.post(cb_server.base + "/v1/completions", json=completion(prompt, 2), timeout=60).json()
-    second = httpx.post(cb_server.base + "/v1/completions", json=completion(prompt, 2), timeout=60).json()
+    first = HTTP.post(cb_server.base + "/v1/completions", json=completion(prompt, 2), timeout=60).json()
+    second = HTTP.post(cb_server.base + "/v1/completions", json=completion(prompt, 2), timeout=60).json()
     after = wait_idle(cb_server)
     n = first["usage"]["prompt_tokens"]
     assert n == second["usage"]["prompt_tokens"] > 128
@@ -285,9 +285,7 @@ def score_server(tmp_path_factory):
 def test_pooling_server_has_the_subset_that_applies(score_server):
     before = scrape(score_server)
     docs = ["one document", "another document here", "a third"]
-    res = httpx.post(
-        score_server.base + "/score", json={"text_1": "query", "text_2": docs}, timeout=60
-    ).json()
+    res = HTTP.post(score_server.base + "/score", json={"text_1": "query", "text_2": docs}, timeout=60).json()
     text = scrape(score_server)
     families = check_against_vllm(text, POOLING_METRICS, "ce")
     assert set(families) & GENERATE_METRICS == POOLING_METRICS  # no KV cache, no generation

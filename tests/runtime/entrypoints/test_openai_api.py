@@ -13,6 +13,7 @@ import jsonschema
 import openai
 import pytest
 
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 
 API_KEY = "test-key-14"
@@ -40,7 +41,7 @@ def client(server):
 
 
 def post(server, path, payload=None, content=None, headers=HEADERS):
-    return httpx.post(
+    return HTTP.post(
         server.base + path,
         json=payload,
         content=content,
@@ -163,7 +164,7 @@ def test_hostile_request_gets_its_4xx_and_the_engine_stays_healthy(server, path,
     err = res.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
     assert words in err["message"], err
-    assert httpx.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/health").status_code == 200
 
 
 def test_the_catalog_is_large():
@@ -173,7 +174,7 @@ def test_the_catalog_is_large():
 def test_oversized_body_is_413_and_the_server_stays_up(server):
     res = post(server, C, content=b'{"model": "tiny", "prompt": "' + b"a" * (9 * 1024 * 1024) + b'"}')
     assert res.status_code == 413
-    assert httpx.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/health").status_code == 200
     # and the engine still answers
     assert post(server, C, {**P, "max_tokens": 2}).status_code == 200
 
@@ -182,9 +183,9 @@ def test_api_key_guards_everything_but_health_and_metrics(server):
     assert post(server, C, P, headers={}).status_code == 401
     wrong = post(server, C, P, headers={"authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(server.base + "/v1/models").status_code == 401
-    assert httpx.get(server.base + "/health").status_code == 200
-    assert httpx.get(server.base + "/metrics").status_code == 200
+    assert HTTP.get(server.base + "/v1/models").status_code == 401
+    assert HTTP.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/metrics").status_code == 200
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").models.list()
 
@@ -493,7 +494,7 @@ def test_tokenize_detokenize_version_and_model_endpoints(server, client):
 
 
 def test_string_and_token_id_prompts_are_the_same_request(server, client):
-    ids = httpx.post(server.base + "/tokenize", headers=HEADERS, json={"prompt": "def add(a, b):"}).json()[
+    ids = HTTP.post(server.base + "/tokenize", headers=HEADERS, json={"prompt": "def add(a, b):"}).json()[
         "tokens"
     ]
     kw = {"max_tokens": 8, "temperature": 0, "extra_body": {"ignore_eos": True}}
@@ -615,7 +616,7 @@ def conforms(value, spec, where="") -> None:
 
 
 def sse_events(server, path, body):
-    with httpx.stream("POST", server.base + path, json=body, headers=HEADERS, timeout=60) as r:
+    with HTTP.stream("POST", server.base + path, json=body, headers=HEADERS, timeout=60) as r:
         lines = [line for line in r.iter_lines() if line]
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
     return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
@@ -676,4 +677,4 @@ def test_structured_output_ends_with_its_structure_even_when_eos_is_held_back(se
             assert res.status_code == 200, res.text
             choice = res.json()["choices"][0]
             assert choice["text"] == "Paris" and choice["finish_reason"] == "stop", (extra, choice)
-    assert httpx.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/health").status_code == 200

@@ -18,6 +18,7 @@ import pytest
 import torch
 from spyre_runtime.testing.models import prepare_minilm, write_tiny_cross_encoder
 
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 
 TOLERANCE = 1e-5
@@ -82,7 +83,7 @@ def tokenizer(minilm):
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.base + path, json=body, timeout=60)
+    return HTTP.post(server.base + path, json=body, timeout=60)
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None, fragment: str) -> None:
@@ -185,7 +186,7 @@ def test_bad_embedding_requests_name_the_parameter(embed_server, body, status, p
 
 def test_concurrent_requests_are_batched_together(embed_server, st):
     def steps() -> float:
-        text = httpx.get(embed_server.base + "/metrics").text
+        text = HTTP.get(embed_server.base + "/metrics").text
         match = re.search(r'spyre_engine_step_seconds_count\{kind="pool"\} ([0-9.e+]+)', text)
         return float(match.group(1)) if match else 0.0
 
@@ -211,12 +212,12 @@ def test_concurrent_requests_are_batched_together(embed_server, st):
 
 
 def test_health_models_and_metrics(embed_server):
-    assert httpx.get(embed_server.base + "/health").json() == {"status": "ok"}
-    card = httpx.get(embed_server.base + "/v1/models").json()["data"][0]
+    assert HTTP.get(embed_server.base + "/health").json() == {"status": "ok"}
+    card = HTTP.get(embed_server.base + "/v1/models").json()["data"][0]
     assert (card["id"], card["max_model_len"], card["task"]) == ("minilm", 256, "embed")
-    assert httpx.get(embed_server.base + "/v1/models/nope").status_code == 404
+    assert HTTP.get(embed_server.base + "/v1/models/nope").status_code == 404
     assert post(embed_server, "/v1/embeddings", {"input": "x"}).status_code == 200
-    metrics = httpx.get(embed_server.base + "/metrics").text
+    metrics = HTTP.get(embed_server.base + "/metrics").text
     assert 'spyre_requests_total{outcome="pooled"}' in metrics and "spyre_warmup_seconds" in metrics
     assert "spyre_warmup_graphs 3.0" in metrics and "spyre_warmup_graphs_done 3.0" in metrics
     assert 503 in embed_server.health_codes  # not ready while the shapes warmed up
@@ -323,7 +324,7 @@ def test_sigterm_drains_in_flight_pooling_requests_then_exits_0(minilm, tmp_path
     answers: dict[int, tuple[httpx.Response, float]] = {}
 
     def embed(i: int) -> None:
-        response = httpx.post(srv.base + "/v1/embeddings", json=body, timeout=120)
+        response = HTTP.post(srv.base + "/v1/embeddings", json=body, timeout=120)
         answers[i] = (response, time.monotonic())
 
     try:
@@ -336,7 +337,7 @@ def test_sigterm_drains_in_flight_pooling_requests_then_exits_0(minilm, tmp_path
         time.sleep(0.2)
         late = post(srv, "/v1/embeddings", {"input": "late"})
         refused_at = time.monotonic()
-        health = httpx.get(srv.base + "/health", timeout=10)
+        health = HTTP.get(srv.base + "/health", timeout=10)
         for t in threads:
             t.join(timeout=120)
         assert_error(late, 503, None, "the server is not ready (warming up or shutting down)")
@@ -359,7 +360,7 @@ def wait_until_submitted(srv: ServerProcess, num_items: int, timeout: float = 60
     them all (but the one running)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        text = httpx.get(srv.base + "/metrics", timeout=10).text
+        text = HTTP.get(srv.base + "/metrics", timeout=10).text
         waiting = re.search(r"^spyre_queue_length ([0-9.e+]+)$", text, re.M)
         steps = re.search(r'^spyre_engine_step_seconds_count\{kind="pool"\} ([0-9.e+]+)$', text, re.M)
         done = float(steps.group(1)) if steps else 0.0

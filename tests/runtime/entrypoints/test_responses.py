@@ -6,10 +6,11 @@ input gets a 400 naming the Responses field."""
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
+
+from tests.httpclient import HTTP
 
 TIME = {
     "type": "object",
@@ -33,7 +34,7 @@ def client(server):
 
 
 def count(server, **body) -> int:
-    return httpx.post(server.base + "/tokenize", json=body).json()["count"]
+    return HTTP.post(server.base + "/tokenize", json=body).json()["count"]
 
 
 def test_text_input_with_instructions(server, client):
@@ -205,8 +206,8 @@ BAD = [
 @pytest.mark.parametrize(("change", "param", "words"), BAD)
 def test_bad_input_gets_a_4xx_naming_the_field(server, change, param, words):
     body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, **change}
-    res = httpx.post(server.base + "/v1/responses", json=body, timeout=60)
+    res = HTTP.post(server.base + "/v1/responses", json=body, timeout=60)
     assert 400 <= res.status_code < 500, res.text
     err = res.json()["error"]
     assert err["param"] == param and words in err["message"], err
-    assert httpx.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/health").status_code == 200

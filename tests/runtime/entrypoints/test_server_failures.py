@@ -10,6 +10,7 @@ import psutil
 import pytest
 from spyre_runtime.testing.models import write_tiny_model
 
+from tests.httpclient import HTTP
 from tests.runtime.entrypoints.test_completions import metric
 from tests.runtime.serverproc import ServerProcess
 
@@ -27,7 +28,7 @@ def ttft(base: str) -> float:
     t0 = time.monotonic()
     first = None
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "stream": True}
-    with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
+    with HTTP.stream("POST", base + "/v1/completions", json=body, timeout=60) as r:
         for line in r.iter_lines():  # read to the end: this request is not abandoned
             if first is None and line.startswith("data: {"):
                 first = time.monotonic() - t0
@@ -43,11 +44,11 @@ def test_engine_failure_fails_in_flight_requests_turns_unhealthy_and_exits_non_z
         plain = {}
 
         def non_streaming():  # queued behind the running batch: in flight, waiting
-            plain["res"] = httpx.post(srv.base + "/v1/completions", json=LONG, timeout=120)
+            plain["res"] = HTTP.post(srv.base + "/v1/completions", json=LONG, timeout=120)
 
         t = threading.Thread(target=non_streaming)
         events = []
-        with httpx.stream(
+        with HTTP.stream(
             "POST", srv.base + "/v1/completions", json={**LONG, "stream": True}, timeout=120
         ) as r:
             for line in r.iter_lines():
@@ -59,9 +60,9 @@ def test_engine_failure_fails_in_flight_requests_turns_unhealthy_and_exits_non_z
                         time.sleep(0.5)
                         flag.touch()  # the next step raises
         # sick: unhealthy and refusing at once (for the few seconds before it exits)
-        health = httpx.get(srv.base + "/health", timeout=10).status_code
+        health = HTTP.get(srv.base + "/health", timeout=10).status_code
         t0 = time.monotonic()
-        late = httpx.post(srv.base + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+        late = HTTP.post(srv.base + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
         late_seconds = time.monotonic() - t0
         t.join(timeout=30)
         assert health == 503
@@ -103,7 +104,7 @@ def test_with_tensor_parallelism_a_failed_step_ends_every_rank(tmp_path):
 
 
 def post_completion(srv: ServerProcess, **kw) -> httpx.Response:
-    return httpx.post(srv.base + "/v1/completions", json={"model": "tiny", "prompt": "hi", **kw}, timeout=60)
+    return HTTP.post(srv.base + "/v1/completions", json={"model": "tiny", "prompt": "hi", **kw}, timeout=60)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -113,11 +114,11 @@ def test_a_client_that_hangs_up_frees_its_slot_within_a_step(tiny_model, tmp_pat
         baseline = min(ttft(srv.base) for _ in range(3))
         t0 = time.monotonic()
         if stream:  # read the first token, then hang up
-            with httpx.stream("POST", srv.base + "/v1/completions", json={**LONG, "stream": True}) as r:
+            with HTTP.stream("POST", srv.base + "/v1/completions", json={**LONG, "stream": True}) as r:
                 next(line for line in r.iter_lines() if line.startswith("data: {"))
         else:  # the client gives up after 1 s and closes the connection
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(srv.base + "/v1/completions", json=LONG, timeout=1)
+                HTTP.post(srv.base + "/v1/completions", json=LONG, timeout=1)
         after = ttft(srv.base)
         # the abandoned request would hold the only slot for 1900 tokens; its successor starts at once
         assert after < 3 * baseline + 0.5, (baseline, after)

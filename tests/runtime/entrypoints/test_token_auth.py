@@ -18,6 +18,7 @@ from starlette.datastructures import Headers
 
 from tests.cluster.controlplane import ControlPlane, kubeconfig_yaml
 from tests.conftest import ensure_k8s_binaries, wait_for
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 
 NS, MODEL, CACHE_SECONDS = "models", "granite", 1.0
@@ -119,7 +120,7 @@ def server(cp, tokens, tiny_model, tmp_path_factory):
 
 def call(server, token: str | None) -> httpx.Response:
     headers = {"authorization": f"Bearer {token}".strip()} if token is not None else {}
-    return httpx.get(server.base + "/v1/models", headers=headers, timeout=30)
+    return HTTP.get(server.base + "/v1/models", headers=headers, timeout=30)
 
 
 def test_a_service_account_with_a_role_binding_gets_200(server, tokens):
@@ -148,7 +149,7 @@ def test_a_garbage_or_missing_token_gets_401(server, tokens):
 
 def test_probes_need_no_token(server):
     for path in ("/health", "/metrics", "/version"):
-        assert httpx.get(server.base + path).status_code == 200
+        assert HTTP.get(server.base + path).status_code == 200
 
 
 def test_a_revoked_role_binding_is_403_after_the_cache_time(server, api, tokens):

@@ -7,10 +7,11 @@ a 400 naming the field while /health stays 200."""
 
 import json
 
-import httpx
 import jsonschema
 import openai
 import pytest
+
+from tests.httpclient import HTTP
 
 WEATHER = {
     "type": "object",
@@ -173,10 +174,10 @@ def test_tool_calls_and_results_render_through_the_template(server, client):
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "21 C"},
     ]
-    ids = httpx.post(
-        server.base + "/tokenize", json={"messages": messages, "chat_template": template}
-    ).json()["tokens"]
-    text = httpx.post(server.base + "/detokenize", json={"tokens": ids}).json()["prompt"]
+    ids = HTTP.post(server.base + "/tokenize", json={"messages": messages, "chat_template": template}).json()[
+        "tokens"
+    ]
+    text = HTTP.post(server.base + "/detokenize", json={"tokens": ids}).json()["prompt"]
     assert text == (
         "user: What is the weather in Paris?\nassistant: call call_1 get_weather(city=Paris) \n"
         "tool: [call_1] 21 C\n"
@@ -239,11 +240,11 @@ BAD = [
 @pytest.mark.parametrize(("change", "param", "words"), BAD)
 def test_bad_tools_get_a_400_naming_the_field(server, change, param, words):
     body = {"model": "tiny", "messages": MSGS, "max_tokens": 5, **change}
-    res = httpx.post(server.base + "/v1/chat/completions", json=body, timeout=60)
+    res = HTTP.post(server.base + "/v1/chat/completions", json=body, timeout=60)
     assert res.status_code == 400, res.text
     err = res.json()["error"]
     assert err["param"] == param and words in err["message"], err
-    assert httpx.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/health").status_code == 200
 
 
 def test_the_client_raises_bad_request_for_a_bad_tool(client):

@@ -13,13 +13,13 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 
 ENV = {
@@ -108,7 +108,7 @@ def traced(tiny_model, tmp_path_factory, receiver):
 
 def complete(server, headers: dict | None = None, **body) -> dict:
     body = {"model": "tiny", "prompt": "hello there", "max_tokens": 5, "temperature": 0, **body}
-    r = httpx.post(server.base + "/v1/completions", json=body, headers=headers or {}, timeout=60)
+    r = HTTP.post(server.base + "/v1/completions", json=body, headers=headers or {}, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -156,7 +156,7 @@ def test_a_streamed_chat_request_is_traced(traced, receiver):
     before = len(receiver.spans)
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
     headers = {"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"}
-    with httpx.stream("POST", traced.base + "/v1/chat/completions", json=body, headers=headers) as r:
+    with HTTP.stream("POST", traced.base + "/v1/chat/completions", json=body, headers=headers) as r:
         assert r.status_code == 200
         r.read()
     (_, span), *_ = receiver.wait_for(before + 1)[before:]

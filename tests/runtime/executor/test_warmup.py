@@ -2,6 +2,8 @@
 
 from spyre_runtime.executor.warmup import WarmupProgress
 
+from tests.httpclient import HTTP
+
 
 def test_progress_lines_count_graphs_and_estimate_the_rest():
     now = [100.0]
@@ -37,7 +39,7 @@ def test_health_and_log_show_warmup_progress_while_the_server_starts(tiny_model,
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             try:
-                r = httpx.get(server.base + "/health", timeout=2)
+                r = HTTP.get(server.base + "/health", timeout=2)
             except httpx.HTTPError:
                 time.sleep(0.05)
                 continue
@@ -50,7 +52,7 @@ def test_health_and_log_show_warmup_progress_while_the_server_starts(tiny_model,
             raise AssertionError("not ready: " + server.log()[-2000:])
         assert seen and all(s["total"] == 4 for s in seen)  # prefill and decode of two shapes
         assert any(s["done"] < 4 for s in seen)
-        metrics = httpx.get(server.base + "/metrics", timeout=5).text
+        metrics = HTTP.get(server.base + "/metrics", timeout=5).text
         assert "spyre_warmup_graphs_done 4.0" in metrics and "spyre_warmup_graphs 4.0" in metrics
         log = server.log()
         assert "[Warmup][Prefill][1/4] batch_size:1 seq_len:64 took" in log

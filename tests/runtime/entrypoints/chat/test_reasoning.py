@@ -3,7 +3,6 @@ no reasoning, reasoning cut off, markers in other places), whole and streamed; r
 tool calls (calls are read from the answer only) and with structured output (the grammar starts once the
 reasoning ends); and a server with `--reasoning-parser deepseek_r1` through the `openai` client."""
 
-import httpx
 import pytest
 import torch
 from spyre_runtime.entrypoints.chat.chat_output import OutputParser
@@ -12,6 +11,7 @@ from spyre_runtime.entrypoints.chat.tool_parsers import TOOL_PARSERS
 from spyre_runtime.entrypoints.chat.tools import ToolPlan
 from spyre_runtime.sampling.guided import GuideCompiler
 
+from tests.httpclient import HTTP
 from tests.runtime.serverproc import ServerProcess
 
 # (parser, recorded output, reasoning (None: the output has none), content)
@@ -178,15 +178,15 @@ def test_server_moves_reasoning_into_reasoning_content(server):
 def test_reasoning_effort_reaches_the_chat_template(server):
     template = "{{ reasoning_effort }}|{% for m in messages %}{{ m.content }}{% endfor %}"
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    res = httpx.post(
+    res = HTTP.post(
         server.base + "/v1/chat/completions",
         json={**body, "chat_template": template, "reasoning_effort": "low"},
     )
     assert res.status_code == 200, res.text
-    count = httpx.post(
+    count = HTTP.post(
         server.base + "/tokenize", json={"prompt": "low|hi", "add_special_tokens": False}
     ).json()["count"]
     assert res.json()["usage"]["prompt_tokens"] == count
-    bad = httpx.post(server.base + "/v1/chat/completions", json={**body, "reasoning_effort": "extreme"})
+    bad = HTTP.post(server.base + "/v1/chat/completions", json={**body, "reasoning_effort": "extreme"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
-    assert httpx.get(server.base + "/health").status_code == 200
+    assert HTTP.get(server.base + "/health").status_code == 200
