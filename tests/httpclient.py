@@ -3,14 +3,14 @@
 `httpx.get` (and `openai.OpenAI` without an `http_client`) builds a new client, and with it a new SSL context
 that loads the CA bundle: 25 ms of CPU a call on this machine, even for an http:// URL. The polling loops
 (a server's /health until Ready, /metrics until a count moves, a client loop through a rollout) made several
-of them a second, beside the servers they waited for. This client builds its context once. It keeps no idle
-connection, so each request opens its own, as `httpx.get` does: a draining server's closed connection is
-never reused."""
+of them a second, beside the servers they waited for. This client builds its context once. As with a client
+per call, it sets no limit on connections (a test's concurrent requests never queue here) and keeps none idle:
+each request opens its own, so a draining server's closed connection is never reused."""
 
 import httpx
 import openai
 
-HTTP = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0))
+HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
 
 
 def openai_client(base_url: str, api_key: str = "unused", timeout: float = 60) -> openai.OpenAI:

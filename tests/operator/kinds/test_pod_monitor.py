@@ -151,8 +151,10 @@ def test_without_the_crd_no_monitor_and_no_error_then_one_once_it_is_installed(c
         assert made["metadata"]["ownerReferences"][0]["uid"] == ns.model("g")["metadata"]["uid"]
         assert made["spec"] == build_pod_monitor(ns.model("g"), OperatorSettings())["spec"]  # none pruned
         selector = ",".join(f"{k}={v}" for k, v in made["spec"]["selector"]["matchLabels"].items())
+        # both replicas first: the second pod could appear between the two lists (the test's race)
+        wait_for(lambda: len(ns.pods("g")) == 2, timeout=60, what="the second replica's pod")
         pods = ns.core.list_namespaced_pod(ns.name, label_selector=selector).items
-        assert [p.metadata.name for p in pods] == [p.metadata.name for p in ns.pods("g")]
+        assert sorted(p.metadata.name for p in pods) == sorted(p.metadata.name for p in ns.pods("g"))
         assert api_line(True) in operator.log()
         wait_for(lambda: [e for e in ns.events("g") if e.reason == "PodMonitorCreated"], what="an Event")
         # drift: someone points it elsewhere; the next generation's pass restores it
