@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,16 +42,40 @@ class OperatorProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> OperatorProcess:
-        log = open(self.log_path, "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "spyre_operator"],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-        )
-        log.close()
-        return self
+        """Starts the operator and waits until it serves its metrics (or exits). `free_port` finds a port that
+        was free a moment ago; when another process binds it first, the operator exits at start-up with
+        "Address already in use" (a suite's whole session operator once did, and every test on it waited out
+        its model), so it is started again on another port. Any other exit is left to the test."""
+        for _ in range(5):
+            offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+            log = open(self.log_path, "ab")  # noqa: SIM115
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "spyre_operator"],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+            log.close()
+            if not self._lost_its_port(offset):
+                return self
+            self.health_port = free_port()
+            self.env["SPYRE_OPERATOR_HEALTH_PORT"] = str(self.health_port)
+        raise AssertionError(f"the operator found no free health port in 5 tries:\n{self.log()}")
+
+    def _lost_its_port(self, offset: int, timeout: float = 120) -> bool:
+        """Until the operator serves its own metrics: False; it exited: whether its port was taken."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                with self.log_path.open("rb") as f:
+                    f.seek(offset)
+                    return b"Address already in use" in f.read()
+            with contextlib.suppress(OSError):
+                if "spyre_operator_" in self.scrape() and self.proc.poll() is None:
+                    return False
+            time.sleep(0.2)
+        return False
 
     def kill(self) -> None:
         """SIGKILL: no chance to clean up, as when a node dies."""
