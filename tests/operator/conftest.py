@@ -33,7 +33,7 @@ class OperatorProcess:
             "SPYRE_OPERATOR_STUCK_GRACE_SECONDS": "6",
             "SPYRE_OPERATOR_START_GRACE_SECONDS": "5",
             "SPYRE_OPERATOR_COMPILE_RETRY_SECONDS": "1",
-            "SPYRE_OPERATOR_LEASE_SECONDS": "6",
+            "SPYRE_OPERATOR_LEASE_SECONDS": "15",
             "SPYRE_OPERATOR_HEALTH_HOST": "127.0.0.1",
             "SPYRE_OPERATOR_HEALTH_PORT": str(self.health_port),
             **(extra_env or {}),

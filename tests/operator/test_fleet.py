@@ -16,7 +16,7 @@ from tests.operator.test_reconcile import hashes, spec
 
 pytestmark = pytest.mark.cluster
 
-LEASE_SECONDS = 6  # the operator fixture's SPYRE_OPERATOR_LEASE_SECONDS
+LEASE_SECONDS = 15  # the operator fixture's SPYRE_OPERATOR_LEASE_SECONDS
 
 
 def test_standby_takes_over_when_the_leader_dies_and_nothing_is_done_twice(operator, ns, tmp_path):
