@@ -10,7 +10,8 @@ each request opens its own, so a draining server's closed connection is never re
 import httpx
 import openai
 
-HTTP = httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=0))
+LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+HTTP = httpx.Client(limits=LIMITS)
 
 
 def openai_client(base_url: str, api_key: str = "unused", timeout: float = 60) -> openai.OpenAI:

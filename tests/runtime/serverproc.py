@@ -11,9 +11,10 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 
 from tests.cluster.controlplane import Proc, free_port, terminate
-from tests.httpclient import openai_client
+from tests.httpclient import LIMITS, openai_client
 
 
 class ServerProcess:
@@ -53,8 +54,8 @@ class ServerProcess:
 
     def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
-        # one client (one SSL context) for the whole wait, no idle connection kept (tests/httpclient.py)
-        with httpx.Client(verify=self.verify, limits=httpx.Limits(max_keepalive_connections=0)) as http:
+        # one client (one SSL context) for the whole wait, with this server's CA (tests/httpclient.py)
+        with httpx.Client(verify=self.verify, limits=LIMITS) as http:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
@@ -79,8 +80,6 @@ class ServerProcess:
         """The official client, with no retries; on the shared HTTP client unless the server speaks TLS."""
         if self.verify is True:
             return openai_client(self.base + "/v1", api_key=api_key, timeout=timeout)
-        import openai
-
         return openai.OpenAI(base_url=self.base + "/v1", api_key=api_key, max_retries=0, timeout=timeout)
 
     def log(self) -> str:
