@@ -286,6 +286,17 @@ def _private_inductor_dir(executor) -> Path:
     """A fresh inductor cache directory for this process (and its tensor-parallel ranks): only the
     published entry can warm it. Inductor reads TORCHINDUCTOR_CACHE_DIR when it first compiles, which is
     after this call."""
+    resolve_vector_isa()
     work = Path(tempfile.mkdtemp(prefix="spyre-inductor-"))
     executor.set_env({"TORCHINDUCTOR_CACHE_DIR": str(work)})
     return work
+
+
+def resolve_vector_isa() -> None:
+    """Has inductor choose this CPU's vector ISA now, in the process's usual cache directory. It decides once
+    a process by compiling a probe per ISA into its cache directory and keeps the probes there (6 compiles,
+    ~8 CPU-s in an empty directory, ~1 s where they are); done in a private directory, empty every time,
+    every process would compile them again. The choice is the machine's, not the published entry's."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    valid_vec_isa_list()

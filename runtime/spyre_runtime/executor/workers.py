@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from spyre_runtime.config import ConfigError, RuntimeConfig
+from spyre_runtime.executor.graph_cache import resolve_vector_isa
 from spyre_runtime.executor.loader import configure_threads
 
 log = logging.getLogger(__name__)
@@ -194,6 +195,8 @@ def worker_main(config: RuntimeConfig, rank: int, port: int, make_executor: Exec
         elif op == "score":
             _run_or_die(executor.score_local, (payload,))
         elif op == "env":
+            if "TORCHINDUCTOR_CACHE_DIR" in payload:
+                resolve_vector_isa()  # before the private cache directory, as rank 0 does (graph_cache.py)
             os.environ.update(payload)
         elif op == "warm":
             executor.is_warm = True
