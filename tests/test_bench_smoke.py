@@ -192,3 +192,16 @@ def test_operator_scale(tmp_path):
     assert res["operator_requests_by_kind"].get("create pods", 0) >= 1  # the pod (and its dry runs)
     # one: the pod watch's own at start-up; the pod step acts on the watch's view
     assert res["operator_requests_by_kind"].get("list pods", 0) <= 1, res
+
+
+def test_kernel_ab(tmp_path):
+    """The kernel's source against itself: both builds run every case, and their outputs are identical."""
+    res = bench(
+        "kernel_ab.py",
+        tmp_path,
+        str(REPO / "runtime/spyre_runtime/executor/kernels/paged_attention.cpp"),
+        *("--iters", "1", "--cases", "2"),
+    )
+    assert [row["case"] for row in res["cases"]] == ["1 x 384 float32", "8 x 384 float32"], res
+    for row in res["cases"]:
+        assert positive(row["before_ms"], row["after_ms"]) and row["max_abs_diff"] == 0.0, row

@@ -12,15 +12,16 @@
 //   head, in the scaled units of the scores) to each softmax's denominator. Rows from `live` on (when
 //   live >= 0) are dummies: they read nothing and come out zero.
 //
-// Work: an item is (row, KV head, a range of its positions). A long context is split into ranges so that
-// every thread has work even at one row; the threads pull items from a shared counter, longest first, and
-// the last finisher of a split (row, head) merges the splits' partial softmaxes. Inside an item the range
-// is walked one block at a time (online softmax): the group's scores for the block, their running max and
-// sum, then the block's values weighted into float accumulators. K/V in bf16 or fp16 are widened to fp32 on
-// load; every sum is fp32. The next block's keys and values are prefetched while a block is computed (the
-// loads of a block's keys were where the kernel waited), and the heads scored or weighted at once are a
-// compile-time count, so that their sums stay in registers instead of the stack (bench/README.md run 25:
-// 0.72-0.79x the kernel's time at 1 to 32 rows).
+// Work: an item is (row, a range of its positions), every head of the row. A long context is split into
+// ranges so that every thread has work even at one row; the threads pull items from a shared counter,
+// longest first, and the last finisher of a split row merges the splits' partial softmaxes. Inside an item
+// the range is walked one block at a time (online softmax), and each block one KV head after another while
+// it is in the cache (its slots are contiguous; one head's slice of each slot is not): the group's scores
+// for the block, their running max and sum, then the block's values weighted into float accumulators. K/V
+// in bf16 or fp16 are widened to fp32 on load; every sum is fp32. The kernel waits on memory, not on
+// arithmetic: each slot it reads asks for the same slot of the next block (into L2) and for a slot a few
+// tokens ahead (into L1); the heads scored or weighted at once are a compile-time count, so that their sums
+// stay in registers (bench/README.md runs 25 and 26).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -47,8 +48,9 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
 constexpr int64_t kHeadChunk = 8;      // query heads scored at once (their accumulators stay in registers)
 constexpr int64_t kItemsPerThread = 4;  // splits aim at this many items per thread, for balance
-constexpr int64_t kMinSplitBlocks = 2;  // a split reads at least this many blocks
+constexpr int64_t kMinSplitBlocks = 1;  // a split reads at least this many blocks
 constexpr int64_t kParallelWork = 512;  // token-heads below which one thread does everything
+constexpr int64_t kNear = 8;            // how many tokens ahead a block's own slots are asked for
 
 template <typename T>
 inline Vec load_float(const T* p) {
@@ -76,20 +78,20 @@ struct Problem {
 };
 
 struct Item {
-  int64_t row, kvhead, start, end;
-  int64_t pair;     // row * kvheads + kvhead
-  int64_t partial;  // its slot in the partials buffer, -1 when the item is its pair's only one
+  int64_t row, start, end;
+  int64_t partial;  // its slot in the partials buffer, -1 when the item is its row's only one
 };
 
-// One thread's working memory: the group's scaled queries, one block's scores, the running softmax.
+// One thread's working memory: the row's scaled queries, one group's scores for a block, the running
+// softmax of every head.
 struct Scratch {
   std::vector<float> query, scores, acc, max, sum;
   Scratch(const Problem& p)
-      : query(p.group * p.head_dim),
+      : query(p.heads * p.head_dim),
         scores(p.group * p.block_size),
-        acc(p.group * p.head_dim),
-        max(p.group),
-        sum(p.group) {}
+        acc(p.heads * p.head_dim),
+        max(p.heads),
+        sum(p.heads) {}
 };
 
 // Calls f(std::integral_constant<int, hn>{}) for hn in 1..kHeadChunk: the head loops' count as a constant.
@@ -107,12 +109,25 @@ inline void with_head_count(int64_t hn, F&& f) {
   }
 }
 
+// Asks for `width` elements at `p` to be brought into the cache: the next block's slot into L2 (locality 2),
+// a block's work ahead, where L1 could not keep it; this block's slot kNear tokens ahead into L1 (3). One
+// slot per token read, so that the requests are spread over the loops: a whole block asked for at its start
+// left the kernel waiting on full fill buffers (bench/README.md run 26).
+template <typename T, int kLocality = 2>
+inline void prefetch(const T* p, int64_t width) {
+  constexpr int64_t kLine = 64 / sizeof(T);
+  for (int64_t i = 0; i < width; i += kLine) __builtin_prefetch(p + i, 0, kLocality);
+}
+
 // The scores of query heads [h0, h0 + HN) against n consecutive keys starting at `keys` (HN a constant, so
-// that the heads' sums stay in registers).
+// that the heads' sums stay in registers); asks for the next block's first `ahead` keys from `next` on.
 template <typename T, int HN>
-void score_heads(const Problem& p, const float* q, const T* keys, int64_t n, int64_t h0, float* scores) {
+void score_heads(const Problem& p, const float* q, const T* keys, int64_t n, int64_t h0, float* scores,
+                 const T* next, int64_t ahead) {
   const int64_t d = p.head_dim, vec_end = d - d % kLanes;
   for (int64_t t = 0; t < n; ++t) {
+    if (t < ahead) prefetch(next + t * p.k_slot, d);
+    if (t + kNear < n) prefetch<T, 3>(keys + (t + kNear) * p.k_slot, d);
     const T* k = keys + t * p.k_slot;
     Vec s[HN];
     for (int j = 0; j < HN; ++j) s[j] = Vec(0.f);
@@ -153,14 +168,18 @@ void softmax_block(float* scores, int64_t n, float& running_max, float& running_
   running_max = new_max;
 }
 
-// acc[h] += sum_t weights[h][t] * values[t] for heads [h0, h0 + HN) of the group.
+// acc[h] += sum_t weights[h][t] * values[t] for heads [h0, h0 + HN) of the group; asks for the next
+// block's first `ahead` values from `next` on.
 template <typename T, int HN>
-void accumulate_heads(const Problem& p, const T* values, int64_t n, const float* weights, float* acc, int64_t h0) {
+void accumulate_heads(const Problem& p, const T* values, int64_t n, const float* weights, float* acc, int64_t h0,
+                      const T* next, int64_t ahead) {
   const int64_t d = p.head_dim, vec_end = d - d % kLanes;
   for (int64_t i = 0; i < vec_end; i += kLanes) {
     Vec a[HN];
     for (int j = 0; j < HN; ++j) a[j] = Vec::loadu(acc + (h0 + j) * d + i);
     for (int64_t t = 0; t < n; ++t) {
+      if (i == 0 && t < ahead) prefetch(next + t * p.v_slot, d);
+      if (i == 0 && t + kNear < n) prefetch<T, 3>(values + (t + kNear) * p.v_slot, d);
       Vec v = load_float(values + t * p.v_slot + i);
       for (int j = 0; j < HN; ++j) a[j] = at::vec::fmadd(Vec(weights[(h0 + j) * p.block_size + t]), v, a[j]);
     }
@@ -174,22 +193,14 @@ void accumulate_heads(const Problem& p, const T* values, int64_t n, const float*
   }
 }
 
-// Asks for `rows` rows of `width` elements, `stride` apart, to be brought into the cache.
-template <typename T>
-inline void prefetch_rows(const T* base, int64_t rows, int64_t stride, int64_t width) {
-  constexpr int64_t kLine = 64 / sizeof(T);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t i = 0; i < width; i += kLine) __builtin_prefetch(base + r * stride + i, 0, 3);
-  }
-}
-
-// The group of KV head `item.kvhead` over the item's positions: leaves the running max, sum and the
-// unnormalized output in `s`.
+// Every head of the item's row over the item's positions: leaves the running max, sum and the
+// unnormalized output of each in `s`. A block is read whole, one KV head after another, while it is in
+// the cache: an item's reads are the block's contiguous slots, not one head's slice of each.
 template <typename T>
 void attend_range(const Problem& p, const T* query, const T* kc, const T* vc, const Item& item, Scratch& s) {
   const int64_t d = p.head_dim, g = p.group;
-  const T* q = query + (item.row * p.heads + item.kvhead * g) * d;
-  for (int64_t i = 0; i < g * d; ++i) s.query[i] = static_cast<float>(q[i]) * p.scale;
+  const T* q = query + item.row * p.heads * d;
+  for (int64_t i = 0; i < p.heads * d; ++i) s.query[i] = static_cast<float>(q[i]) * p.scale;
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.max.begin(), s.max.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.sum.begin(), s.sum.end(), 0.f);
@@ -197,45 +208,50 @@ void attend_range(const Problem& p, const T* query, const T* kc, const T* vc, co
   for (int64_t pos = item.start; pos < item.end;) {
     const int64_t offset = pos % p.block_size, n = std::min(p.block_size - offset, item.end - pos);
     const int64_t block = table[pos / p.block_size];
-    const T* keys = kc + block * p.k_block + offset * p.k_slot + item.kvhead * p.k_head;
-    const T* values = vc + block * p.v_block + offset * p.v_slot + item.kvhead * p.v_head;
-    if (pos + n < item.end) {  // the next block's keys and values, fetched while this one is computed
-      const int64_t next = table[(pos + n) / p.block_size];
-      const int64_t m = std::min(p.block_size, item.end - pos - n);
-      prefetch_rows(kc + next * p.k_block + item.kvhead * p.k_head, m, p.k_slot, p.head_dim);
-      prefetch_rows(vc + next * p.v_block + item.kvhead * p.v_head, m, p.v_slot, p.head_dim);
-    }
-    for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
-      with_head_count(std::min(kHeadChunk, g - h0), [&](auto hn) {
-        score_heads<T, decltype(hn)::value>(p, s.query.data(), keys, n, h0, s.scores.data());
-      });
-    }
-    for (int64_t h = 0; h < g; ++h) {
-      softmax_block(s.scores.data() + h * p.block_size, n, s.max[h], s.sum[h], s.acc.data() + h * d, d);
-    }
-    for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
-      with_head_count(std::min(kHeadChunk, g - h0), [&](auto hn) {
-        accumulate_heads<T, decltype(hn)::value>(p, values, n, s.scores.data(), s.acc.data(), h0);
-      });
+    // the next block's keys and values are fetched while this one is computed, each head's with its own
+    const int64_t next = pos + n < item.end ? table[(pos + n) / p.block_size] : block;
+    const int64_t ahead = pos + n < item.end ? std::min(p.block_size, item.end - pos - n) : 0;
+    for (int64_t kvhead = 0; kvhead < p.kvheads; ++kvhead) {
+      const T* keys = kc + block * p.k_block + offset * p.k_slot + kvhead * p.k_head;
+      const T* values = vc + block * p.v_block + offset * p.v_slot + kvhead * p.v_head;
+      const T* next_keys = kc + next * p.k_block + kvhead * p.k_head;
+      const T* next_values = vc + next * p.v_block + kvhead * p.v_head;
+      const int64_t first = kvhead * g;  // the group's first query head
+      float* acc = s.acc.data() + first * d;
+      for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
+        with_head_count(std::min(kHeadChunk, g - h0), [&](auto hn) {
+          score_heads<T, decltype(hn)::value>(p, s.query.data() + first * d, keys, n, h0, s.scores.data(),
+                                              next_keys, h0 == 0 ? ahead : 0);
+        });
+      }
+      for (int64_t h = 0; h < g; ++h) {
+        softmax_block(s.scores.data() + h * p.block_size, n, s.max[first + h], s.sum[first + h], acc + h * d, d);
+      }
+      for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
+        with_head_count(std::min(kHeadChunk, g - h0), [&](auto hn) {
+          accumulate_heads<T, decltype(hn)::value>(p, values, n, s.scores.data(), acc, h0, next_values,
+                                                   h0 == 0 ? ahead : 0);
+        });
+      }
     }
     pos += n;
   }
 }
 
-// out[h] = acc[h] / (sum[h] + exp(sink[h] - max[h])) for the group of `pair`'s KV head.
+// out[h] = acc[h] / (sum[h] + exp(sink[h] - max[h])) for every head of a row.
 template <typename T>
-void write_output(const Problem& p, int64_t kvhead, const float* acc, const float* max, const float* sum, T* out) {
-  for (int64_t j = 0; j < p.group; ++j) {
+void write_output(const Problem& p, const float* acc, const float* max, const float* sum, T* out) {
+  for (int64_t j = 0; j < p.heads; ++j) {
     float denom = sum[j];
-    if (p.sinks != nullptr) denom += std::exp(p.sinks[kvhead * p.group + j] - max[j]);
+    if (p.sinks != nullptr) denom += std::exp(p.sinks[j] - max[j]);
     const float inv = denom > 0.f ? 1.f / denom : 0.f;
     for (int64_t i = 0; i < p.head_dim; ++i) out[j * p.head_dim + i] = static_cast<T>(acc[j * p.head_dim + i] * inv);
   }
 }
 
-// Merges the partial softmaxes of `count` splits (each: max[g], sum[g], acc[g * hd]) into one.
+// Merges the partial softmaxes of `count` splits (each: max[h], sum[h], acc[h * hd]) into one.
 void merge_splits(const Problem& p, const float* partials, int64_t count, Scratch& s) {
-  const int64_t g = p.group, d = p.head_dim, stride = g * (d + 2);
+  const int64_t g = p.heads, d = p.head_dim, stride = g * (d + 2);
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   for (int64_t j = 0; j < g; ++j) {
     float top = -std::numeric_limits<float>::infinity();
@@ -255,8 +271,8 @@ void merge_splits(const Problem& p, const float* partials, int64_t count, Scratc
 
 struct Plan {
   std::vector<Item> items;
-  std::vector<int64_t> first_partial;  // per pair: its first partial slot, -1 when unsplit
-  std::vector<int64_t> splits;         // per pair: how many items
+  std::vector<int64_t> first_partial;  // per row: its first partial slot, -1 when unsplit
+  std::vector<int64_t> splits;         // per row: how many items
   int64_t partials = 0;
   int64_t work = 0;  // token-heads read
 };
@@ -278,19 +294,16 @@ Plan plan_items(const int64_t* seq_lens, int64_t live, int64_t kvheads, int64_t 
   split = std::max(split, kMinSplitBlocks * block_size);
   split = (split + block_size - 1) / block_size * block_size;
   if (threads == 1 || plan.work < kParallelWork) split = capacity + 1;  // one thread: never split
-  plan.first_partial.assign(live * kvheads, -1);
-  plan.splits.assign(live * kvheads, 0);
+  plan.first_partial.assign(live, -1);
+  plan.splits.assign(live, 0);
   for (int64_t r = 0; r < live; ++r) {
     const int64_t len = ends[r] - starts[r];
     const int64_t count = len == 0 ? 0 : (len + split - 1) / split;
-    for (int64_t h = 0; h < kvheads; ++h) {
-      const int64_t pair = r * kvheads + h;
-      plan.splits[pair] = count;
-      if (count > 1) plan.first_partial[pair] = plan.partials;
-      for (int64_t c = 0; c < count; ++c) {
-        const int64_t start = starts[r] + c * split;
-        plan.items.push_back({r, h, start, std::min(ends[r], start + split), pair, count > 1 ? plan.partials++ : -1});
-      }
+    plan.splits[r] = count;
+    if (count > 1) plan.first_partial[r] = plan.partials;
+    for (int64_t c = 0; c < count; ++c) {
+      const int64_t start = starts[r] + c * split;
+      plan.items.push_back({r, start, std::min(ends[r], start + split), count > 1 ? plan.partials++ : -1});
     }
   }
   std::stable_sort(plan.items.begin(), plan.items.end(),
@@ -305,7 +318,7 @@ void run(const Problem& p, const Plan& plan, const at::Tensor& query, const at::
   const T* kc = key_cache.const_data_ptr<T>();
   const T* vc = value_cache.const_data_ptr<T>();
   T* o = out.mutable_data_ptr<T>();
-  const int64_t stride = p.group * (p.head_dim + 2);
+  const int64_t stride = p.heads * (p.head_dim + 2);
   std::vector<float> partials(plan.partials * stride);
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[plan.splits.size()]);
   for (size_t i = 0; i < plan.splits.size(); ++i) left[i].store(plan.splits[i], std::memory_order_relaxed);
@@ -316,18 +329,18 @@ void run(const Problem& p, const Plan& plan, const at::Tensor& query, const at::
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
       const Item& item = plan.items[i];
       attend_range(p, q, kc, vc, item, s);
-      T* dest = o + (item.row * p.heads + item.kvhead * p.group) * p.head_dim;
+      T* dest = o + item.row * p.heads * p.head_dim;
       if (item.partial < 0) {
-        write_output(p, item.kvhead, s.acc.data(), s.max.data(), s.sum.data(), dest);
+        write_output(p, s.acc.data(), s.max.data(), s.sum.data(), dest);
         continue;
       }
       float* part = partials.data() + item.partial * stride;
       std::copy(s.max.begin(), s.max.end(), part);
-      std::copy(s.sum.begin(), s.sum.end(), part + p.group);
-      std::copy(s.acc.begin(), s.acc.end(), part + 2 * p.group);
-      if (left[item.pair].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the pair's last split
-        merge_splits(p, partials.data() + plan.first_partial[item.pair] * stride, plan.splits[item.pair], s);
-        write_output(p, item.kvhead, s.acc.data(), s.max.data(), s.sum.data(), dest);
+      std::copy(s.sum.begin(), s.sum.end(), part + p.heads);
+      std::copy(s.acc.begin(), s.acc.end(), part + 2 * p.heads);
+      if (left[item.row].fetch_sub(1, std::memory_order_acq_rel) == 1) {  // the row's last split
+        merge_splits(p, partials.data() + plan.first_partial[item.row] * stride, plan.splits[item.row], s);
+        write_output(p, s.acc.data(), s.max.data(), s.sum.data(), dest);
       }
     }
   };
@@ -388,8 +401,8 @@ at::Tensor paged_decode(const at::Tensor& query_in, const at::Tensor& key_cache,
   const int64_t capacity = table.size(1) * block_size;
   const Plan plan = plan_items(seq_lens.const_data_ptr<int64_t>(), live, kvheads, capacity, window, block_size);
   bool every_row_read = live == rows;
-  for (int64_t pair = 0; every_row_read && pair < static_cast<int64_t>(plan.splits.size()); ++pair) {
-    every_row_read = plan.splits[pair] > 0;
+  for (int64_t r = 0; every_row_read && r < static_cast<int64_t>(plan.splits.size()); ++r) {
+    every_row_read = plan.splits[r] > 0;
   }
   at::Tensor out = every_row_read ? at::empty_like(query) : at::zeros_like(query);
   switch (query.scalar_type()) {
