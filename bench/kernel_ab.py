@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_attention_bench import case_inputs
+from paged_attention_bench import case_inputs, write_results
 
 LAYERS = 30
 CASES = [  # (name, rows, context tokens per row, dtype)
@@ -98,9 +97,7 @@ def main() -> int:
             f"{row['after_over_before']:5.3f}x  diff {diff:.1e}",
             flush=True,
         )
-    results["load_average"] = os.getloadavg()
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.out)
     return 0
 
 

@@ -44,6 +44,13 @@ def case_inputs(rows, heads, kvheads, head_dim, longest, dtype, seed=0):
     return query, key_cache, value_cache, table, seq_lens, head_dim**-0.5
 
 
+def write_results(results: dict, out: Path | None) -> None:
+    """Adds the load average to `results` and writes them to `out` as JSON (when there is one)."""
+    results["load_average"] = os.getloadavg()
+    if out:
+        out.write_text(json.dumps(results, indent=2) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=50)
@@ -85,9 +92,7 @@ def main() -> int:
             f"{row['speedup']:5.2f}x  diff {err:.1e}",
             flush=True,
         )
-    results["load_average"] = os.getloadavg()
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    write_results(results, args.out)
     return 0
 
 
