@@ -40,7 +40,6 @@ def build(source: Path, namespace: str):
     from spyre_runtime.executor.kernels import paged_attention
     from torch.utils import cpp_extension
 
-    paged_attention._ninja_on_path()
     text = source.read_text().replace("spyre_kernels", namespace)
     flags = paged_attention.build_flags()
     digest = hashlib.sha256((text + " ".join(flags)).encode()).hexdigest()[:16]
@@ -51,14 +50,7 @@ def build(source: Path, namespace: str):
     source_copy = directory / "kernel.cpp"
     if not source_copy.is_file() or source_copy.read_text() != text:  # (a new mtime would make ninja rebuild)
         source_copy.write_text(text)
-    cpp_extension.load(
-        name=name,
-        sources=[str(directory / "kernel.cpp")],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(directory),
-        is_python_module=False,
-    )
+    paged_attention.compile_extension(name, source_copy, directory)
     return getattr(torch.ops, namespace).paged_decode.default
 
 

@@ -251,17 +251,17 @@ void write_output(const Problem& p, const float* acc, const float* max, const fl
 
 // Merges the partial softmaxes of `count` splits (each: max[h], sum[h], acc[h * hd]) into one.
 void merge_splits(const Problem& p, const float* partials, int64_t count, Scratch& s) {
-  const int64_t g = p.heads, d = p.head_dim, stride = g * (d + 2);
+  const int64_t heads = p.heads, d = p.head_dim, stride = heads * (d + 2);
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
-  for (int64_t j = 0; j < g; ++j) {
+  for (int64_t j = 0; j < heads; ++j) {
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t c = 0; c < count; ++c) top = std::max(top, partials[c * stride + j]);
     float total = 0.f;
     for (int64_t c = 0; c < count; ++c) {
       const float* part = partials + c * stride;
       const float w = std::exp(part[j] - top);
-      total += part[g + j] * w;
-      const float* acc = part + 2 * g + j * d;
+      total += part[heads + j] * w;
+      const float* acc = part + 2 * heads + j * d;
       for (int64_t i = 0; i < d; ++i) s.acc[j * d + i] += acc[i] * w;
     }
     s.max[j] = top;

@@ -126,7 +126,6 @@ def _load():
 
     started = time.monotonic()
     try:
-        _ninja_on_path()
         name = extension_name()
         root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
         directory = Path(root) / name
@@ -139,7 +138,7 @@ def _load():
             torch.ops.load_library(str(directory / f"{name}.so"))
         else:
             with held:
-                _build_under(held, directory, name, cpp_extension)
+                _build_under(held, directory, name)
         op = torch.ops.spyre_kernels.paged_decode.default
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
     except Exception as exc:  # any failure to build or load: the ATen ops serve
@@ -154,15 +153,24 @@ def _load():
     return op
 
 
-def _build_under(held, directory: Path, name: str, cpp_extension) -> None:
+def _build_under(held, directory: Path, name: str) -> None:
     """Builds (or loads the cached build of) the kernel holding `held`'s flock: builders of this code hold
     it (the kernel drops it when one dies); torch's own `lock` file, which it waits on forever, is then a
     dead builder's leftover."""
     fcntl.flock(held, fcntl.LOCK_EX)
     (directory / "lock").unlink(missing_ok=True)
+    compile_extension(name, SOURCE, directory)
+
+
+def compile_extension(name: str, source: Path, directory: Path) -> None:
+    """Builds `source` as the extension `name` in `directory` with this CPU's flags, or loads the build there
+    when it is current: the runtime's kernel, and the versions of it bench/kernel_ab.py compares."""
+    from torch.utils import cpp_extension
+
+    _ninja_on_path()
     cpp_extension.load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(source)],
         extra_cflags=build_flags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
