@@ -30,6 +30,49 @@ class StackError(RuntimeError):
     pass
 
 
+def operator_rollout_report(apps, core, namespace: str = "spyre-system") -> str:
+    """What a rollout that never finished left behind: the Deployment's status, each operator pod's
+    containers (waiting or terminated, why, restarts), the namespace's newest Events and the operator's last
+    log lines, so that a timeout names its cause."""
+    lines = []
+    try:
+        d = apps.read_namespaced_deployment("spyre-spyre-operator", namespace)
+        st = d.status
+        lines.append(
+            f"deployment: generation {d.metadata.generation}, observed {st.observed_generation}, "
+            f"updated {st.updated_replicas}, ready {st.ready_replicas} of {d.spec.replicas}"
+        )
+        lines += [f"  {c.type}={c.status} {c.reason}: {c.message}" for c in st.conditions or []]
+        pods = core.list_namespaced_pod(namespace).items
+        for pod in pods:
+            lines.append(f"pod {pod.metadata.name}: {pod.status.phase} on {pod.spec.node_name}")
+            for c in pod.status.container_statuses or []:
+                state = c.state.waiting or c.state.terminated or c.state.running
+                reason = getattr(state, "reason", None) or "running"
+                message = getattr(state, "message", None) or ""
+                code = getattr(state, "exit_code", None)
+                lines.append(
+                    f"  {c.name} ({c.image}): {reason} {message} exit={code} restarts={c.restart_count}"
+                )
+            for previous in (False, True):
+                try:
+                    log = core.read_namespaced_pod_log(
+                        pod.metadata.name, namespace, tail_lines=20, previous=previous
+                    )
+                except client.ApiException:
+                    continue
+                lines.append(f"  log{' (previous)' if previous else ''}:")
+                lines += [f"    {line}" for line in log.splitlines()]
+        events = sorted(
+            core.list_namespaced_event(namespace).items,
+            key=lambda e: str(e.last_timestamp or e.event_time or ""),
+        )[-20:]
+        lines += [f"event {e.involved_object.name}: {e.reason}: {e.message}" for e in events]
+    except client.ApiException as e:
+        lines.append(f"(the API said {e.status} {e.reason} while the report was made)")
+    return "\n".join(lines)
+
+
 def ready_addresses(api_client, namespace: str, service: str) -> list[str]:
     """A Service's ready addresses, as published by the (real) EndpointSlice controller. (The older Endpoints
     API refuses loopback addresses, which pod IPs are here; EndpointSlices carry them.)"""
@@ -158,7 +201,12 @@ class LocalStack:
                 and (not upgrade or ((st.ready_replicas or 0) == want and len(pods) == want))
             )
 
-        self.wait(rolled_out, timeout, "the operator Deployment to be rolled out and ready")
+        self.wait(
+            rolled_out,
+            timeout,
+            "the operator Deployment to be rolled out and ready",
+            lambda: operator_rollout_report(apps, core),
+        )
 
     def stop(self) -> None:
         if self.runner is not None:
