@@ -193,6 +193,12 @@ def test_ha_probes_pdb_metrics_and_no_fixed_user():
     pod = by_kind(host, "Deployment")[0]["spec"]["template"]["spec"]
     assert pod["hostNetwork"] is True and pod["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert env_of(by_kind(host, "Deployment")[0])["KUBERNETES_SERVICE_HOST"] == "10.0.0.1"
+    assert env_of(by_kind(host, "Deployment")[0])["SPYRE_OPERATOR_HEALTH_PORT"] == "8080"
+    moved = by_kind(render({"hostNetwork": True, "healthPort": 18080}), "Deployment")[0]
+    assert env_of(moved)["SPYRE_OPERATOR_HEALTH_PORT"] == "18080"
+    assert moved["spec"]["template"]["spec"]["containers"][0]["ports"] == [
+        {"name": "health", "containerPort": 18080}
+    ]
     assert not by_kind(render({"replicas": 1}), "PodDisruptionBudget")
 
 

@@ -91,6 +91,9 @@ def operator_values(node: RealNode, run_as_user: int = 1000650000) -> dict:
         "runtimeImage": images.pod_image("runtime"),
         "runtimePodSecurityContext": {"runAsUser": run_as_user},
         "hostNetwork": True,
+        # a port free now rather than 8080: on the node's network the operator shares the host's ports with
+        # every other test process
+        "healthPort": free_port(),
         "extraEnv": [
             {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"},
             {"name": "KUBERNETES_SERVICE_PORT", "value": str(node.cp.ports["kube-apiserver"])},
