@@ -33,11 +33,15 @@ VERBOSE_CHILD = """
 import torch
 for dtype in (torch.float32, torch.bfloat16):
     w = torch.randn(1536, 576, dtype=dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32)
+    packs = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 32) if packs else None
     for rows in (1, 8, 32):
         x = torch.randn(rows, 576, dtype=dtype)
         print("PATH packed", dtype, rows, flush=True)
-        torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        if packs:
+            torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        else:
+            print("UNSUPPORTED", flush=True)
         print("PATH plain", dtype, rows, flush=True)
         torch.nn.functional.linear(x, w)
 """
@@ -58,6 +62,8 @@ def onednn_kernels() -> dict:
         if line.startswith("PATH "):
             path = line[5:]
             found[path] = "not oneDNN"
+        elif line == "UNSUPPORTED":
+            found[path] = "unsupported (oneDNN cannot pack bf16 on this CPU: the runtime runs the plain GEMM)"
         elif path and ",exec,cpu," in line and ",reorder," not in line:
             fields = line.split(",")
             found[path] = f"{fields[5]} {fields[6]}"
@@ -115,16 +121,25 @@ def main() -> int:
 
     if paged_attention.kernel() is None:
         raise SystemExit("the paged attention kernel did not build (see the warning above)")
-    res: dict = {"onednn": onednn_kernels(), "threads": torch.get_num_threads(), "rows": {}}
+    # where oneDNN cannot pack bf16 (an AVX2 CPU: no AVX-512 BW/VL/DQ, no AVX-NE-CONVERT), the runtime runs
+    # bf16 on the plain GEMM (linear.can_pack), and so does the bench's bf16 arm
+    bf16_packs = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    res: dict = {
+        "onednn": onednn_kernels(),
+        "threads": torch.get_num_threads(),
+        "bf16_packs": bf16_packs,
+        "rows": {},
+    }
     print(json.dumps(res["onednn"], indent=1), flush=True)
     for rows in (int(r) for r in args.rows.split(",")):
         arms = {
             "gemm fp32 packed": gemms(torch.float32, rows, True),
-            "gemm bf16 packed": gemms(torch.bfloat16, rows, True),
+            "gemm bf16 packed": gemms(torch.bfloat16, rows, True) if bf16_packs else None,
             "gemm bf16 plain": gemms(torch.bfloat16, rows, False),
             "attention fp32": attention(torch.float32, rows, args.kv),
             "attention bf16": attention(torch.bfloat16, rows, args.kv),
         }
+        arms = {name: fn for name, fn in arms.items() if fn is not None}
         times: dict = {name: [] for name in arms}
         for fn in arms.values():
             fn()
@@ -134,7 +149,8 @@ def main() -> int:
                 fn()
                 times[name].append(time.perf_counter() - t0)
         med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
-        med["gemm bf16 / fp32"] = med["gemm bf16 packed"] / med["gemm fp32 packed"]
+        bf16 = med["gemm bf16 packed"] if bf16_packs else med["gemm bf16 plain"]
+        med["gemm bf16 / fp32"] = bf16 / med["gemm fp32 packed"]
         med["attention bf16 / fp32"] = med["attention bf16"] / med["attention fp32"]
         res["rows"][rows] = med
         print(rows, json.dumps({k: round(v, 3) for k, v in med.items()}), flush=True)

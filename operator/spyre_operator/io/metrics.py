@@ -102,11 +102,16 @@ def serve_health(
                 body, ctype, code = (b"ok" if ok else b"unhealthy"), "text/plain", 200 if ok else 503
             else:
                 body, ctype, code = b"not found", "text/plain", 404
-            self.send_response(code)
-            self.send_header("Content-Type", ctype)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            try:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            except (BrokenPipeError, ConnectionResetError):
+                # the probe or scraper hung up first (its timeout on a loaded node): nobody to answer, and
+                # not an error of this process (the stdlib server would print a traceback to stderr)
+                self.close_connection = True
 
         def log_message(self, *args) -> None:
             pass
