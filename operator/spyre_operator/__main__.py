@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import socket
 import sys
+import time
 
 import kopf
 from kubernetes import client, config
@@ -18,6 +20,7 @@ from spyre_operator.io.spyre_stack import resolve_scheduler
 from spyre_operator.settings import SettingsError, add_flags, load_settings
 
 EXIT_LOST_LEASE = 3
+RESTARTS_PER_10_MIN = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +41,6 @@ def main(argv: list[str] | None = None) -> int:
     api_client = client.ApiClient()
     settings = resolve_scheduler(settings, api_client)  # spyre-scheduler when the Spyre operator is there
     metrics = OperatorMetrics()
-    memo = build_memo(settings, api_client, metrics)
     elector = None
     # named here, not by kopf: kopf's default looks the uid up in /etc/passwd, where the arbitrary uid a
     # restricted platform runs the container as has no entry (KeyError: getpwuid(); found on a real node)
@@ -65,18 +67,42 @@ def main(argv: list[str] | None = None) -> int:
         # a leader that cannot renew stops at once: the kubelet restarts it as a standby
         elector.keep(on_lost=lambda: os._exit(EXIT_LOST_LEASE))
     try:
-        kopf.run(
-            registry=build_registry(settings),
-            memo=memo,
-            standalone=True,  # leader election above, not kopf's peering
-            identity=identity,
-            clusterwide=not settings.namespaces,
-            namespaces=list(settings.namespaces),
-        )
+        run_reactor(settings, api_client, metrics, identity)
     finally:
         if elector is not None:
             elector.release()
     return 0
+
+
+def run_reactor(settings, api_client, metrics: OperatorMetrics, identity: str) -> None:
+    """kopf's reactor, run again (with fresh state) when a watch met 404 Not Found: an optional API (the
+    InferencePool CRD) removed while watched. kopf follows CRDs and stops the watch of one that goes, but a
+    watch that starts as the CRD goes is answered 404, which kopf treats as fatal: the whole operator stopped
+    (found in `make test`, where a test removes the CRD). Any other fatal error stops the process, and so do
+    more than RESTARTS_PER_10_MIN such restarts."""
+    log = logging.getLogger(__name__)
+    restarts: collections.deque[float] = collections.deque()
+    while True:
+        try:
+            kopf.run(
+                registry=build_registry(settings),
+                memo=build_memo(settings, api_client, metrics),
+                standalone=True,  # leader election above, not kopf's peering
+                identity=identity,
+                clusterwide=not settings.namespaces,
+                namespaces=list(settings.namespaces),
+            )
+            return
+        except Exception as e:
+            if getattr(e, "status", None) != 404:
+                raise
+            now = time.monotonic()
+            restarts.append(now)
+            while now - restarts[0] > 600:
+                restarts.popleft()
+            if len(restarts) > RESTARTS_PER_10_MIN:
+                raise
+            log.warning("a watch was answered 404 (%s): an API went away while watched; watching again", e)
 
 
 if __name__ == "__main__":
