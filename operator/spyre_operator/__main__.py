@@ -74,14 +74,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+class RestartBudget:
+    """At most `limit` restarts within any `window` seconds: `spend(now)` is True while one more may be."""
+
+    def __init__(self, limit: int = RESTARTS_PER_10_MIN, window: float = 600.0) -> None:
+        self.limit, self.window = limit, window
+        self.times: collections.deque[float] = collections.deque()
+
+    def spend(self, now: float) -> bool:
+        self.times.append(now)
+        while now - self.times[0] > self.window:
+            self.times.popleft()
+        return len(self.times) <= self.limit
+
+
 def run_reactor(settings, api_client, metrics: OperatorMetrics, identity: str) -> None:
     """kopf's reactor, run again (with fresh state) when a watch met 404 Not Found: an optional API (the
     InferencePool CRD) removed while watched. kopf follows CRDs and stops the watch of one that goes, but a
     watch that starts as the CRD goes is answered 404, which kopf treats as fatal: the whole operator stopped
     (found in `make test`, where a test removes the CRD). Any other fatal error stops the process, and so do
     more than RESTARTS_PER_10_MIN such restarts."""
-    log = logging.getLogger(__name__)
-    restarts: collections.deque[float] = collections.deque()
+    budget = RestartBudget()
     while True:
         try:
             kopf.run(
@@ -94,15 +107,11 @@ def run_reactor(settings, api_client, metrics: OperatorMetrics, identity: str) -
             )
             return
         except Exception as e:
-            if getattr(e, "status", None) != 404:
+            if getattr(e, "status", None) != 404 or not budget.spend(time.monotonic()):
                 raise
-            now = time.monotonic()
-            restarts.append(now)
-            while now - restarts[0] > 600:
-                restarts.popleft()
-            if len(restarts) > RESTARTS_PER_10_MIN:
-                raise
-            log.warning("a watch was answered 404 (%s): an API went away while watched; watching again", e)
+            logging.getLogger(__name__).warning(
+                "a watch was answered 404 (%s): an API went away while watched; watching again", e
+            )
 
 
 if __name__ == "__main__":

@@ -240,7 +240,10 @@ class LocalStack:
             if value:
                 return value
             time.sleep(0.5)
-        detail = on_timeout() if on_timeout is not str else ""
+        try:
+            detail = on_timeout()
+        except Exception as e:  # the report must never hide the timeout it explains
+            detail = f"(no report: {e!r})"
         raise StackError(f"timed out after {timeout:.0f} s waiting for {what}\n{detail}")
 
     def create_namespace(self, name: str) -> None:
