@@ -47,10 +47,7 @@ def build(source: Path, namespace: str):
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
     directory = root / name
     directory.mkdir(parents=True, exist_ok=True)
-    source_copy = directory / "kernel.cpp"
-    if not source_copy.is_file() or source_copy.read_text() != text:  # (a new mtime would make ninja rebuild)
-        source_copy.write_text(text)
-    paged_attention.compile_extension(name, source_copy, directory)
+    paged_attention.compile_extension(name, text, directory)
     return getattr(torch.ops, namespace).paged_decode.default
 
 

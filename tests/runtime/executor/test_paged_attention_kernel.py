@@ -197,6 +197,39 @@ def test_a_builder_killed_mid_build_blocks_nobody(tmp_path):
     assert done.returncode == 0, done.stderr
 
 
+def test_the_shared_build_serves_the_same_source_from_another_checkout(tmp_path):
+    """A second checkout of the runtime (here: its package copied beside, first on the path) loads the build
+    the first one made in the shared folder and compiles nothing (ninja's build file named the source's own
+    path, so each checkout rebuilt it over the other's)."""
+    script = (
+        "import spyre_runtime, sys\n"
+        "from spyre_runtime.executor.kernels import paged_attention\n"
+        "assert paged_attention.kernel()\n"
+        "print(paged_attention.SOURCE)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    directory = Path(cpp_extension.get_default_build_root()) / paged_attention.extension_name()
+    library = directory / f"{paged_attention.extension_name()}.so"
+    built = library.stat().st_mtime_ns
+    shutil.copytree(
+        REPO / "runtime/spyre_runtime",
+        tmp_path / "spyre_runtime",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    env["PYTHONPATH"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "spyre_runtime/executor/kernels/paged_attention.cpp")
+    assert library.stat().st_mtime_ns == built, "the kernel was built again for the same source"
+    assert str(tmp_path) not in (directory / "build.ninja").read_text()
+
+
 def test_a_prebuilt_kernel_loads_from_a_read_only_folder(tmp_path):
     """The runtime image builds the kernel into its own folder and runs with a read-only root filesystem
     (the restricted profile's): the build is loaded as it is, with no lock file and no compiler (CXX names

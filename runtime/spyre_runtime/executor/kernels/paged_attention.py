@@ -17,7 +17,8 @@ the ISA and torch's version, so hosts with different CPUs that share a cache dir
 other's build.
 
 Cache: TORCH_EXTENSIONS_DIR/<name> (torch's variable; unset: torch's user cache, `torch_extensions` under
-XDG_CACHE_HOME or ~/.cache), built under a flock so that a builder killed mid-build blocks nobody; the
+XDG_CACHE_HOME or ~/.cache), built from a copy of the source kept there (so every checkout of the same
+source shares one build), under a flock so that a builder killed mid-build blocks nobody; the
 runtime image sets it beside TORCHINDUCTOR_CACHE_DIR. The build starts in a background thread when the
 executor starts (`start_build`), so it overlaps loading the
 weights; a cached build loads in well under a second. Any failure (no compiler, a compile error, an
@@ -159,14 +160,22 @@ def _build_under(held, directory: Path, name: str) -> None:
     dead builder's leftover."""
     fcntl.flock(held, fcntl.LOCK_EX)
     (directory / "lock").unlink(missing_ok=True)
-    compile_extension(name, SOURCE, directory)
+    compile_extension(name, SOURCE.read_text(), directory)
 
 
-def compile_extension(name: str, source: Path, directory: Path) -> None:
-    """Builds `source` as the extension `name` in `directory` with this CPU's flags, or loads the build there
-    when it is current: the runtime's kernel, and the versions of it bench/kernel_ab.py compares."""
+def compile_extension(name: str, text: str, directory: Path) -> None:
+    """Builds the C++ `text` as the extension `name` in `directory` with this CPU's flags, or loads the build
+    there when it is current: the runtime's kernel, and the versions of it bench/kernel_ab.py compares.
+
+    The build reads a copy of the source kept in `directory` (rewritten only when the text changes), never the
+    file it came from: ninja's build file names the source's path, so a build from another checkout or venv
+    of the same source (a test clone beside a working tree, two venvs sharing ~/.cache) rebuilt it each time
+    the path changed (20 s of compiling on a 2-core machine)."""
     from torch.utils import cpp_extension
 
+    source = directory / "kernel.cpp"
+    if not source.is_file() or source.read_text() != text:  # (a new mtime alone would make ninja rebuild)
+        source.write_text(text)
     _ninja_on_path()
     cpp_extension.load(
         name=name,
