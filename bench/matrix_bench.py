@@ -6,7 +6,7 @@ a timed test: only the ratios of one run count (the machine is shared).
                                            [--mixed-prefill-tokens 64] [--systems ours,vllm]
                                            [--step-budget-ms 150 [--step-cost-us 34000,900,2600]]
                                            [--out bench/results-matrix.json] [--model DIR]
-                                           [--backend inductor] [--bandwidth-gib 1]
+                                           [--backend inductor] [--vllm-eager] [--bandwidth-gib 1]
 
 It prints the CPU model, its ISA flags (AVX2, AVX-512 and its bf16/VNNI extensions, AMX) and the machine's
 measured read bandwidth (a 1 GiB sum, median of 5), with the float32 and bfloat16 decode floors of SmolLM2
@@ -191,7 +191,7 @@ def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict
         caches = args.cache_dir or log_dir
         env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(caches / "vllm-cache")}
         env |= {"TORCHINDUCTOR_CACHE_DIR": str(caches / "ind-v")}
-        systems["vllm"] = (lambda port: vllm_argv(vllm_python, port, dtype), env)
+        systems["vllm"] = (lambda port: vllm_argv(vllm_python, port, dtype, args.vllm_eager), env)
     out: dict = {name: {} for name in systems}
     servers: dict = {}
     try:
@@ -276,6 +276,7 @@ def main() -> int:
         "--model", type=Path, default=None, help="a model folder instead of SmolLM2 (both systems)"
     )
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="ours")
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM --enforce-eager (smoke runs, no figures)")
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="the size of the bandwidth probe")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' and clients' logs here")
     ap.add_argument(
@@ -292,6 +293,7 @@ def main() -> int:
         vllm_bench.check_vllm_serves(vllm_bench.MODEL_DIR)
     env, flags = ours_config(args)
     results: dict = {"machine": machine(args.bandwidth_gib), "ours_env": env, "ours_args": list(flags)}
+    results["vllm_enforce_eager"] = args.vllm_eager
     print(json.dumps(results["machine"]), flush=True)
     with work_dir("spyre-matrix-", args.logs) as tmp:
         for dtype in args.dtypes.split(","):

