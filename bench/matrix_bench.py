@@ -292,8 +292,12 @@ def main() -> int:
     if "vllm" in args.systems:
         vllm_bench.check_vllm_serves(vllm_bench.MODEL_DIR)
     env, flags = ours_config(args)
-    results: dict = {"machine": machine(args.bandwidth_gib), "ours_env": env, "ours_args": list(flags)}
-    results["vllm_enforce_eager"] = args.vllm_eager
+    results: dict = {
+        "machine": machine(args.bandwidth_gib),
+        "ours_env": env,
+        "ours_args": list(flags),
+        "vllm_enforce_eager": args.vllm_eager,
+    }
     print(json.dumps(results["machine"]), flush=True)
     with work_dir("spyre-matrix-", args.logs) as tmp:
         for dtype in args.dtypes.split(","):

@@ -28,6 +28,24 @@ def kernel():
     return op
 
 
+LOAD = "from spyre_runtime.executor.kernels import paged_attention\nassert paged_attention.kernel()\n"
+
+
+def load_in_a_new_process(env: dict, script: str = LOAD) -> subprocess.CompletedProcess:
+    """Runs `script` (by default: build or load the kernel) in a fresh interpreter with `env`: exits 0."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+def shared_build() -> Path:
+    """The host's shared build folder (torch's default root), built first if no test has built it yet."""
+    load_in_a_new_process({k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"})
+    return Path(cpp_extension.get_default_build_root()) / paged_attention.extension_name()
+
+
 def layout(lens, heads, kvheads, head_dim, dtype, seed=0):
     """Rows of `lens` tokens whose blocks are scattered over a cache full of large garbage (a slot read by
     mistake shows), each row's table padded with scratch block 0 past its blocks."""
@@ -173,10 +191,7 @@ def test_a_failed_build_logs_one_line_and_the_aten_ops_serve(tmp_path):
         "print('served')\n"
     )
     env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
+    done = load_in_a_new_process(env, script)
     assert done.stdout.strip() == "served"
     warnings = [line for line in done.stderr.splitlines() if line.startswith("WARNING")]
     assert len(warnings) == 1, done.stderr
@@ -189,30 +204,14 @@ def test_a_builder_killed_mid_build_blocks_nobody(tmp_path):
     under our flock a leftover one is removed and the kernel builds."""
     (tmp_path / paged_attention.extension_name()).mkdir()
     (tmp_path / paged_attention.extension_name() / "lock").touch()
-    script = "from spyre_runtime.executor.kernels import paged_attention\nassert paged_attention.kernel()\n"
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr
+    load_in_a_new_process(dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path)))
 
 
 def test_the_shared_build_serves_the_same_source_from_another_checkout(tmp_path):
     """A second checkout of the runtime (here: its package copied beside, first on the path) loads the build
     the first one made in the shared folder and compiles nothing (ninja's build file named the source's own
     path, so each checkout rebuilt it over the other's)."""
-    script = (
-        "import spyre_runtime, sys\n"
-        "from spyre_runtime.executor.kernels import paged_attention\n"
-        "assert paged_attention.kernel()\n"
-        "print(paged_attention.SOURCE)\n"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr
-    directory = Path(cpp_extension.get_default_build_root()) / paged_attention.extension_name()
+    directory = shared_build()
     library = directory / f"{paged_attention.extension_name()}.so"
     built = library.stat().st_mtime_ns
     shutil.copytree(
@@ -220,11 +219,8 @@ def test_the_shared_build_serves_the_same_source_from_another_checkout(tmp_path)
         tmp_path / "spyre_runtime",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
-    env["PYTHONPATH"] = str(tmp_path)
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"} | {"PYTHONPATH": str(tmp_path)}
+    done = load_in_a_new_process(env, LOAD + "print(paged_attention.SOURCE)\n")
     assert done.stdout.strip() == str(tmp_path / "spyre_runtime/executor/kernels/paged_attention.cpp")
     assert library.stat().st_mtime_ns == built, "the kernel was built again for the same source"
     assert str(tmp_path) not in (directory / "build.ninja").read_text()
@@ -238,23 +234,14 @@ def test_a_prebuilt_kernel_loads_from_a_read_only_folder(tmp_path):
     ro.mkdir()
     # the build: the host's shared one (torch's default folder; built here first if no test has yet), copied
     # as the image's build step leaves it, so this test compiles nothing of its own
-    script = "from spyre_runtime.executor.kernels import paged_attention\nassert paged_attention.kernel()\n"
-    env = {k: v for k, v in os.environ.items() if k != "TORCH_EXTENSIONS_DIR"}
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr
     name = paged_attention.extension_name()
-    shutil.copytree(Path(cpp_extension.get_default_build_root()) / name, built / name)
+    shutil.copytree(shared_build(), built / name)
     (built / name / "lock").unlink(missing_ok=True)
     subprocess.run(["mount", "--bind", str(built), str(ro)], check=True)
     try:
         subprocess.run(["mount", "-o", "remount,bind,ro", str(ro)], check=True)
         env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(ro), CXX=str(tmp_path / "no-such-compiler"))
-        done = subprocess.run(
-            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
-        )
-        assert done.returncode == 0, done.stderr
+        done = load_in_a_new_process(env)
         assert "unavailable" not in done.stderr, done.stderr
     finally:
         subprocess.run(["umount", str(ro)], check=True)
