@@ -4,9 +4,14 @@ cache filled. Loading the weights themselves goes by the model's family (familie
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import logging
 import os
+import sys
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,3 +106,29 @@ def prime_rotary(model: torch.nn.Module, max_len: int) -> None:
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.compute_freqs_cis(torch.device("cpu"), max(max_len, 2048))
+
+
+_bare_hf = threading.RLock()
+
+
+@contextlib.contextmanager
+def without_hf_adapters() -> Iterator[None]:
+    """Within: FMS's HF loading (`get_model("hf_pretrained")`, `fms.models.hf.config_utils`) imports only the
+    modules it uses. `fms/models/hf/__init__.py` (ibm-fms 1.13.1) imports the HF adapter of every family FMS
+    has, and with them transformers' modeling code, its losses (scipy) and torch._dynamo: 2.2 s of CPU at
+    each start of a server, a compile Job or a test's server, none of it used to load a checkpoint. So
+    `fms.models.hf` is a bare package here (its submodules import, its __init__ does not run) and every
+    `fms.models.hf` module is dropped again on the way out: an import of the package afterwards runs it
+    whole, as it would have. Objects taken from those modules stay valid. Where the package was imported
+    already, nothing changes."""
+    with _bare_hf:
+        if "fms.models.hf" in sys.modules:
+            yield
+            return
+        spec = importlib.util.find_spec("fms.models.hf")
+        sys.modules["fms.models.hf"] = importlib.util.module_from_spec(spec)  # (not executed)
+        try:
+            yield
+        finally:
+            for name in [n for n in sys.modules if n == "fms.models.hf" or n.startswith("fms.models.hf.")]:
+                del sys.modules[name]

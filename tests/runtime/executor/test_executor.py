@@ -1,6 +1,9 @@
 """The executor against HF transformers on the same weights: greedy outputs are token-identical, for single
 prompts and padded batches of mixed lengths; with inductor, serving after warmup compiles nothing."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from spyre_runtime.config import RuntimeConfig, Shape
@@ -102,3 +105,25 @@ def test_seeded_sampling_is_reproducible(tiny_model):
 
     assert run(11) == run(11)
     assert run(11) != run(12)
+
+
+def test_loading_imports_no_hf_adapter_and_the_whole_package_imports_after(tiny_model):
+    """FMS's HF loading runs with `fms.models.hf` bare (loader.without_hf_adapters): a fresh process loads the
+    model without FMS's HF adapters or transformers' modeling code (2.2 s of CPU a process); the package
+    imports whole afterwards and FMS's own hf_pretrained loading gives the same model."""
+    script = f"""
+import sys, torch
+from pathlib import Path
+from spyre_runtime.executor.families.rooms import load_fms_model
+model = load_fms_model(Path({str(tiny_model)!r}))
+heavy = ("fms.models.hf", "fms.models.hf.utils", "transformers.modeling_utils")
+print([m for m in heavy if m in sys.modules])
+import fms.models.hf
+from fms.models import get_model
+whole = get_model("hf_pretrained", model_path={str(tiny_model)!r}, data_type=torch.float32).eval()
+ids = torch.arange(12).unsqueeze(0)
+print(hasattr(fms.models.hf, "_causal_lm_models"), torch.equal(model(ids), whole(ids)))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["[]", "True True"], done.stdout

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from spyre_runtime.config import ConfigError
+from spyre_runtime.executor.loader import without_hf_adapters
 
 log = logging.getLogger(__name__)
 
@@ -20,13 +21,15 @@ def load_fp8_model(model_dir: Path, tensor_parallel: bool, dtype: torch.dtype, o
     GEMM that helps here). Resident: the weights in `dtype`, as the memory plan counts them. `overrides`: the
     family's FMS overrides (rooms.py)."""
     from fms.models import get_model
-    from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
     from fms.utils import serialization
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(model_dir)
     del hf.quantization_config
-    params = dict(_FMS_MODEL_CONFIG_REGISTRY.hf_config_to_fms_config_params(hf, None))
+    with without_hf_adapters():
+        from fms.models.hf.config_utils import _FMS_MODEL_CONFIG_REGISTRY
+
+        params = dict(_FMS_MODEL_CONFIG_REGISTRY.hf_config_to_fms_config_params(hf, None))
     architecture, variant = params.pop("architecture"), params.pop("variant")
     params.pop("model_path", None)
     kwargs = {"distributed_strategy": "tp", "group": torch.distributed.group.WORLD} if tensor_parallel else {}

@@ -25,7 +25,7 @@ from spyre_contract.architectures import ENCODER_MODEL_TYPES
 
 from spyre_runtime.config import ConfigError, RuntimeConfig, Shape
 from spyre_runtime.executor.compiler import compile_settings, compile_step
-from spyre_runtime.executor.loader import resolve_dtype
+from spyre_runtime.executor.loader import resolve_dtype, without_hf_adapters
 from spyre_runtime.executor.warmup import WarmupProgress
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,6 @@ def load_fms_encoder(model_dir: Path, spec: PoolingSpec, dtype: torch.dtype):
     weights. FMS's hf_pretrained registry lacks bare encoders (BertModel, as sentence-transformers saves
     them), so the model is built from FMS's own HF parameter builders and weight adapters."""
     from fms.distributed.strategy import NoOpStrategy
-    from fms.models.hf.config_utils import param_builders
     from fms.models.roberta import (
         RoBERTaClassificationConfig,
         RoBERTaConfig,
@@ -185,6 +184,8 @@ def load_fms_encoder(model_dir: Path, spec: PoolingSpec, dtype: torch.dtype):
     from transformers import AutoConfig
 
     hf_config = AutoConfig.from_pretrained(model_dir)
+    with without_hf_adapters():
+        from fms.models.hf.config_utils import param_builders
     builder = (
         param_builders.build_bert_params if spec.family == "bert" else param_builders.build_roberta_params
     )

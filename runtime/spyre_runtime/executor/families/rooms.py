@@ -17,7 +17,7 @@ from spyre_contract.architectures import Architecture, architecture_of, is_fp8, 
 from spyre_runtime.config import ConfigError, RuntimeConfig
 from spyre_runtime.executor.families.fp8 import load_fp8_model
 from spyre_runtime.executor.graph_cache import loading
-from spyre_runtime.executor.loader import resolve_dtype
+from spyre_runtime.executor.loader import resolve_dtype, without_hf_adapters
 
 
 @dataclass(frozen=True)
@@ -94,13 +94,14 @@ def load_fms_model(model_dir: Path, tensor_parallel: bool = False, dtype: torch.
     if is_fp8(hf_config):
         return load_fp8_model(model_dir, tensor_parallel, dtype, overrides)
     kwargs = {"distributed_strategy": "tp", "group": torch.distributed.group.WORLD} if tensor_parallel else {}
-    model = get_model(
-        "hf_pretrained",
-        model_path=str(model_dir),
-        device_type="cpu",
-        data_type=dtype,
-        **kwargs,
-        **overrides,
-    )
+    with without_hf_adapters():
+        model = get_model(
+            "hf_pretrained",
+            model_path=str(model_dir),
+            device_type="cpu",
+            data_type=dtype,
+            **kwargs,
+            **overrides,
+        )
     model.eval()
     return model

@@ -22,6 +22,7 @@ from spyre_contract.hybrid import HybridSpec
 
 from spyre_runtime.config import ConfigError, RuntimeConfig
 from spyre_runtime.executor.graph_cache import loading
+from spyre_runtime.executor.loader import without_hf_adapters
 
 
 def load_hybrid_model(config: RuntimeConfig, spec: HybridSpec, dtype: torch.dtype) -> torch.nn.Module:
@@ -38,15 +39,16 @@ def load_bamba(config: RuntimeConfig, spec: HybridSpec, hf: dict, dtype: torch.d
     from fms.models import get_model
 
     rope = hf.get("rope_parameters") or {}
-    return get_model(
-        "hf_pretrained",
-        model_path=str(config.model_dir),
-        device_type="cpu",
-        data_type=dtype,
-        attn_layer_indices=list(spec.attn_layers),
-        multiple_of=1,
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-    )
+    with without_hf_adapters():
+        return get_model(
+            "hf_pretrained",
+            model_path=str(config.model_dir),
+            device_type="cpu",
+            data_type=dtype,
+            attn_layer_indices=list(spec.attn_layers),
+            multiple_of=1,
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        )
 
 
 def check_granite_hybrid(hf: dict, spec: HybridSpec) -> None:
