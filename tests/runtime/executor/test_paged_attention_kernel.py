@@ -201,10 +201,24 @@ def test_a_failed_build_logs_one_line_and_the_aten_ops_serve(tmp_path):
 
 def test_a_builder_killed_mid_build_blocks_nobody(tmp_path):
     """torch's build leaves a `lock` file when its process dies mid-build, and waits on such a file forever:
-    under our flock a leftover one is removed and the kernel builds."""
-    (tmp_path / paged_attention.extension_name()).mkdir()
-    (tmp_path / paged_attention.extension_name() / "lock").touch()
-    load_in_a_new_process(dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path)))
+    under our flock a leftover one is removed and the build runs to its stamp. The build path of the
+    kernel's (`_build_under`) on a one-line source, so that the test compiles in a second, not twenty."""
+    directory, probe = tmp_path / "spyre_lock_probe", 'extern "C" int spyre_probe() { return 1; }'
+    directory.mkdir()
+    (directory / "lock").touch()
+    script = (
+        "import sys, pathlib\n"
+        "from spyre_runtime.executor.kernels import paged_attention as pa\n"
+        "directory = pathlib.Path(sys.argv[1])\n"
+        "with open(directory / pa.FLOCK, 'a') as held:\n"
+        "    pa._build_under(held, directory, directory.name, sys.argv[2])\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(directory), probe], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert not (directory / "lock").exists() and (directory / "spyre_lock_probe.so").is_file()
+    assert paged_attention._is_built(directory, "spyre_lock_probe", probe)
 
 
 def test_the_shared_build_serves_the_same_source_from_another_checkout(tmp_path):
@@ -224,6 +238,38 @@ def test_the_shared_build_serves_the_same_source_from_another_checkout(tmp_path)
     assert done.stdout.strip() == str(tmp_path / "spyre_runtime/executor/kernels/paged_attention.cpp")
     assert library.stat().st_mtime_ns == built, "the kernel was built again for the same source"
     assert str(tmp_path) not in (directory / "build.ninja").read_text()
+
+
+def test_a_stamped_build_loads_with_no_compiler_and_another_source_builds_again(tmp_path):
+    """A finished build carries a stamp of its source: a process whose source matches loads the library as it
+    is, even where ninja would rebuild (its log lacks this command line, as a build from another venv leaves
+    it: the build file names the venv's torch headers) and no compiler exists (CXX names none); a stamp of
+    another source is a build to make again (here: it fails, for want of the compiler, and says so)."""
+    name = paged_attention.extension_name()
+    directory = tmp_path / name
+    shutil.copytree(shared_build(), directory)
+    for leftover in ("lock", ".ninja_log", ".ninja_deps"):
+        (directory / leftover).unlink(missing_ok=True)
+    library = directory / f"{name}.so"
+    built = library.stat().st_mtime_ns
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
+    logs = "import logging\nlogging.basicConfig(level=logging.WARNING)\n"
+    script = logs + LOAD.replace("assert ", "print(").replace("kernel()\n", "kernel() is not None)\n")
+    done = load_in_a_new_process(env, script)
+    assert done.stdout.strip() == "True" and "unavailable" not in done.stderr, done.stderr
+    assert library.stat().st_mtime_ns == built
+    (directory / paged_attention.STAMP).write_text(paged_attention.fingerprint("// another source"))
+    done = load_in_a_new_process(env, script)
+    assert done.stdout.strip() == "False", done.stdout
+    assert "Paged attention kernel unavailable" in done.stderr and "no-such-compiler" in done.stderr
+
+
+def test_the_isa_names_are_inductors():
+    """extension_name names the ISA without importing inductor (2 s of CPU): the names stay inductor's."""
+    from torch._inductor import cpu_vec_isa
+
+    for name, cls in paged_attention.ISAS.values():
+        assert str(getattr(cpu_vec_isa, cls)()) == name
 
 
 def test_a_prebuilt_kernel_loads_from_a_read_only_folder(tmp_path):
