@@ -14,6 +14,9 @@ that is opaque to the compiler: the compiled graph (cached or not) holds plain w
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
 not bit for bit.
 
+A step of one live row (one stream decoding) runs the extension's one-row linear on the plain float32
+weight instead (`_row_op`): at one row the layer is a matrix-vector product, bound by memory.
+
 A decode step with live rows fewer than its graph's rows (one stream decoding in the 8-row graph) says so
 with `live_rows(n)`: the op then multiplies only the first n rows and returns zeros for the others, which
 are dummy rows whose outputs are dropped (zeros stay finite through every layer: norms, residuals);
@@ -74,15 +77,32 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if packed is None:
         raise RuntimeError(f"packed_linear: a weight {tuple(weight.shape)} that pack_linears did not pack")
     m = x.numel() // x.shape[-1]
-    if _live is None or _live >= m:
+    live = m if _live is None else min(_live, m)
+    row = _row_op() if live == 1 and weight.dtype == torch.float32 else None
+    if live == m and row is None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = x.reshape(m, x.shape[-1])
+    if live == m:  # one row, all of it live
+        return row(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
     # only the dead rows are zeroed: a mixed step's output is hundreds of rows, zeroing all of it at each
     # of a step's ~200 GEMMs cost more than the dead rows it spares
     out = flat.new_empty(m, weight.shape[0])
-    out[_live:].zero_()
-    out[:_live] = torch.ops.mkldnn._linear_pointwise(flat[:_live], packed, bias, "none", [], "")
+    out[live:].zero_()
+    if row is not None:
+        out[:1] = row(flat[:1], weight, bias)
+    else:
+        out[:live] = torch.ops.mkldnn._linear_pointwise(flat[:live], packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _row_op():
+    """The one-row float32 linear of the runtime's C++ extension (kernels/linear_row.cpp): at one row a
+    linear layer waits on memory, and it reads the weight at 20-26.5 GB/s where oneDNN's packed GEMM reads
+    10-22 (bench/README.md run 28); None where the extension did not build, or within
+    `paged_attention.disabled()` (the oracle's path, oneDNN's)."""
+    from spyre_runtime.executor.kernels import paged_attention
+
+    return torch.ops.spyre_kernels.linear_row.default if paged_attention.kernel() is not None else None
 
 
 def can_pack(dtype: torch.dtype, backend: str) -> bool:

@@ -1,12 +1,14 @@
 """The C++ paged decode-attention kernel (paged_attention.cpp, op `spyre_kernels::paged_decode`): built from
 the project's own source on first use, cached, with the ATen ops of kv_cache.py as its fallback and oracle.
+The same extension holds the one-row float32 linear (linear_row.cpp, `spyre_kernels::linear_row`), which
+linear.py runs for a step of one live row, with oneDNN's packed GEMM as its fallback and oracle.
 
 Why: kv_cache's ATen path copies every live row's KV blocks into a dense tensor (`index_select`), then SDPA
 reads the copy again, three passes over the KV per layer; bench/README.md run 20 measured it at 35 % of a
 32-row decode step. The kernel reads each row's blocks in place, once, through the block table.
 
-Setting: SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL, 1 (default) uses the kernel wherever it builds, 0 keeps the
-ATen ops. Only the CPU backends' paged decode calls it (sendnn lowers the static twin itself).
+Setting: SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL, 1 (default) uses the extension wherever it builds, 0 keeps the
+ATen ops (and oneDNN's GEMM for one row). Only the CPU backends call it (sendnn lowers its graphs itself).
 
 Build: `torch.utils.cpp_extension.load`, for the vector ISA that ATen dispatches to on this CPU, with
 inductor's macro and flags for it (the CPU_CAPABILITY_* macro selects at::vec's AVX2, AVX-512, VSX or Z
@@ -48,6 +50,9 @@ log = logging.getLogger(__name__)
 
 SETTING = "PAGED_ATTENTION_KERNEL"  # SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
+# the extension's sources, built as one text (each after the other): the paged decode, and the one-row linear
+# (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for a step of one live row)
+SOURCES = (SOURCE, Path(__file__).with_name("linear_row.cpp"))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OWN_FLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
 STAMP = "spyre-build.stamp"  # a finished build's fingerprint (`fingerprint`), beside its library
@@ -82,7 +87,7 @@ def start_build() -> threading.Thread | None:
     process does meanwhile; a forward that needs it first waits for it. None when already tried."""
     if _op:
         return None
-    if _is_built(_directory(), extension_name(), SOURCE.read_text()):
+    if _is_built(_directory(), extension_name(), source_text()):
         kernel()  # loads in milliseconds, and needs none of the imports below
         return None
     # the build's imports, on the caller's thread first: two threads importing torch._dynamo and
@@ -115,6 +120,11 @@ def extension_name() -> str:
     isa = ISAS.get(torch.backends.cpu.get_cpu_capability(), ("scalar",))[0]
     python = f"py{sys.version_info[0]}{sys.version_info[1]}"
     return re.sub(r"\W", "_", f"spyre_paged_attention_{isa}_torch{torch.__version__}_{python}")
+
+
+def source_text() -> str:
+    """The extension's source: its files one after the other (a single translation unit)."""
+    return "\n".join(path.read_text() for path in SOURCES)
 
 
 def fingerprint(text: str) -> str:
@@ -180,7 +190,7 @@ def load_built(directory: Path, name: str, text: str) -> bool:
 def _load():
     started = time.monotonic()
     try:
-        name, directory, text = extension_name(), _directory(), SOURCE.read_text()
+        name, directory, text = extension_name(), _directory(), source_text()
         if not load_built(directory, name, text):
             directory.mkdir(parents=True, exist_ok=True)
             try:
@@ -226,6 +236,9 @@ def compile_extension(name: str, text: str, directory: Path) -> None:
     once the library is whole."""
     from torch.utils import cpp_extension
 
+    if _is_built(directory, name, text):  # (another builder finished it meanwhile, or another venv built it)
+        torch.ops.load_library(str(directory / f"{name}.so"))
+        return
     source = directory / "kernel.cpp"
     if not source.is_file() or source.read_text() != text:  # (a new mtime alone would make ninja rebuild)
         source.write_text(text)

@@ -1,0 +1,83 @@
+"""The one-row float32 linear of the runtime's C++ extension (kernels/linear_row.cpp): equal to F.linear on a
+table of shapes (rows not a multiple of its four, columns not of the vector width, with and without bias),
+run by the packed linear layers for a step of one live row and by nothing else, and clear about bad input."""
+
+import pytest
+import torch
+from spyre_runtime.executor import linear
+from spyre_runtime.executor.kernels import paged_attention
+
+
+@pytest.fixture(scope="module")
+def linear_row():
+    assert paged_attention.kernel() is not None, "the runtime's C++ extension did not build here"
+    return torch.ops.spyre_kernels.linear_row.default
+
+
+def ran_linear_row(fn) -> tuple[torch.Tensor, bool]:
+    """fn()'s result, and whether the one-row linear ran in it."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return out, any(e.name == "spyre_kernels::linear_row" for e in prof.events())
+
+
+@pytest.mark.parametrize("n_out", [1, 3, 4, 7, 960])
+@pytest.mark.parametrize("k_len", [1, 5, 8, 33, 576])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias):
+    gen = torch.Generator().manual_seed(n_out * 1000 + k_len)
+    x, weight = torch.randn(1, k_len, generator=gen), torch.randn(n_out, k_len, generator=gen)
+    bias = torch.randn(n_out, generator=gen) if with_bias else None
+    # against float64, within float32's rounding of a sum of k_len products (each sum's order is the kernel's)
+    exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    bound = 2e-6 * (x.abs().double() @ weight.abs().double().T + (0 if bias is None else bias.abs())) + 1e-7
+    for out in (linear_row(x, weight, bias), torch.nn.functional.linear(x, weight, bias)):
+        assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max()
+
+
+def test_bad_input_is_named(linear_row):
+    weight = torch.randn(8, 16)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        linear_row(torch.randn(1, 16, dtype=torch.bfloat16), weight, None)
+    with pytest.raises(RuntimeError, match="one row of 16"):
+        linear_row(torch.randn(2, 16), weight, None)
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous float32 \[8\]"):
+        linear_row(torch.randn(1, 16), weight, torch.randn(7))
+    with pytest.raises(RuntimeError, match="2-d"):
+        linear_row(torch.randn(1, 16), torch.randn(2, 8, 16), None)
+
+
+@pytest.fixture
+def packed_layer():
+    if not linear.can_pack(torch.float32, "inductor"):
+        pytest.fail("oneDNN cannot pack float32 weights here: the packed linear layers are not in use")
+    layer = torch.nn.Sequential(torch.nn.Linear(48, 40))
+    assert linear.pack_linears(layer, 8) == 1
+    return layer
+
+
+def test_a_step_of_one_live_row_runs_the_one_row_linear_and_zeroes_the_dummies(linear_row, packed_layer):
+    x = torch.randn(8, 48)
+    expected = torch.nn.functional.linear(x[:1], packed_layer[0].weight, packed_layer[0].bias)
+    with torch.no_grad(), linear.live_rows(1):
+        out, ran = ran_linear_row(lambda: packed_layer(x))
+    assert ran and out.shape == (8, 40)
+    torch.testing.assert_close(out[:1], expected)
+    assert not out[1:].any()
+    with torch.no_grad():  # a graph of one row, every row live
+        out, ran = ran_linear_row(lambda: packed_layer(x[:1]))
+    assert ran
+    torch.testing.assert_close(out, expected)
+
+
+def test_more_rows_or_the_oracle_path_run_onednn(linear_row, packed_layer):
+    x = torch.randn(8, 48)
+    with torch.no_grad():
+        with linear.live_rows(2):
+            _, ran_two = ran_linear_row(lambda: packed_layer(x))
+        with paged_attention.disabled(), linear.live_rows(1):
+            out, ran_oracle = ran_linear_row(lambda: packed_layer(x))
+    assert not ran_two and not ran_oracle
+    torch.testing.assert_close(
+        out[:1], torch.nn.functional.linear(x[:1], packed_layer[0].weight, packed_layer[0].bias)
+    )
