@@ -7,8 +7,8 @@ Why: kv_cache's ATen path copies every live row's KV blocks into a dense tensor 
 reads the copy again, three passes over the KV per layer; bench/README.md run 20 measured it at 35 % of a
 32-row decode step. The kernel reads each row's blocks in place, once, through the block table.
 
-Setting: SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL, 1 (default) uses the extension wherever it builds, 0 keeps the
-ATen ops (and oneDNN's GEMM for one row). Only the CPU backends call it (sendnn lowers its graphs itself).
+Setting: SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL, 1 (default) uses the extension wherever it builds, 0 keeps
+the ATen ops (and oneDNN's GEMM for one row). Only the CPU backends call it (sendnn lowers its graphs itself).
 
 Build: `torch.utils.cpp_extension.load`, for the vector ISA that ATen dispatches to on this CPU, with
 inductor's macro and flags for it (the CPU_CAPABILITY_* macro selects at::vec's AVX2, AVX-512, VSX or Z
