@@ -15,7 +15,9 @@ packed copy (one extra copy of the weights in memory). The packed and plain GEMM
 not bit for bit.
 
 A step of one live row (one stream decoding) runs the extension's one-row linear on the plain float32
-weight instead (`_row_op`): at one row the layer is a matrix-vector product, bound by memory.
+weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`): at one row the layer is a
+matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s where oneDNN's packed GEMM
+reads 10-22 (bench/README.md run 28). Within `paged_attention.disabled()` oneDNN runs it (the oracle).
 
 A decode step with live rows fewer than its graph's rows (one stream decoding in the 8-row graph) says so
 with `live_rows(n)`: the op then multiplies only the first n rows and returns zeros for the others, which
@@ -35,6 +37,7 @@ from collections.abc import Iterator
 
 import torch
 
+from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.executor.ops import opaque_op
 
 _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the weight packed for oneDNN
@@ -78,7 +81,7 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise RuntimeError(f"packed_linear: a weight {tuple(weight.shape)} that pack_linears did not pack")
     m = x.numel() // x.shape[-1]
     live = m if _live is None else min(_live, m)
-    row = _row_op() if live == 1 and weight.dtype == torch.float32 else None
+    row = paged_attention.row_kernel() if live == 1 and weight.dtype == torch.float32 else None
     if live == m and row is None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = x.reshape(m, x.shape[-1])
@@ -93,16 +96,6 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         out[:live] = torch.ops.mkldnn._linear_pointwise(flat[:live], packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
-
-
-def _row_op():
-    """The one-row float32 linear of the runtime's C++ extension (kernels/linear_row.cpp): at one row a
-    linear layer waits on memory, and it reads the weight at 20-26.5 GB/s where oneDNN's packed GEMM reads
-    10-22 (bench/README.md run 28); None where the extension did not build, or within
-    `paged_attention.disabled()` (the oracle's path, oneDNN's)."""
-    from spyre_runtime.executor.kernels import paged_attention
-
-    return torch.ops.spyre_kernels.linear_row.default if paged_attention.kernel() is not None else None
 
 
 def can_pack(dtype: torch.dtype, backend: str) -> bool:

@@ -67,6 +67,7 @@ ISAS = {
 
 _lock = threading.Lock()
 _op: list = []  # [op or None] once the kernel has been tried (built and loaded, or not)
+_row: list = []  # [the one-row linear op] once the extension is loaded
 _off = 0  # > 0 within `disabled()`
 
 
@@ -80,6 +81,12 @@ def kernel():
             if not _op:
                 _op.append(_load() if Env().bool(SETTING, True) else None)
     return _op[0]
+
+
+def row_kernel():
+    """The one-row linear op (`torch.ops.spyre_kernels.linear_row.default`), looked up once; None where
+    `kernel()` is None (the setting off, within `disabled()`, or no build)."""
+    return _row[0] if kernel() is not None else None
 
 
 def start_build() -> threading.Thread | None:
@@ -203,6 +210,7 @@ def _load():
                 with held:
                     _build_under(held, directory, name, text)
         op = torch.ops.spyre_kernels.paged_decode.default
+        _row.append(torch.ops.spyre_kernels.linear_row.default)
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
     except Exception as exc:  # any failure to build or load: the ATen ops serve
         log.warning(
