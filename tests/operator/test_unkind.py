@@ -8,9 +8,19 @@ import contextlib
 import json
 import threading
 import time
+import uuid
 
 import pytest
 from kubernetes import client
+from spyre_operator.admission import check_spec
+from spyre_operator.io.events import EventRecorder
+from spyre_operator.io.kube import Kube
+from spyre_operator.io.watch import WatchCache
+from spyre_operator.io.work import Pass
+from spyre_operator.kinds.pods.plan import PodPlan
+from spyre_operator.kinds.pods.step import PodStep
+from spyre_operator.kinds.pods.template import build_pod
+from spyre_operator.settings import GROUP, KIND, VERSION, load_settings
 
 from tests.conftest import wait_for
 from tests.operator.catalog import CATALOG
@@ -275,6 +285,64 @@ def test_rollout_under_a_card_quota_moves_one_pod_at_a_time(operator, ns):
         wait_for(lambda: set(hashes(ns, "q")).isdisjoint(old), timeout=120, what="rolled under the quota")
         ns.wait_ready("q", 2, timeout=60)
     assert max(seen) <= 2
+
+
+def test_a_pod_the_quota_refuses_is_a_warning_event_from_the_step_itself(ns):
+    """The pass that meets the quota may lose its status write (and the Degraded Event with it) to a write
+    conflict, and the next pass deletes an old pod first and meets no refusal: the pod step itself says it.
+    The step runs here in-process on the real control plane, for a model the operator never saw (no status
+    is written at all); the words come once however often the same refusal recurs."""
+    ns.core.create_namespaced_resource_quota(
+        ns.name, {"metadata": {"name": "cards"}, "spec": {"hard": {"requests.ibm.com/spyre_pf": "0"}}}
+    )
+    wait_for(
+        lambda: ns.core.read_namespaced_resource_quota("cards", ns.name).status.hard or {},
+        what="the quota's status",
+    )
+    settings = load_settings({})
+    model = {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": KIND,
+        "metadata": {"name": "unseen", "namespace": ns.name, "uid": str(uuid.uuid4()), "generation": 1},
+        "spec": spec(replicas=1),
+    }
+    model_spec = check_spec("unseen", model["spec"], settings)
+    kube = Kube(ns.kube, settings.api_timeout_seconds)
+    step = PodStep(settings, kube, EventRecorder(kube.core, settings.api_timeout_seconds), WatchCache())
+    for _ in range(2):
+        work = Pass()
+        step._apply(
+            (ns.name, "unseen"),
+            model,
+            PodPlan(create=1),
+            lambda: build_pod(model, model_spec, settings),
+            work,
+        )
+        assert [p.reason for p in work.problems] == ["QuotaExceeded"]
+    events = wait_for(lambda: ns.events("unseen"), timeout=10, what="the step's Event")
+    assert [(e.type, e.reason) for e in events] == [("Warning", "QuotaExceeded")], [e.message for e in events]
+    assert "exceeded quota: cards" in events[0].message and events[0].message == work.problems[0].message
+    assert not ns.core.list_namespaced_pod(ns.name).items
+
+
+def test_an_event_the_api_server_refused_is_posted_when_the_same_words_come_again(kube):
+    """Words are posted once, but only once they were taken: a refused post (here: its namespace does not
+    exist yet) leaves them free to be posted by a later pass."""
+    core = client.CoreV1Api(kube)
+    name = f"events-{uuid.uuid4().hex[:8]}"
+    model = {"metadata": {"name": "m", "namespace": name, "uid": str(uuid.uuid4())}}
+    recorder = EventRecorder(core, 5.0)
+    recorder.post(model, "Warning", "QuotaExceeded", "Pod refused: exceeded quota: cards")
+    core.create_namespace({"metadata": {"name": name}})
+    try:
+        for _ in range(2):
+            recorder.post(model, "Warning", "QuotaExceeded", "Pod refused: exceeded quota: cards")
+        events = core.list_namespaced_event(name).items
+        assert [(e.reason, e.message) for e in events] == [
+            ("QuotaExceeded", "Pod refused: exceeded quota: cards")
+        ]
+    finally:
+        core.delete_namespace(name)
 
 
 def test_owned_service_is_repaired_and_a_foreign_one_is_reported(operator, ns):

@@ -57,4 +57,6 @@ class EventRecorder:
                 meta["namespace"], body, _request_timeout=self.timeout, _preload_content=False
             )
         except (ApiException, OSError) as e:  # an Event is best effort; the status holds the truth
+            with self._lock:  # not posted: the same words may be posted again
+                self._seen.pop(fingerprint, None)
             log.warning("could not post event %s for %s/%s: %s", reason, meta["namespace"], meta["name"], e)

@@ -220,7 +220,11 @@ def problem_of(kind: str, e: Exception) -> Problem:
     timeouts: retried)."""
     if isinstance(e, ApiException):
         if is_quota(e):
-            return Problem("QuotaExceeded", f"{kind} refused: {api_message(e)}", is_stalled=False)
+            # from "exceeded quota" on: the refused object's name (a pod's is new each try) would make each
+            # refusal new words, a new status and a new Event
+            message = api_message(e)
+            message = message[message.index("exceeded quota") :]
+            return Problem("QuotaExceeded", f"{kind} refused: {message}", is_stalled=False)
         if e.status and 400 <= e.status < 500 and e.status not in (408, 409, 429):
             return Problem(f"{kind}Rejected", api_message(e))
         return Problem("APIError", f"{kind}: {api_message(e)}", is_stalled=False)

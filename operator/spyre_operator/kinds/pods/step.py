@@ -157,10 +157,15 @@ class PodStep:
             try:
                 pod = self.kube.create(build())
             except ApiException as e:
+                problem = problem_of("Pod", e)
                 if is_quota(e):
                     with self._lock:
                         self._quota_blocked.add(key)
-                work.problems.append(problem_of("Pod", e))
+                    # said now: the next pass deletes an old pod first and creates nothing refused, so
+                    # this pass's status (and its Degraded Event) may be the only word of the quota, and a
+                    # write conflict loses it (the Degraded Event has the same words: posted once)
+                    self.events.post(model, "Warning", problem.reason, problem.message)
+                work.problems.append(problem)
                 break
             name = pod["metadata"]["name"]
             self.watch.expect(key, created=[name], deleted=[])
