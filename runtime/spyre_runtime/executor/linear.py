@@ -19,6 +19,10 @@ weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`): at one ro
 matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s where oneDNN's packed GEMM
 reads 10-22 (bench/README.md run 28). Within `paged_attention.disabled()` oneDNN runs it (the oracle).
 
+The op's decisions (which weight, which rows, which GEMM) are made in Python until the extension is
+loaded, then in its C++ kernel (kernels/packed_linear.cpp), which linear.py gives the packed weights and the
+live rows: that spares 10-30 us of Python a call around the GEMM, 121 calls a step (bench/README.md run 29).
+
 A decode step with live rows fewer than its graph's rows (one stream decoding in the 8-row graph) says so
 with `live_rows(n)`: the op then multiplies only the first n rows and returns zeros for the others, which
 are dummy rows whose outputs are dropped (zeros stay finite through every layer: norms, residuals);
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from collections.abc import Iterator
 
@@ -45,6 +50,10 @@ _live: int | None = None  # the current step's live rows (a prefix of the inputs
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 
 
+_native = False  # the extension's C++ kernel serves packed_linear (`_take_over`)
+_lock = threading.Lock()  # `_PACKED` and `_native` change together
+
+
 @contextlib.contextmanager
 def live_rows(n: int | None, decode_rows: int | None = None) -> Iterator[None]:
     """Within: the packed linear layers' inputs have `n` live rows first, the rest are dummies; the paged
@@ -52,10 +61,37 @@ def live_rows(n: int | None, decode_rows: int | None = None) -> Iterator[None]:
     global _live, _live_decode
     before = _live, _live_decode
     _live, _live_decode = n, n if decode_rows is None else decode_rows
+    _tell_live()
     try:
         yield
     finally:
         _live, _live_decode = before
+        _tell_live()
+
+
+def _tell_live() -> None:
+    if _native:
+        torch.ops.spyre_kernels.set_live(-1 if _live is None else _live)
+
+
+def _take_over() -> None:
+    """Once the extension is loaded (paged_attention.when_loaded): its C++ kernel of `packed_linear`
+    (kernels/packed_linear.cpp, the same decisions without 10-30 us of Python a call) is given the packed
+    weights and the live rows, then serves the op; the Python kernel below no longer runs on CPU."""
+    global _native
+    with _lock:
+        for key, packed in _PACKED.items():
+            torch.ops.spyre_kernels.register_packed(key, packed)
+        _native = True
+        _tell_live()
+        torch.ops.spyre_kernels.serve_packed_linear()
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        _PACKED.pop(key, None)
+        if _native:
+            torch.ops.spyre_kernels.forget_packed(key)
 
 
 def live_row_count() -> int | None:
@@ -72,10 +108,12 @@ def _fake_linear(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
-@opaque_op("packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _fake_linear)
-def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear(x, weight, bias) on the weight packed for oneDNN by `pack_linears`, found by the weight's
-    address: the op names no layer, so one compiled decoder block serves every block of the stack."""
+    address: the op names no layer, so one compiled decoder block serves every block of the stack. The
+    Python kernel of `packed_linear`, for CompositeExplicitAutograd, which serves CPU while no CPU kernel is
+    registered: once the extension is loaded, its C++ kernel (`_take_over`) is the op's CPU kernel and makes
+    the same decisions (the tests compare the two)."""
     packed = _PACKED.get(weight.data_ptr())
     if packed is None:
         raise RuntimeError(f"packed_linear: a weight {tuple(weight.shape)} that pack_linears did not pack")
@@ -96,6 +134,13 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     else:
         out[:live] = torch.ops.mkldnn._linear_pointwise(flat[:live], packed, bias, "none", [], "")
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+packed_linear = opaque_op(
+    "packed_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    _fake_linear,
+    key="CompositeExplicitAutograd",
+)(python_packed_linear)
 
 
 def can_pack(dtype: torch.dtype, backend: str) -> bool:
@@ -131,9 +176,15 @@ def pack_linears(model: torch.nn.Module, rows: int) -> int:
     for module in model.modules():
         if type(module) in (torch.nn.Linear, LinearClassificationHead):
             key = module.weight.data_ptr()
-            if key not in _PACKED:
-                _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
-                weakref.finalize(module.weight, _PACKED.pop, key, None)
+            with _lock:
+                if key not in _PACKED:
+                    _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
+                    weakref.finalize(module.weight, _forget, key)
+                    if _native:
+                        torch.ops.spyre_kernels.register_packed(key, _PACKED[key])
             module.__class__ = _packed_class(type(module))
             n += 1
     return n
+
+
+paged_attention.when_loaded(_take_over)

@@ -21,15 +21,15 @@ NAMESPACE = "spyre_serve"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
-def opaque_op(schema: str, fake: Callable) -> Callable[[Callable], torch._ops.OpOverload]:
-    """Decorator: defines `spyre_serve::<schema>` with the decorated function as its CPU kernel and `fake`
-    as its shape function; returns the op (`torch.ops.spyre_serve.<name>.default`), callable like the
-    function."""
+def opaque_op(schema: str, fake: Callable, key: str = "CPU") -> Callable[[Callable], torch._ops.OpOverload]:
+    """Decorator: defines `spyre_serve::<schema>` with the decorated function as its kernel for dispatch key
+    `key` (CompositeExplicitAutograd: CPU's until a CPU kernel of C++ is registered) and `fake` as its shape
+    function; returns the op (`torch.ops.spyre_serve.<name>.default`), callable like the function."""
 
     def define(fn: Callable) -> torch._ops.OpOverload:
         name = schema.split("(", 1)[0]
         _LIB.define(schema)
-        _LIB.impl(name, fn, "CPU")
+        _LIB.impl(name, fn, key)
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
         op = getattr(getattr(torch.ops, NAMESPACE), name).default
         op.__doc__ = fn.__doc__

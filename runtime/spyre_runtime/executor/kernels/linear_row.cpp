@@ -72,7 +72,16 @@ void rows_times(const float* x, const float* weight, const float* bias, float* o
   }
 }
 
+// out[0:N] = x @ weight^T (+ bias) for a checked one-row float32 x, over the threads
+void row_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, float* out);
+
 at::Tensor linear_row(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  at::Tensor out = at::empty({1, weight.dim() == 2 ? weight.size(0) : 0}, x.options().dtype(at::kFloat));
+  row_into(x, weight, bias, out.data_ptr<float>());
+  return out;
+}
+
+void row_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, float* out) {
   TORCH_CHECK(weight.dim() == 2, "linear_row: weight must be 2-d [out, in], got ", weight.dim(), "-d");
   const int64_t n_out = weight.size(0), k_len = weight.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
@@ -85,15 +94,12 @@ at::Tensor linear_row(const at::Tensor& x, const at::Tensor& weight, const c10::
                 "linear_row: bias must be a contiguous float32 [", n_out, "], got ", bias->sizes());
     bias_ptr = bias->data_ptr<float>();
   }
-  at::Tensor out = at::empty({1, n_out}, x.options());
   const float* x_ptr = x.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
-  float* out_ptr = out.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(4, (16384 / std::max<int64_t>(k_len, 1) + 3) / 4 * 4);
   at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-    rows_times(x_ptr, w_ptr, bias_ptr, out_ptr, k_len, begin, end);
+    rows_times(x_ptr, w_ptr, bias_ptr, out, k_len, begin, end);
   });
-  return out;
 }
 
 }  // namespace

@@ -40,7 +40,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -50,9 +50,11 @@ log = logging.getLogger(__name__)
 
 SETTING = "PAGED_ATTENTION_KERNEL"  # SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-# the extension's sources, built as one text (each after the other): the paged decode, and the one-row linear
-# (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for a step of one live row)
-SOURCES = (SOURCE, Path(__file__).with_name("linear_row.cpp"))
+# the extension's sources, built as one text (each after the other): the paged decode, the one-row linear
+# (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for a step of one live row),
+# and the C++ kernel of linear.py's packed linear op (packed_linear.cpp), which serves once linear.py has
+# moved its state into it (`when_loaded`)
+SOURCES = (SOURCE, Path(__file__).with_name("linear_row.cpp"), Path(__file__).with_name("packed_linear.cpp"))
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OWN_FLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
 STAMP = "spyre-build.stamp"  # a finished build's fingerprint (`fingerprint`), beside its library
@@ -69,6 +71,8 @@ _lock = threading.Lock()
 _op: list = []  # [op or None] once the kernel has been tried (built and loaded, or not)
 _row: list = []  # [the one-row linear op] once the extension is loaded
 _off = 0  # > 0 within `disabled()`
+_hooks: list[Callable[[], None]] = []  # run once the extension is loaded (`when_loaded`)
+_hooks_lock = threading.Lock()
 
 
 def kernel():
@@ -111,15 +115,34 @@ def start_build() -> threading.Thread | None:
     return thread
 
 
+def when_loaded(hook: Callable[[], None]) -> None:
+    """Runs `hook` once the extension is loaded (now, when it is): linear.py moves its state into the C++
+    packed linear then. Never where the extension is off or does not build."""
+    with _hooks_lock:  # not `_lock`, which a build holds for a minute
+        if not _row:
+            _hooks.append(hook)
+            return
+    hook()
+
+
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within: `kernel()` is None, so kv_cache's paged decode runs its ATen ops (the tests' oracle)."""
+    """Within: `kernel()` is None, so kv_cache's paged decode runs its ATen ops, and the packed linear
+    oneDNN's GEMM for one row too (the tests' oracle)."""
     global _off
     _off += 1
+    _tell_row()
     try:
         yield
     finally:
         _off -= 1
+        _tell_row()
+
+
+def _tell_row() -> None:
+    """The C++ packed linear may run the one-row linear only outside `disabled()`."""
+    if _row:
+        torch.ops.spyre_kernels.set_row(_off == 0)
 
 
 def extension_name() -> str:
@@ -210,8 +233,14 @@ def _load():
                 with held:
                     _build_under(held, directory, name, text)
         op = torch.ops.spyre_kernels.paged_decode.default
-        _row.append(torch.ops.spyre_kernels.linear_row.default)
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
+        with _hooks_lock:
+            _row.append(torch.ops.spyre_kernels.linear_row.default)
+            hooks = list(_hooks)
+            _hooks.clear()
+        _tell_row()
+        for hook in hooks:
+            hook()
     except Exception as exc:  # any failure to build or load: the ATen ops serve
         log.warning(
             "Paged attention kernel unavailable, the ATen ops serve (%s: %s)",

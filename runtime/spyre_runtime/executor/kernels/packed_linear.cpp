@@ -1,0 +1,128 @@
+// The packed linear op in C++ (spyre_serve::packed_linear's CPU kernel, once the extension is loaded).
+//
+// linear.py defines the op that the compiled graphs call for every linear layer, with its Python kernel as
+// the fallback (registered for CompositeExplicitAutograd, which serves CPU only while no CPU kernel is
+// registered): it finds the layer's weight packed for oneDNN, and with a step's live-row hint multiplies only
+// the live rows, by the one-row linear (linear_row.cpp) at one row. That Python kernel cost 10-30 us a call
+// around the GEMM (a decode step calls it 121 times for SmolLM2; in the 8-row graph that one stream decodes in,
+// 3.7 ms a step: bench/README.md run 29). This is the same decision in C++; linear.py keeps its state here
+// in step (the packed weights by their weight's address, the live rows, whether the one-row linear may run:
+// not within paged_attention.disabled(), the tests' oracle). Built into the same extension as
+// paged_attention.cpp and linear_row.cpp (one translation unit, paged_attention.py).
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/record_function.h>
+#include <ATen/ops/empty.h>
+#include <c10/core/ScalarType.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+std::shared_mutex packed_mutex;
+std::unordered_map<int64_t, at::Tensor> packed_weights;  // a weight's address -> that weight packed for oneDNN
+std::atomic<int64_t> live_rows{-1};  // the step's live rows (linear.live_rows); -1: every row is live
+std::atomic<bool> may_run_row{true};  // false within paged_attention.disabled(): oneDNN runs one row too
+
+void register_packed(int64_t address, const at::Tensor& packed) {
+  std::unique_lock<std::shared_mutex> lock(packed_mutex);
+  packed_weights[address] = packed;
+}
+
+void forget_packed(int64_t address) {
+  std::unique_lock<std::shared_mutex> lock(packed_mutex);
+  packed_weights.erase(address);
+}
+
+void set_live(int64_t live) {
+  live_rows.store(live < 0 ? -1 : live, std::memory_order_relaxed);
+}
+
+void set_row(bool row) {
+  may_run_row.store(row, std::memory_order_relaxed);
+}
+
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
+// the one-row linear of the first row of `flat` into out's first row, seen by the profiler under its op's name
+void first_row(const at::Tensor& flat, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+               at::Tensor& out) {
+  RECORD_FUNCTION("spyre_kernels::linear_row", std::vector<c10::IValue>());
+  row_into(flat.narrow(0, 0, 1), weight, bias, out.data_ptr<float>());
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  at::Tensor packed;
+  {
+    std::shared_lock<std::shared_mutex> lock(packed_mutex);
+    const auto found = packed_weights.find(reinterpret_cast<int64_t>(weight.data_ptr()));
+    TORCH_CHECK(found != packed_weights.end(), "packed_linear: a weight ", weight.sizes(),
+                " that pack_linears did not pack");
+    packed = found->second;
+  }
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1), "packed_linear: x ",
+              x.sizes(), " does not fit the weight ", weight.sizes());
+  const int64_t k_len = x.size(-1), n_out = weight.size(0);
+  const int64_t m = k_len ? x.numel() / k_len : 0;
+  const int64_t hint = live_rows.load(std::memory_order_relaxed);
+  const int64_t live = hint < 0 ? m : std::min(hint, m);
+  const bool row = live == 1 && weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+                   may_run_row.load(std::memory_order_relaxed);
+  if (live == m && !row) {
+    return onednn_linear(x, packed, bias);
+  }
+  std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
+  sizes.back() = n_out;
+  const at::Tensor flat = x.reshape({m, k_len}).contiguous();
+  at::Tensor out = at::empty({m, n_out}, x.options());
+  // only the dead rows are zeroed: a mixed step's output is hundreds of rows
+  if (live < m) {
+    out.narrow(0, live, m - live).zero_();
+  }
+  if (row) {
+    first_row(flat, weight, bias, out);
+  } else if (live > 0) {
+    out.narrow(0, 0, live).copy_(onednn_linear(flat.narrow(0, 0, live), packed, bias));
+  }
+  return out.view(sizes);
+}
+
+torch::Library* serving = nullptr;  // the CPU kernel of spyre_serve::packed_linear, once it serves (never freed:
+std::mutex serving_mutex;            // a registration that outlives the dispatcher at exit would crash)
+
+// from now on the CPU kernel of spyre_serve::packed_linear is `packed_linear`: called by linear.py once it has
+// registered the packed weights and the live rows, so no call finds the state empty
+void serve_packed_linear() {
+  std::lock_guard<std::mutex> lock(serving_mutex);
+  if (serving == nullptr) {
+    serving = new torch::Library(torch::Library::IMPL, "spyre_serve", c10::DispatchKey::CPU, __FILE__, __LINE__);
+    serving->impl("packed_linear", &packed_linear);
+  }
+}
+
+}  // namespace
+
+// linear.py's state, and the switch to this kernel: kernels for every dispatch key (they take no tensor, or
+// one that is only kept)
+TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
+  m.def("register_packed(int address, Tensor packed) -> ()", &register_packed);
+  m.def("forget_packed(int address) -> ()", &forget_packed);
+  m.def("set_live(int live) -> ()", &set_live);
+  m.def("set_row(bool row) -> ()", &set_row);
+  m.def("serve_packed_linear() -> ()", &serve_packed_linear);
+}
