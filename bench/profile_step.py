@@ -1,7 +1,7 @@
 """Where the time of one continuous-batching step goes: a decode step at batch 8 and one prefill chunk,
 through the runtime's own ModelExecutor on SmolLM2 (inductor). A script with a report, not a timed test.
 
-    .venv/bin/python bench/profile_step.py [--batch 8] [--kv 256] [--chunk 256] [--dtype float32]
+    .venv/bin/python bench/profile_step.py [--batch 8] [--live N] [--kv 256] [--chunk 256] [--dtype float32]
                                            [--iters 20] [--kernel 1] [--trace DIR] [--out FILE] [--model DIR]
 
 Prints the median time of the compiled forward and of the whole executor step (inputs built, forward,
@@ -9,7 +9,8 @@ sampling), and torch.profiler's top operators for both. The chunk runs as a mixe
 decode rows in one forward, as serving runs it). `--kernel 0` runs the paged decode attention on its ATen
 ops instead of the C++ kernel (SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL); `attention_*` report the paged
 attention ops' inclusive time per step and their share of the profiled step. `--trace DIR` also keeps
-inductor's output code (TORCH_COMPILE_DEBUG-style) under DIR.
+inductor's output code (TORCH_COMPILE_DEBUG-style) under DIR. `--live N`: the decode step's first N rows only
+are live (linear.live_rows), as one stream decodes in the 8-row graph of a server.
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def _cpu() -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--live", type=int, default=None, help="the decode step's live rows (default: all)")
     ap.add_argument("--kv", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--dtype", default="float32")
@@ -153,6 +155,9 @@ def main() -> int:
     if "kernel" in paths and paged_attention.kernel() is None:
         raise SystemExit("the paged attention kernel did not build (see the warning above)")
 
+    def decode_forward():
+        return ex.run_local(*decode_args, live_rows=args.live)
+
     def profiled(fn):
         result = {}
         for name, context in paths.items():
@@ -165,11 +170,11 @@ def main() -> int:
         "cpu": _cpu(),
         "load_s": load_s,
         "warmup_s": warm_s,
-        "decode_forward_ms": timed(lambda: ex.run_local(*decode_args), args.iters, paths),
+        "decode_forward_ms": timed(decode_forward, args.iters, paths),
         "decode_inputs_ms": timed(lambda: ex.inputs.batch_decode(decode), args.iters),
         "chunk_forward_ms": timed(lambda: ex.run_local(*chunk_args), max(3, args.iters // 4), paths),
         "chunk_inputs_ms": timed(lambda: ex.inputs.mixed(mixed), args.iters),
-        "decode_top_ops": profiled(lambda: ex.run_local(*decode_args)),
+        "decode_top_ops": profiled(decode_forward),
         "chunk_top_ops": profiled(lambda: ex.run_local(*chunk_args)),
         "threads": torch.get_num_threads(),
         "load_average": os.getloadavg(),
