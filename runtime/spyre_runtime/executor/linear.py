@@ -51,7 +51,9 @@ _live_decode: int | None = None  # of those, the live decode rows the paged deco
 
 
 _native = False  # the extension's C++ kernel serves packed_linear (`_take_over`)
-_lock = threading.Lock()  # `_PACKED` and `_native` change together
+# `_PACKED` and `_native` change together; reentrant: a weight's finalizer (`_forget`) can run on a thread
+# that holds it, when a garbage collection comes within
+_lock = threading.RLock()
 
 
 @contextlib.contextmanager
@@ -80,9 +82,11 @@ def _take_over() -> None:
     weights and the live rows, then serves the op; the Python kernel below no longer runs on CPU."""
     global _native
     with _lock:
-        for key, packed in _PACKED.items():
+        _native = True  # from here a finalizer forgets in both
+        for key, packed in list(_PACKED.items()):
             torch.ops.spyre_kernels.register_packed(key, packed)
-        _native = True
+            if key not in _PACKED:  # its layer went meanwhile, its finalizer on this thread
+                torch.ops.spyre_kernels.forget_packed(key)
         _tell_live()
         torch.ops.spyre_kernels.serve_packed_linear()
 

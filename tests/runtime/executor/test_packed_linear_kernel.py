@@ -4,6 +4,8 @@ shapes (the same GEMMs underneath), runs oneDNN for one row within the oracle's 
 packed weight with its layer."""
 
 import gc
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,12 +26,17 @@ def packed(k_len: int, n_out: int, bias: bool) -> torch.nn.Linear:
     return layer
 
 
+def registrations() -> dict[str, str]:
+    """The op's kernels by dispatch key, as the dispatcher lists them (key -> where it was registered)."""
+    dump = torch._C._dispatch_dump("spyre_serve::packed_linear")
+    return dict(line.split(": registered at ", 1) for line in dump.splitlines() if ": registered at " in line)
+
+
 def test_once_loaded_the_extension_is_the_ops_cpu_kernel(loaded):
-    assert torch._C._dispatch_has_kernel_for_dispatch_key("spyre_serve::packed_linear", "CPU")
+    kernels = registrations()
+    assert "kernel.cpp" in kernels["CPU"], kernels  # the extension's source, built as one file
     # the Python kernel is kept for where the extension is off, for CompositeExplicitAutograd
-    assert torch._C._dispatch_has_kernel_for_dispatch_key(
-        "spyre_serve::packed_linear", "CompositeExplicitAutograd"
-    )
+    assert "ops.py" in kernels["CompositeExplicitAutograd[alias]"], kernels
 
 
 @pytest.mark.parametrize("shape", [(1,), (3,), (8,), (2, 4)])
@@ -74,3 +81,28 @@ def test_a_row_that_does_not_fit_the_weight_is_named(loaded):
     layer = packed(48, 40, True)
     with pytest.raises(RuntimeError, match=r"x \[2, 47\] does not fit the weight \[40, 48\]"):
         linear.packed_linear(torch.randn(2, 47), layer.weight, layer.bias)
+
+
+TAKE_OVER = """
+import torch
+from spyre_runtime.executor import linear
+from spyre_runtime.executor.kernels import paged_attention
+layer = torch.nn.Linear(48, 40)
+assert linear.pack_linears(torch.nn.Sequential(layer), 8) == 1
+x = torch.randn(8, 48)
+with torch.no_grad(), linear.live_rows(2):  # two rows: oneDNN, and nothing that loads the extension
+    assert "\\nCPU: " not in torch._C._dispatch_dump("spyre_serve::packed_linear")
+    before = linear.packed_linear(x, layer.weight, layer.bias)  # the Python kernel
+    assert paged_attention.kernel() is not None
+    assert "\\nCPU: " in torch._C._dispatch_dump("spyre_serve::packed_linear")
+    after = linear.packed_linear(x, layer.weight, layer.bias)  # the C++ kernel, given the layer packed before
+assert torch.equal(before, after) and after[:2].any() and not after[2:].any(), (before, after)
+print("ok")
+"""
+
+
+def test_weights_packed_before_the_extension_loads_are_handed_to_it(loaded):
+    """A server packs its weights while the extension builds or loads: the C++ kernel, once it serves, has
+    them (a fresh process, so nothing is loaded before the layer is packed)."""
+    run = subprocess.run([sys.executable, "-c", TAKE_OVER], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
