@@ -60,7 +60,12 @@ def test_apply_creates_pods_service_claim_and_becomes_ready(operator, ns, cluste
     assert claim.spec.access_modes == ["ReadWriteMany"]
     st = m["status"]
     assert st["phase"] == "Ready" and st["serviceAddress"] == f"http://m.{ns.name}.svc:8000"
-    assert {e.reason for e in ns.events("m")} >= {"PodCreated", "RolloutComplete"}
+    # the Events come after the status write that made the model Ready (CI read them before, once)
+    wait_for(
+        lambda: {e.reason for e in ns.events("m")} >= {"PodCreated", "RolloutComplete"},
+        timeout=30,
+        what="the PodCreated and RolloutComplete Events",
+    )
     # kopf's bookkeeping is in annotations, not in the status
     assert set(st) <= {
         "observedGeneration",

@@ -58,7 +58,8 @@ def test_compile_job_gates_rollout_and_its_failure_degrades(operator, ns):
     degraded = ns.condition("pc", "Degraded")
     assert degraded["status"] == "True" and new_job.metadata.name in degraded["message"]
     assert hashes(ns, "pc") == old and len(ns.pods("pc")) == 2
-    assert any(e.reason == "CompileJobFailed" for e in ns.events("pc"))
+    # the Event comes after the status write (the Degraded transition's)
+    wait_for(lambda: any(e.reason == "CompileJobFailed" for e in ns.events("pc")), what="the Event")
 
     # a failed compile does not freeze healing: a serving pod that dies is replaced with its own template
     victim = ns.pods("pc")[0].metadata.name
