@@ -212,12 +212,17 @@ def serve_rates(
                 "32 concurrent one-input requests": concurrent,
                 "32 one-input requests, one at a time": sequential,
             }
-            for fn in cases.values():
-                fn()
             rates: dict[str, list[float]] = {name: [] for name in cases}
-            for _ in range(rounds):
-                for name, fn in cases.items():
-                    rates[name].append(rate(fn, len(texts)))
+            try:
+                for fn in cases.values():
+                    fn()
+                for _ in range(rounds):
+                    for name, fn in cases.items():
+                        rates[name].append(rate(fn, len(texts)))
+            except openai.APIError as e:
+                log.seek(0)
+                tail = log.read().decode()[-3000:]
+                raise SystemExit(f"{type(e).__name__}: {e}; the server's log:\n{tail}") from e
             return rates, startup
         finally:
             proc.terminate()

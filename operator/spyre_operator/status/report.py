@@ -5,6 +5,7 @@ reaches the status (`failure`)."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import ssl
 import urllib.error
@@ -207,12 +208,12 @@ def warmup_progress(
         try:
             urllib.request.urlopen(url, timeout=0.5, context=context).close()  # 200: warm by now
         except urllib.error.HTTPError as e:
-            try:
+            try:  # its body can stall, be cut off or be anything at all: the count is only a courtesy
                 warming = json.loads(e.read() or b"{}").get("warming") or {}
                 progress[view.name] = (int(warming["done"]), int(warming["total"]))
-            except (ValueError, KeyError, TypeError, AttributeError):
+            except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, AttributeError):
                 pass
-        except (OSError, ValueError):
+        except (OSError, http.client.HTTPException, ValueError):
             pass
     return progress
 

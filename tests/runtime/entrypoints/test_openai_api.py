@@ -678,3 +678,34 @@ def test_structured_output_ends_with_its_structure_even_when_eos_is_held_back(se
             choice = res.json()["choices"][0]
             assert choice["text"] == "Paris" and choice["finish_reason"] == "stop", (extra, choice)
     assert HTTP.get(server.base + "/health").status_code == 200
+
+
+def test_an_idle_keep_alive_connection_outlives_the_clients_own_idle_limit(server):
+    """httpx (so the openai client) keeps an idle connection for 5 s: a server that closes it at the same
+    moment races the client reusing it, and the request fails with no response. The server keeps it longer."""
+    import contextlib
+    import http.client
+    import socket
+    import time
+
+    from spyre_runtime.entrypoints.server.launcher import KEEP_ALIVE_SECONDS
+
+    assert KEEP_ALIVE_SECONDS > 5
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        conn.request("GET", "/v1/models", headers=HEADERS)
+        first = conn.getresponse()
+        assert first.status == 200 and first.getheader("connection", "keep-alive") != "close"
+        first.read()
+        sock = conn.sock
+        time.sleep(5.5)
+        sock.setblocking(False)
+        with contextlib.suppress(BlockingIOError):  # raised: nothing to read and not closed, still open
+            assert sock.recv(1, socket.MSG_PEEK) != b"", "the server closed the idle connection"
+        sock.setblocking(True)
+        conn.request("GET", "/v1/models", headers=HEADERS)
+        again = conn.getresponse()
+        assert again.status == 200 and conn.sock is sock
+        assert json.loads(again.read())["data"][0]["id"] == "tiny"
+    finally:
+        conn.close()

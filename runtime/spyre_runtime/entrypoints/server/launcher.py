@@ -16,6 +16,12 @@ from spyre_runtime.entrypoints.server.state import ServingState
 
 log = logging.getLogger(__name__)
 DRAIN_POLL_SECONDS = 0.05
+# How long an idle keep-alive connection stays open: longer than the clients' own idle limit, so that the
+# server never closes a connection a client is reusing at that moment. uvicorn's default (5 s) equals httpx's,
+# and so the official openai client's: measured, 3 of 400 requests failed with "Server disconnected without
+# sending a response" after 4.85-5.14 s idle. 65 s also outlasts nginx's and a cloud load balancer's 60 s.
+# A drain closes idle connections at once whatever this is.
+KEEP_ALIVE_SECONDS = 65
 
 
 class DrainingServer(uvicorn.Server):
@@ -57,6 +63,7 @@ def serve_http(app: FastAPI, state: ServingState, tls: dict | None = None) -> No
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=5,
+        timeout_keep_alive=KEEP_ALIVE_SECONDS,
         **(tls or {}),
     )
     server = DrainingServer(uv_config, state)
