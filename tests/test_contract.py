@@ -69,10 +69,38 @@ def test_bad_settings_name_the_variable(env, needle):
     assert needle in str(err.value)
 
 
-def test_chunk_larger_than_max_model_len_is_refused_only_when_asked_for():
-    with pytest.raises(ContractError, match="larger than --max-model-len=128"):
-        read_environment(CB, EngineFlags(max_model_len=128, max_num_batched_tokens=256))
-    assert read_environment(CB, EngineFlags(max_model_len=128)).max_num_batched_tokens == 256
+# A step's chunk holds pieces of several prompts (SENDNN_INFERENCE_CB_PREFILL_PIECES, 4 by default, or
+# --max-num-seqs when fewer; one without interleaved steps): a chunk is refused only when that many prompts of
+# --max-model-len could not fill it. (environment, max_num_seqs, chunk, the prompts that fill a step or None)
+CHUNK_LIMITS = [
+    ({}, 8, 512, None),  # 4 prompts of 128
+    ({}, 8, 576, 4),
+    ({}, 2, 256, None),
+    ({}, 2, 320, 2),  # fewer sequences than pieces
+    ({"SENDNN_INFERENCE_CB_PREFILL_PIECES": "1"}, 8, 128, None),
+    ({"SENDNN_INFERENCE_CB_PREFILL_PIECES": "1"}, 8, 192, 1),
+    ({"SENDNN_INFERENCE_CB_PREFILL_PIECES": "16"}, 32, 2048, None),
+    ({"SENDNN_INFERENCE_CP_INTERLEAVE_STEPS": "0"}, 8, 192, 1),  # chunks run alone: one prompt each
+]
+
+
+@pytest.mark.parametrize(("env", "seqs", "chunk", "fillers"), CHUNK_LIMITS)
+def test_a_chunk_is_refused_only_when_a_steps_prompts_cannot_fill_it(env, seqs, chunk, fillers):
+    flags = EngineFlags(max_model_len=100, max_num_seqs=seqs, max_num_batched_tokens=chunk)
+    if fillers is None:
+        assert read_environment({**CB, **env}, flags).max_num_batched_tokens == chunk
+        return
+    with pytest.raises(ContractError) as err:
+        read_environment({**CB, **env}, flags)
+    assert (
+        f"--max-num-batched-tokens={chunk} is larger than {fillers} prompt(s) of --max-model-len=100 "
+        in str(err.value)
+    )
+    assert "(rounded up to 128;" in str(err.value)
+
+
+def test_a_chunk_is_checked_only_when_asked_for():
+    assert read_environment(CB, EngineFlags(max_model_len=64, max_num_seqs=1)).max_num_batched_tokens == 256
 
 
 def test_older_backend_spelling_is_an_alias_with_a_warning(caplog):

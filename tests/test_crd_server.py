@@ -155,7 +155,7 @@ WITHOUT_A_MODE = [
     (
         "generate-chunk-above-max-model-len",
         "generate",
-        {"maxNumSeqs": 4, "maxModelLen": 256, "maxNumBatchedTokens": 512},
+        {"maxNumSeqs": 4, "maxModelLen": 256, "maxNumBatchedTokens": 1088},
         "",
         "spec.batching.maxNumBatchedTokens: Invalid value: the runtime would refuse it: the chunk",
     ),

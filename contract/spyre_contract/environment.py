@@ -368,10 +368,13 @@ def _check_cb_limits(s: EnvironmentSettings, env: Env, chunk_given: bool) -> Non
             f"--num-kv-blocks={s.num_kv_blocks} cannot hold one sequence of --max-model-len="
             f"{s.max_model_len} tokens; it needs at least {1 + blocks_per_sequence} blocks"
         )
-    if chunk_given and s.max_num_batched_tokens > round_up(s.max_model_len):
+    fillers = min(s.max_num_seqs, s.max_prefill_pieces) if s.cp_interleave_steps else 1
+    if chunk_given and s.max_num_batched_tokens > fillers * round_up(s.max_model_len):
         raise ContractError(
-            f"--max-num-batched-tokens={s.max_num_batched_tokens} is larger than --max-model-len="
-            f"{s.max_model_len} (rounded up to {round_up(s.max_model_len)}): no prompt fills such a chunk"
+            f"--max-num-batched-tokens={s.max_num_batched_tokens} is larger than {fillers} prompt(s) of "
+            f"--max-model-len={s.max_model_len} (rounded up to {round_up(s.max_model_len)}; a step prefills "
+            "pieces of at most SENDNN_INFERENCE_CB_PREFILL_PIECES prompts, --max-num-seqs when fewer, one "
+            "without SENDNN_INFERENCE_CP_INTERLEAVE_STEPS): no step fills such a chunk"
         )
     if s.prefill_buckets and max(s.prefill_buckets) < s.max_num_batched_tokens:
         var = (

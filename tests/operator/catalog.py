@@ -262,11 +262,18 @@ CATALOG = [
         at_create='spec.graphCache.existingClaim: Invalid value: "Graph_Cache": must be a DNS name',
     ),
     # batching: shapes per task, continuous batching's limits and bucket ranges
+    # a step's chunk holds pieces of up to 4 prompts (SENDNN_INFERENCE_CB_PREFILL_PIECES), maxNumSeqs when
+    # fewer; the CRD knows only maxNumSeqs (spec.env can raise the pieces up to it), the operator knows both
     Row(
-        "chunk-above-max-model-len",
-        {"batching": {**CB, "maxNumBatchedTokens": 512}},
-        "larger than spec.batching.maxModelLen",
+        "chunk-above-max-num-seqs-prompts",
+        {"batching": {**CB, "maxNumBatchedTokens": 1088}},
+        "larger than 4 prompt(s) of spec.batching.maxModelLen=256",
         at_create="spec.batching.maxNumBatchedTokens: Invalid value: the runtime would refuse it: the chunk",
+    ),
+    Row(
+        "chunk-above-the-prefill-pieces",
+        {"batching": {**CB, "maxNumSeqs": 8, "maxNumBatchedTokens": 1280}},
+        "larger than 4 prompt(s) of spec.batching.maxModelLen=256",
     ),
     Row(
         "kv-range-too-short",

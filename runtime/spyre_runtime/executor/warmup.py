@@ -80,10 +80,14 @@ def warm_continuous(run: Callable, inputs: StepInputs, cfg: RuntimeConfig, progr
     kv_max = inputs.prefill_kv_len
     rows = max(cfg.batch_buckets)
     t0 = time.monotonic()
+    scratch = (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE)
     for i, size in enumerate(cfg.chunk_lengths):
-        chunk = PrefillChunk(None, (1,) * size, 0, size, (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE), True)
+        chunk = PrefillChunk(None, (1,) * size, 0, size, scratch, True)
         if cfg.cp_interleave_steps:  # chunks run as mixed steps, beside the decode of `rows` requests
-            step = ContinuousStep((chunk,), batch_size=rows, mixed=True)
+            # a chunk longer than one sequence holds pieces of several prompts, as serving fills it
+            lengths = [min(kv_max, size - start) for start in range(0, size, kv_max)]
+            pieces = tuple(PrefillChunk(None, (1,) * n, 0, size, scratch, True) for n in lengths)
+            step = ContinuousStep(pieces, batch_size=rows, mixed=True)
             # dynamic chunks: one graph, compiled by the first length; the second must not compile
             again = cfg.dynamic_chunks and i > 0
             with torch.compiler.set_stance("fail_on_recompile") if again else contextlib.nullcontext():

@@ -1,6 +1,7 @@
 """Waves kept whole through the real engine (the tiny model, eager): a wave of prompts arriving beside
 running streams gets the same greedy tokens with the step-time policy on as off, and on, the wave's
-prompts get their first token in the same step."""
+prompts get their first token in the same step. So does a chunk longer than --max-model-len, which holds the
+wave's prompts side by side (vLLM's CPU server budgets 2,048 tokens a step whatever the model length)."""
 
 import pytest
 from spyre_runtime.config import load_config
@@ -12,7 +13,7 @@ RUNNING = [[3 + i for i in range(20)], [50 + i for i in range(24)]]
 WAVE = [[(7 * i + 11 * j) % 200 + 1 for j in range(40 + 9 * i)] for i in range(3)]
 
 
-def serve(tiny_model, budget_ms: int) -> tuple[list[list[int]], list[int]]:
+def serve(tiny_model, budget_ms: int, max_model_len=256, chunk=128) -> tuple[list[list[int]], list[int]]:
     """Every request's tokens, and the step each wave prompt got its first token in."""
     env = {
         "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
@@ -22,10 +23,13 @@ def serve(tiny_model, budget_ms: int) -> tuple[list[list[int]], list[int]]:
         "SENDNN_INFERENCE_CB_STEP_COST_US": "10000,1000,2000",
     }
     engine = LLMEngine(
-        load_config(tiny_model, environ=env, max_num_seqs=5, max_model_len=256, max_num_batched_tokens=128)
+        load_config(
+            tiny_model, environ=env, max_num_seqs=5, max_model_len=max_model_len, max_num_batched_tokens=chunk
+        )
     )
     try:
         assert isinstance(engine.scheduler, WaveScheduler) == bool(budget_ms)
+        engine.executor.warmup()  # as serving does: every chunk length and decode bucket, on scratch blocks
         params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
         requests = [engine.add_request(p, params) for p in RUNNING]
         engine.step()  # the two prompts
@@ -55,3 +59,12 @@ def test_a_wave_gets_the_same_greedy_tokens_with_the_policy_on(tiny_model, polic
     assert on == off and all(len(tokens) == 12 for tokens in on)
     assert len(set(on_first)) == 1  # the wave starts decoding in one step
     assert len(set(off_first)) > 1  # the token-count scheduler split it
+
+
+def test_a_chunk_longer_than_a_sequence_prefills_the_wave_in_one_step(tiny_model, policy_off):
+    """--max-model-len 128 and a 256-token chunk: the wave's 147 prompt tokens (three prompts) fit one step,
+    which the warm-up laid out as two pieces of 128 (one piece of 256 overran a sequence's blocks)."""
+    off, off_first = policy_off
+    whole, whole_first = serve(tiny_model, 0, max_model_len=128, chunk=256)
+    assert whole == off and all(len(tokens) == 12 for tokens in whole)
+    assert len(set(whole_first)) == 1 and len(set(off_first)) > 1
