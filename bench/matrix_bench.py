@@ -21,11 +21,12 @@ stdout.
 Ours serves every phase from one configuration: continuous batching, inductor, 32 sequences of up to
 `--max-model-len` tokens (default 1024, as vLLM's), decode buckets 8 and 32 (a step with fewer live rows than
 its bucket multiplies and attends for its live rows only), steps of up to `--chunk` prompt tokens (default
-1024) from up to `--prefill-pieces` prompts (default 8; SENDNN_INFERENCE_CB_PREFILL_PIECES), at most
-`--mixed-prefill-tokens` of them beside running decodes (default 0: no limit;
-SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS), with waves kept whole under a step-time budget of
-`--step-budget-ms` (default 0: off; SENDNN_INFERENCE_CB_STEP_BUDGET_MS) by the step cost `--step-cost-us`
-(fixed, per chunk token, per decode row; SENDNN_INFERENCE_CB_STEP_COST_US, default run 20's profile).
+2048, vLLM's CPU server's budget; longer than a sequence, a step holds several prompts) from up to
+`--prefill-pieces` prompts (default 8; SENDNN_INFERENCE_CB_PREFILL_PIECES), at most `--mixed-prefill-tokens`
+of them beside running decodes (default 0: no limit; SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS), with waves
+kept whole under a step-time budget of `--step-budget-ms` (default 0: off; SENDNN_INFERENCE_CB_STEP_BUDGET_MS)
+by the step cost `--step-cost-us` (fixed, per chunk token, per decode row; SENDNN_INFERENCE_CB_STEP_COST_US,
+default run 20's profile).
 """
 
 from __future__ import annotations
@@ -268,7 +269,9 @@ def main() -> int:
     ap.add_argument("--prefill-pieces", type=int, default=8)
     ap.add_argument("--step-budget-ms", type=int, default=0, help="waves kept whole (0: off)")
     ap.add_argument("--step-cost-us", default="", help="fixed,per-token,per-row (default: the runtime's)")
-    ap.add_argument("--chunk", type=int, default=1024, help="our --max-num-batched-tokens")
+    ap.add_argument(
+        "--chunk", type=int, default=2048, help="our --max-num-batched-tokens (vLLM's CPU server: 2048)"
+    )
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--systems", default="ours,vllm")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results-matrix.json")
