@@ -188,6 +188,10 @@ class Reporter:
             self.events.post(model, "Warning", degraded["reason"], degraded["message"])
 
 
+# what reading a pod's /health can raise: no answer, a stalled or cut-off body, not HTTP, not JSON
+_UNREADABLE = (OSError, http.client.HTTPException, ValueError)
+
+
 def warmup_progress(
     pods: list[dict], observed: list[tuple[PodView, PodHealth]], runtime_port: int, is_https: bool = False
 ) -> dict[str, tuple[int, int]]:
@@ -211,9 +215,9 @@ def warmup_progress(
             try:  # its body can stall, be cut off or be anything at all: the count is only a courtesy
                 warming = json.loads(e.read() or b"{}").get("warming") or {}
                 progress[view.name] = (int(warming["done"]), int(warming["total"]))
-            except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, AttributeError):
+            except (*_UNREADABLE, KeyError, TypeError, AttributeError):
                 pass
-        except (OSError, http.client.HTTPException, ValueError):
+        except _UNREADABLE:
             pass
     return progress
 

@@ -82,7 +82,6 @@ def warm_continuous(run: Callable, inputs: StepInputs, cfg: RuntimeConfig, progr
     t0 = time.monotonic()
     scratch = (SCRATCH_BLOCK,) * (kv_max // BLOCK_SIZE)
     for i, size in enumerate(cfg.chunk_lengths):
-        chunk = PrefillChunk(None, (1,) * size, 0, size, scratch, True)
         if cfg.cp_interleave_steps:  # chunks run as mixed steps, beside the decode of `rows` requests
             # a chunk longer than one sequence holds pieces of several prompts, as serving fills it
             lengths = [min(kv_max, size - start) for start in range(0, size, kv_max)]
@@ -94,7 +93,7 @@ def warm_continuous(run: Callable, inputs: StepInputs, cfg: RuntimeConfig, progr
                 run(*inputs.mixed(step))
             what = f"chunk:{size} pieces:{cfg.prefill_pieces} decode_rows:{rows} kv_len:{kv_max}"
         else:
-            run(*inputs.chunk(chunk, kv_max))
+            run(*inputs.chunk(PrefillChunk(None, (1,) * size, 0, size, scratch, True), kv_max))
             what = f"chunk:{size} kv_len:{kv_max}"
         if cfg.dynamic_chunks and i == 0:
             continue  # the same graph as the next length: one progress step for both
