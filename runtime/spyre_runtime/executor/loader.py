@@ -100,12 +100,14 @@ def pack_weights(model: torch.nn.Module, config: RuntimeConfig, dtype: torch.dty
 
 
 def prime_rotary(model: torch.nn.Module, max_len: int) -> None:
-    """Fills FMS's rotary-frequency cache before compiling, so tracing never mutates it."""
-    from fms.modules.positions import RotaryEmbedding
+    """Gives the rotary embeddings the elementwise form that inductor vectorizes and fills their frequency
+    cache before compiling, so tracing never mutates it (rotary.py). FMS's position encoders are not
+    modules: until run 31 this looked for them among the modules and filled nothing."""
+    from spyre_runtime.executor.rotary import rotary_encoders, use_pairwise_rotary
 
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.compute_freqs_cis(torch.device("cpu"), max(max_len, 2048))
+    use_pairwise_rotary(model)
+    for encoder in rotary_encoders(model):
+        encoder.compute_freqs_cis(torch.device("cpu"), max(max_len, 2048))
 
 
 _bare_hf = threading.RLock()
