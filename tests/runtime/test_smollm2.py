@@ -109,3 +109,16 @@ def test_smollm2_bfloat16_greedy_matches_hf_fp32_up_to_near_ties(smollm2, hf_gre
         best = logits.max()
         assert best - logits[out[k]] < BF16_TIE_MARGIN, (k, best, logits[out[k]], torch.topk(logits, 3))
     assert num_exact >= 1
+
+
+def test_the_wheels_gguf_converts_again_to_the_same_folder(smollm2, tmp_path):
+    """The conversion itself (a fresh machine runs it once; later runs reuse the folder): with this
+    environment's transformers and without `accelerate` (transformers 5.24 refused a GGUF through
+    from_pretrained without it, and a fresh machine's make test then failed at every SmolLM2 test's set-up),
+    the same files, byte for byte, as the folder every other test uses."""
+    again = prepare_smollm2(tmp_path / "smollm2")
+    names = sorted(p.name for p in smollm2.iterdir())
+    assert names == sorted(p.name for p in again.iterdir())
+    assert "model.safetensors" in names and "config.json" in names
+    for name in names:
+        assert (again / name).read_bytes() == (smollm2 / name).read_bytes(), name

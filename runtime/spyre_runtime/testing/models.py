@@ -304,26 +304,35 @@ def prepare_smollm2(out_dir: str | Path, wheel_cache: str | Path | None = None) 
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    """The GGUF's tensors, dequantized to float32 and named as transformers names them (its own reader,
+    given the model's names by an empty model on the meta device), as a safetensors folder. Not through
+    `from_pretrained(gguf_file=...)`: transformers 5.24 refuses that without `accelerate`, and with
+    `accelerate` installed every AutoConfig imports it (a server start pays for it; docs/development.md).
+    The tensors are the same, bit for bit, as that path gave."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(gguf_path.parent), gguf_path.name
     log.info("converting %s to safetensors (dequantized to fp32)", name)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    with torch.device("meta"):
+        names = AutoModelForCausalLM.from_config(config)
+    tensors = load_gguf_checkpoint(str(gguf_path), True, names, torch.float32)["tensors"]
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.config.quantization_config = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     # FMS reads the tied embedding itself; drop the duplicate lm_head so the folder loads cleanly
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {k: v.float().contiguous() for k, v in tensors.items() if k != "lm_head.weight"}
     tmp.mkdir(parents=True)
     from safetensors.torch import save_file
 
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    model.config.tie_word_embeddings = True
-    model.config.save_pretrained(tmp)
+    config.tie_word_embeddings = True
+    config.dtype = torch.float32
+    config.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     _ensure_architectures(tmp, ["LlamaForCausalLM"])
     cfg = json.loads((tmp / "config.json").read_text())
