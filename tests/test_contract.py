@@ -258,6 +258,26 @@ def test_memory_utilization_sizes_the_kv_cache_from_the_memory_left(tmp_path, ca
     )  # off by default
 
 
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_the_memory_plan_reads_the_checkpoints_dtype_by_either_name(tmp_path, key):
+    """--dtype auto on CPU plans the checkpoint's own dtype, whether config.json names it `dtype`
+    (transformers >= 4.56 writes that) or `torch_dtype`, as the executor loads it: a bfloat16 checkpoint's KV
+    blocks are half a float32 one's, so --memory-utilization sizes more than twice as many."""
+    import json
+
+    from spyre_runtime.config import check_memory, load_config
+
+    def blocks(named: dict) -> int:
+        (tmp_path / "config.json").write_text(json.dumps({**SMOLLM2, **named}))
+        env = {"SENDNN_INFERENCE_DYNAMO_BACKEND": "eager", "SENDNN_INFERENCE_USE_CB": "1"}
+        config = load_config(tmp_path, env, max_num_seqs=4, max_model_len=256, dtype="auto")
+        return check_memory(dataclasses.replace(config, memory_utilization=0.5)).num_kv_blocks
+
+    # half the bytes a block, and the weights take half as much of the memory first: a little over twice
+    float32, bfloat16 = blocks({key: "float32"}), blocks({key: "bfloat16"})
+    assert float32 > 100 and 2 * float32 <= bfloat16 <= 3 * float32, (float32, bfloat16)
+
+
 @pytest.mark.parametrize(
     ("backend", "dtype_bytes", "seqs", "packed"),
     [

@@ -356,7 +356,9 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     dims = ModelDims.from_config(model_config)
     dtype = config.dtype
     if dtype == "auto":
-        dtype = "float16" if config.backend == "sendnn" else str(model_config.get("torch_dtype") or "float32")
+        # transformers >= 4.56 writes `dtype`, older ones `torch_dtype` (as loader.resolve_dtype reads them)
+        named = model_config.get("dtype") or model_config.get("torch_dtype")
+        dtype = "float16" if config.backend == "sendnn" else str(named or "float32")
     if config.backend == "sendnn":
         capacity, where = int(card_gib * GIB), "card"
     else:
