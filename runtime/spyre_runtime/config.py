@@ -354,11 +354,9 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
         raise ConfigError(f"{var}={raw!r} must be positive")
     model_config = json.loads((config.model_dir / "config.json").read_text())
     dims = ModelDims.from_config(model_config)
-    dtype = config.dtype
-    if dtype == "auto":
-        # transformers >= 4.56 writes `dtype`, older ones `torch_dtype` (as loader.resolve_dtype reads them)
-        named = model_config.get("dtype") or model_config.get("torch_dtype")
-        dtype = "float16" if config.backend == "sendnn" else str(named or "float32")
+    named = model_config.get("dtype") or model_config.get("torch_dtype")  # transformers < 4.56: torch_dtype
+    auto = "float16" if config.backend == "sendnn" else str(named or "float32")  # as loader.resolve_dtype
+    dtype = auto if config.dtype == "auto" else config.dtype
     if config.backend == "sendnn":
         capacity, where = int(card_gib * GIB), "card"
     else:
