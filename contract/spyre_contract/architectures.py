@@ -146,6 +146,12 @@ def kv_window(model_config: Mapping) -> tuple[int, str]:
     )
 
 
+def checkpoint_dtype(model_config: Mapping) -> str | None:
+    """The dtype config.json names: `dtype` (transformers >= 4.56 writes it) or `torch_dtype` (before)."""
+    named = model_config.get("dtype") or model_config.get("torch_dtype")
+    return None if named is None else str(named)
+
+
 def is_fp8(model_config: Mapping) -> bool:
     quant = model_config.get("quantization_config")
     return bool(quant) and quant.get("format") == "float-quantized"

@@ -34,7 +34,7 @@ from spyre_contract import (
     round_up,
     static_batching_line,
 )
-from spyre_contract.architectures import check_batching, check_decoder_config
+from spyre_contract.architectures import check_batching, check_decoder_config, checkpoint_dtype
 from spyre_contract.hybrid import HybridModelError, HybridSpec
 from spyre_contract.memory import (
     DEFAULT_CARD_MEMORY_GIB,
@@ -354,8 +354,7 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
         raise ConfigError(f"{var}={raw!r} must be positive")
     model_config = json.loads((config.model_dir / "config.json").read_text())
     dims = ModelDims.from_config(model_config)
-    named = model_config.get("dtype") or model_config.get("torch_dtype")  # transformers < 4.56: torch_dtype
-    auto = "float16" if config.backend == "sendnn" else str(named or "float32")  # as loader.resolve_dtype
+    auto = "float16" if config.backend == "sendnn" else checkpoint_dtype(model_config) or "float32"
     dtype = auto if config.dtype == "auto" else config.dtype
     if config.backend == "sendnn":
         capacity, where = int(card_gib * GIB), "card"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from spyre_contract.architectures import checkpoint_dtype
 
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.executor import linear
@@ -85,7 +86,7 @@ def resolve_dtype(dtype: str, backend: str, model_dir: Path) -> torch.dtype:
         hf = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return torch.float32
-    return TORCH_DTYPES.get(str(hf.get("dtype") or hf.get("torch_dtype")), torch.float32)
+    return TORCH_DTYPES.get(checkpoint_dtype(hf), torch.float32)
 
 
 def pack_weights(model: torch.nn.Module, config: RuntimeConfig, dtype: torch.dtype) -> bool:
