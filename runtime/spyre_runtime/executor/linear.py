@@ -28,8 +28,12 @@ with `live_rows(n)`: the op then multiplies only the first n rows and returns ze
 are dummy rows whose outputs are dropped (zeros stay finite through every layer: norms, residuals);
 the paged decode attention (kv_cache.paged_decode) reads the same hint and attends for the live rows only.
 A mixed step (one row: the chunk region, then the decode tokens of its graph's batch bucket) says
-`live_rows(tokens, decode_rows)`: its dead decode tokens are the last ones, so the GEMMs take the first
-`tokens` and the paged decode attends for the first `decode_rows` of its decode rows.
+`live_rows(tokens, decode_rows, spans)`: the paged decode attends for the first `decode_rows` of its decode
+rows, and `spans` gives, by an input's row count, up to two spans of live rows: the body's GEMMs take its
+chunk with the used piece places, and its live decode tokens; the LM head, which multiplies the step's last
+P + B rows (P piece places, B decode rows), its used places and live decode rows, not all P + B. Between the
+spans lie unused piece places, which a prefix cannot skip (a single prompt's step: 7 of 8 places, and 39 of
+the head's 40 rows).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ from spyre_runtime.executor.ops import opaque_op
 _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the weight packed for oneDNN
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
+Spans = tuple[tuple[int, int], tuple[int, int]]
+_spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
 
 _native = False  # the extension's C++ kernel serves packed_linear (`_take_over`)
@@ -57,23 +63,36 @@ _lock = threading.RLock()
 
 
 @contextlib.contextmanager
-def live_rows(n: int | None, decode_rows: int | None = None) -> Iterator[None]:
+def live_rows(
+    n: int | None, decode_rows: int | None = None, spans: dict[int, Spans] | None = None
+) -> Iterator[None]:
     """Within: the packed linear layers' inputs have `n` live rows first, the rest are dummies; the paged
-    decode's first `decode_rows` rows are live (default: `n`, a decode step's rows are its inputs' rows)."""
-    global _live, _live_decode
-    before = _live, _live_decode
-    _live, _live_decode = n, n if decode_rows is None else decode_rows
+    decode's first `decode_rows` rows are live (default: `n`, a decode step's rows are its inputs' rows);
+    an input of a row count in `spans` has the live rows of its two spans instead, the rest dummies."""
+    global _live, _live_decode, _spans
+    for rows, ((a, b), (c, d)) in (spans or {}).items():
+        if not 0 <= a <= b <= c <= d <= rows:
+            raise ValueError(f"live_rows: spans {(a, b)}, {(c, d)} out of order or beyond {rows} rows")
+    before = _live, _live_decode, _spans
+    _live, _live_decode, _spans = n, n if decode_rows is None else decode_rows, dict(spans or {})
     _tell_live()
     try:
         yield
     finally:
-        _live, _live_decode = before
+        _live, _live_decode, _spans = before
         _tell_live()
 
 
 def _tell_live() -> None:
     if _native:
         torch.ops.spyre_kernels.set_live(-1 if _live is None else _live)
+        flat = [x for rows, (a, b) in _spans.items() for x in (rows, *a, *b)]
+        torch.ops.spyre_kernels.set_live_spans(flat)
+
+
+def _live_spans(m: int) -> Spans:
+    """The live rows of an input of m rows: its own spans, else the live prefix (all rows without a hint)."""
+    return _spans.get(m) or ((0, m if _live is None else min(_live, m)), (m, m))
 
 
 def _take_over() -> None:
@@ -122,7 +141,8 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if packed is None:
         raise RuntimeError(f"packed_linear: a weight {tuple(weight.shape)} that pack_linears did not pack")
     m = x.numel() // x.shape[-1]
-    live = m if _live is None else min(_live, m)
+    spans = _live_spans(m)
+    live = sum(end - start for start, end in spans)
     row = paged_attention.row_kernel() if live == 1 and weight.dtype == torch.float32 else None
     if live == m and row is None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
@@ -132,11 +152,18 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     # only the dead rows are zeroed: a mixed step's output is hundreds of rows, zeroing all of it at each
     # of a step's ~200 GEMMs cost more than the dead rows it spares
     out = flat.new_empty(m, weight.shape[0])
-    out[live:].zero_()
-    if row is not None:
-        out[:1] = row(flat[:1], weight, bias)
-    else:
-        out[:live] = torch.ops.mkldnn._linear_pointwise(flat[:live], packed, bias, "none", [], "")
+    done = 0
+    for start, end in spans:
+        out[done:start].zero_()
+        if end > start:
+            rows = flat[start:end]
+            out[start:end] = (
+                row(rows, weight, bias)
+                if row is not None
+                else torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+            )
+        done = max(done, end)
+    out[done:].zero_()
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -136,7 +136,7 @@ class ModelExecutor:
         return logits[0] if mixed else logits[:, -1, :]
 
     def _run(
-        self, *args, live_rows: int | tuple[int, int] | None = None, spans: tuple[TokenSpan, ...] = ()
+        self, *args, live_rows: int | tuple | None = None, spans: tuple[TokenSpan, ...] = ()
     ) -> torch.Tensor:
         """`live_rows`: a decode step whose first n rows only are live (linear.live_rows). An image-text
         model's language model takes embeddings, with image features at the image tokens of `spans`."""
@@ -146,7 +146,7 @@ class ModelExecutor:
             self.workers.send("run", (args, live_rows))
         return self.run_local(*args, live_rows=live_rows)
 
-    def run_local(self, *args, live_rows: int | tuple[int, int] | None = None) -> torch.Tensor:
+    def run_local(self, *args, live_rows: int | tuple | None = None) -> torch.Tensor:
         live = live_rows if isinstance(live_rows, tuple) else (live_rows,)
         with torch.inference_mode(), linear.live_rows(*live), kv_cache.step_layouts():
             if self.is_warm and self.config.backend != "eager":
@@ -266,8 +266,13 @@ class ModelExecutor:
         return self.warmup_seconds
 
 
-def mixed_live_rows(input_ids: torch.Tensor, step: ContinuousStep) -> tuple[int, int] | None:
-    """A mixed step's live tokens and live decode rows (linear.live_rows): its graph's decode rows are the
-    largest batch bucket's, and the dead ones (beyond the step's decode rows) are its last tokens."""
-    dead = step.batch_size - len(step.decode)
-    return (input_ids.shape[1] - dead, len(step.decode)) if dead > 0 else None
+def mixed_live_rows(input_ids: torch.Tensor, step: ContinuousStep) -> tuple[int, int, dict]:
+    """A mixed step's live rows (linear.live_rows): its live tokens, its live decode rows, and the live spans
+    of the body's T + B rows (the chunk with the used piece places, then the live decode tokens) and of the
+    LM head's last P + B rows (the used places, the live decode rows). Its graph's decode rows are the
+    largest batch bucket's; the dead ones are its last tokens, the unused piece places lie between."""
+    total = input_ids.shape[1]
+    P, B, k, d = step.pieces, step.batch_size, len(step.chunks), len(step.decode)
+    T = total - B  # the chunk region: C + P
+    spans = {total: ((0, T - P + k), (T, T + d)), P + B: ((0, k), (P, P + d))}
+    return T + d, d, spans

@@ -81,3 +81,44 @@ def test_more_rows_or_the_oracle_path_run_onednn(linear_row, packed_layer):
     torch.testing.assert_close(
         out[:1], torch.nn.functional.linear(x[:1], packed_layer[0].weight, packed_layer[0].bias)
     )
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        ((0, 3), (5, 7)),
+        ((0, 0), (4, 5)),
+        ((2, 2), (8, 8)),
+        ((0, 8), (8, 8)),
+        ((1, 2), (2, 6)),
+        ((0, 1), (7, 8)),
+    ],
+)
+def test_live_spans_multiply_their_rows_only_in_both_kernels(linear_row, packed_layer, spans):
+    """A mixed step's live rows in two spans, for inputs of one row count (linear.live_rows' `spans`): the
+    C++ kernel and the Python one multiply those rows only (the one-row linear when they are one row) and
+    zero the rest; an input of another row count keeps the prefix hint."""
+    x = torch.randn(8, 48)
+    weight, bias = packed_layer[0].weight, packed_layer[0].bias
+    live = [r for start, end in spans for r in range(start, end)]
+    dead = [r for r in range(8) if r not in live]
+    with torch.no_grad(), linear.live_rows(2, spans={8: spans}):
+        native, ran = ran_linear_row(lambda: packed_layer(x))
+        python = linear.python_packed_linear(x, weight, bias)
+        other = packed_layer(x[:5])
+    assert ran == (len(live) == 1)
+    for out in (native, python):
+        torch.testing.assert_close(out[live], torch.nn.functional.linear(x[live], weight, bias))
+        assert not out[dead].any()
+    torch.testing.assert_close(other[:2], torch.nn.functional.linear(x[:2], weight, bias))
+    assert not other[2:].any()
+
+
+def test_bad_live_spans_are_refused_by_both_kernels():
+    refused = pytest.raises(ValueError, match=r"spans \(3, 2\), \(4, 5\) out of order or beyond 8 rows")
+    with refused, linear.live_rows(None, spans={8: ((3, 2), (4, 5))}):
+        pass
+    with pytest.raises(RuntimeError, match="out of order or beyond 8 rows"):
+        torch.ops.spyre_kernels.set_live_spans([8, 0, 4, 5, 9])
+    with pytest.raises(RuntimeError, match="per entry"):
+        torch.ops.spyre_kernels.set_live_spans([8, 0, 4])

@@ -3,7 +3,9 @@
 // linear.py defines the op that the compiled graphs call for every linear layer, with its Python kernel as
 // the fallback (registered for CompositeExplicitAutograd, which serves CPU only while no CPU kernel is
 // registered): it finds the layer's weight packed for oneDNN, and with a step's live-row hint multiplies only
-// the live rows, by the one-row linear (linear_row.cpp) at one row. That Python kernel cost 10-30 us a call
+// the live rows, by the one-row linear (linear_row.cpp) at one row. The hint is a prefix of every input's
+// rows, or, for an input of a given row count, up to two spans (a mixed step: its used piece places and live
+// decode rows, with dead places between them; linear.live_rows). That Python kernel cost 10-30 us a call
 // around the GEMM (a decode step calls it 121 times for SmolLM2; in the 8-row graph that one stream decodes in,
 // 3.7 ms a step: bench/README.md run 29). This is the same decision in C++; linear.py keeps its state here
 // in step (the packed weights by their weight's address, the live rows, whether the one-row linear may run:
@@ -16,6 +18,8 @@
 #include <c10/core/ScalarType.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -31,6 +35,14 @@ std::unordered_map<int64_t, at::Tensor> packed_weights;  // a weight's address -
 std::atomic<int64_t> live_rows{-1};  // the step's live rows (linear.live_rows); -1: every row is live
 std::atomic<bool> may_run_row{true};  // false within paged_attention.disabled(): oneDNN runs one row too
 
+// for an input of exactly `rows` rows, its live rows are the spans [start, end) (linear.live_rows' spans)
+struct LiveSpans {
+  int64_t rows;
+  std::array<std::pair<int64_t, int64_t>, 2> spans;
+};
+std::shared_mutex spans_mutex;
+std::vector<LiveSpans> live_spans;
+
 void register_packed(int64_t address, const at::Tensor& packed) {
   std::unique_lock<std::shared_mutex> lock(packed_mutex);
   packed_weights[address] = packed;
@@ -43,6 +55,36 @@ void forget_packed(int64_t address) {
 
 void set_live(int64_t live) {
   live_rows.store(live < 0 ? -1 : live, std::memory_order_relaxed);
+}
+
+// flat: (rows, start0, end0, start1, end1) per row count, each span within [0, rows); empty: none
+void set_live_spans(c10::IntArrayRef flat) {
+  TORCH_CHECK(flat.size() % 5 == 0, "set_live_spans: (rows, start0, end0, start1, end1) per entry, got ",
+              flat.size(), " numbers");
+  std::vector<LiveSpans> spans;
+  for (size_t i = 0; i < flat.size(); i += 5) {
+    const int64_t rows = flat[i];
+    TORCH_CHECK(0 <= flat[i + 1] && flat[i + 1] <= flat[i + 2] && flat[i + 2] <= flat[i + 3] &&
+                    flat[i + 3] <= flat[i + 4] && flat[i + 4] <= rows,
+                "set_live_spans: spans out of order or beyond ", rows, " rows");
+    spans.push_back({rows, {{{flat[i + 1], flat[i + 2]}, {flat[i + 3], flat[i + 4]}}}});
+  }
+  std::unique_lock<std::shared_mutex> lock(spans_mutex);
+  live_spans = std::move(spans);
+}
+
+// the live rows of an input of m rows: its own spans, else the live prefix (the whole input without a hint)
+std::array<std::pair<int64_t, int64_t>, 2> spans_of(int64_t m) {
+  {
+    std::shared_lock<std::shared_mutex> lock(spans_mutex);
+    for (const auto& entry : live_spans) {
+      if (entry.rows == m) {
+        return entry.spans;
+      }
+    }
+  }
+  const int64_t hint = live_rows.load(std::memory_order_relaxed);
+  return {{{0, hint < 0 ? m : std::min(hint, m)}, {m, m}}};
 }
 
 void set_row(bool row) {
@@ -59,11 +101,11 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// the one-row linear of the first row of `flat` into out's first row, seen by the profiler under its op's name
-void first_row(const at::Tensor& flat, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-               at::Tensor& out) {
+// the one-row linear of row r of `flat` into out's row r, seen by the profiler under its op's name
+void one_row(const at::Tensor& flat, int64_t r, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+             at::Tensor& out) {
   RECORD_FUNCTION("spyre_kernels::linear_row", std::vector<c10::IValue>());
-  row_into(flat.narrow(0, 0, 1), weight, bias, out.data_ptr<float>());
+  row_into(flat.narrow(0, r, 1), weight, bias, out.data_ptr<float>() + r * out.size(1));
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -79,8 +121,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
               x.sizes(), " does not fit the weight ", weight.sizes());
   const int64_t k_len = x.size(-1), n_out = weight.size(0);
   const int64_t m = k_len ? x.numel() / k_len : 0;
-  const int64_t hint = live_rows.load(std::memory_order_relaxed);
-  const int64_t live = hint < 0 ? m : std::min(hint, m);
+  const auto spans = spans_of(m);
+  const int64_t live = (spans[0].second - spans[0].first) + (spans[1].second - spans[1].first);
   const bool row = live == 1 && weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
                    may_run_row.load(std::memory_order_relaxed);
   if (live == m && !row) {
@@ -90,14 +132,22 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   sizes.back() = n_out;
   const at::Tensor flat = x.reshape({m, k_len}).contiguous();
   at::Tensor out = at::empty({m, n_out}, x.options());
-  // only the dead rows are zeroed: a mixed step's output is hundreds of rows
-  if (live < m) {
-    out.narrow(0, live, m - live).zero_();
+  // only the dead rows are zeroed (before, between and after the spans): a mixed step's output is hundreds
+  // of rows
+  int64_t done = 0;
+  for (const auto& [start, end] : spans) {
+    if (start > done) {
+      out.narrow(0, done, start - done).zero_();
+    }
+    if (row && end > start) {
+      one_row(flat, start, weight, bias, out);
+    } else if (end > start) {
+      out.narrow(0, start, end - start).copy_(onednn_linear(flat.narrow(0, start, end - start), packed, bias));
+    }
+    done = std::max(done, end);
   }
-  if (row) {
-    first_row(flat, weight, bias, out);
-  } else if (live > 0) {
-    out.narrow(0, 0, live).copy_(onednn_linear(flat.narrow(0, 0, live), packed, bias));
+  if (done < m) {
+    out.narrow(0, done, m - done).zero_();
   }
   return out.view(sizes);
 }
@@ -123,6 +173,7 @@ TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def("register_packed(int address, Tensor packed) -> ()", &register_packed);
   m.def("forget_packed(int address) -> ()", &forget_packed);
   m.def("set_live(int live) -> ()", &set_live);
+  m.def("set_live_spans(int[] flat) -> ()", &set_live_spans);
   m.def("set_row(bool row) -> ()", &set_row);
   m.def("serve_packed_linear() -> ()", &serve_packed_linear);
 }
