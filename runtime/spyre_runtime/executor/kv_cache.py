@@ -254,7 +254,14 @@ def paged_prefill(
     uses, and the pieces' lengths and layout change from step to step under one graph."""
     out = torch.zeros_like(query)
     layout = _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window)
-    for rows, first, table, visible in layout:
+    kernel = paged_attention.prefill_kernel() if query.dtype == key_cache.dtype else None
+    for rows, first, table, visible, blocks, start in layout:
+        if kernel is not None and start is not None and query.shape[-1] % 16 == 0:  # the C++ kernel
+            piece = kernel(
+                query.index_select(0, rows), key_cache, value_cache, blocks, start, scale, sinks, window
+            )
+            out.index_copy_(0, rows, piece)
+            continue
         if first is not None:  # the piece's blocks are consecutive: a view of the cache, nothing gathered
             keys, values = key_cache[first : first + table], value_cache[first : first + table]
         else:
@@ -267,9 +274,11 @@ def paged_prefill(
 
 def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window=0):
     """Per piece, what every layer of a mixed step reads the same way: its tokens in the region (in
-    position order), its blocks (the first one and their count when consecutive, else the table), and what
-    each token sees; `visible` is None when the piece is its prompt's start (causal from slot 0: attention
-    skips the masked half instead of reading a mask). Computed by the step's first layer (`step_layouts`)."""
+    position order), its blocks (the first one and their count when consecutive, else the table), what
+    each token sees (`visible` is None when the piece is its prompt's start: causal from slot 0, attention
+    skips the masked half instead of reading a mask), its block table, and its first position when its
+    positions are consecutive (the C++ kernel's case, kernels/paged_prefill.cpp; else None). Computed by the
+    step's first layer (`step_layouts`)."""
     cached = _layouts.get(("prefill", window)) if _layouts is not None else None
     if cached is not None:
         return cached
@@ -292,7 +301,10 @@ def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window=0):
             visible = slots <= positions[:, None]  # causal, [n, length]
             if window:
                 visible &= slots > positions[:, None] - window
-        layout.append((rows, first if consecutive else None, nb if consecutive else blocks, visible))
+        start = int(positions[0]) if bool((positions == positions[0] + slots[: len(rows)]).all()) else None
+        layout.append(
+            (rows, first if consecutive else None, nb if consecutive else blocks, visible, blocks, start)
+        )
     if _layouts is not None:
         _layouts[("prefill", window)] = layout
     return layout

@@ -52,9 +52,13 @@ SETTING = "PAGED_ATTENTION_KERNEL"  # SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # the extension's sources, built as one text (each after the other): the paged decode, the one-row linear
 # (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for a step of one live row),
-# and the C++ kernel of linear.py's packed linear op (packed_linear.cpp), which serves once linear.py has
-# moved its state into it (`when_loaded`)
-SOURCES = (SOURCE, Path(__file__).with_name("linear_row.cpp"), Path(__file__).with_name("packed_linear.cpp"))
+# the C++ kernel of linear.py's packed linear op (packed_linear.cpp), which serves once linear.py has
+# moved its state into it (`when_loaded`), and a prompt piece's attention (paged_prefill.cpp,
+# `torch.ops.spyre_kernels.paged_prefill`, which kv_cache.paged_prefill runs)
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("paged_attention.cpp", "linear_row.cpp", "packed_linear.cpp", "paged_prefill.cpp")
+)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OWN_FLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
 STAMP = "spyre-build.stamp"  # a finished build's fingerprint (`fingerprint`), beside its library
@@ -91,6 +95,12 @@ def row_kernel():
     """The one-row linear op (`torch.ops.spyre_kernels.linear_row.default`), looked up once; None where
     `kernel()` is None (the setting off, within `disabled()`, or no build)."""
     return _row[0] if kernel() is not None else None
+
+
+def prefill_kernel():
+    """A prompt piece's attention op (`torch.ops.spyre_kernels.paged_prefill.default`, paged_prefill.cpp);
+    None where `kernel()` is None (the setting off, within `disabled()`, or no build)."""
+    return torch.ops.spyre_kernels.paged_prefill.default if kernel() is not None else None
 
 
 def start_build() -> threading.Thread | None:

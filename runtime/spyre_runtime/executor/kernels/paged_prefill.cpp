@@ -1,0 +1,304 @@
+// A prompt piece's causal attention that reads the KV cache's blocks in place (spyre_kernels::paged_prefill).
+//
+// The chunk region of a mixed step holds pieces of prompts (kv_cache.paged_prefill): each piece's tokens sit
+// at consecutive positions and attend to their own request's cached tokens, this step's included, up to their
+// own position. The ATen path gathers a piece's blocks (or views them) and runs torch's flash attention, whose
+// float32 GEMMs go through MKL's sgemm: on an AMD EPYC that is its AVX2 path, and a 144-token prompt's 30
+// layers took 12 ms of a 105 ms step there (bench/README.md run 33). This kernel is the same attention on ATen's
+// portable vector layer (at::vec: AVX2, AVX-512, VSX, Z vector, NEON/SVE), in the extension of
+// paged_attention.cpp, whose helpers (Vec, kLanes, load_float) it shares; the ATen path stays its fallback
+// and its test oracle:
+//   query [n, h, hd]: the piece's tokens at positions start .. start + n - 1; key_cache, value_cache
+//   [num_blocks, block_size, kvh, hd]; table [nb]: the piece's blocks; token i sees the slots [lo, start + i]
+//   with lo = 0, or start + i - window + 1 with a sliding window; query head j reads KV head j / (h / kvh);
+//   sinks add exp(sink[j]) to each softmax's denominator, as paged_decode's -> out [n, h, hd].
+//
+// Work: first every KV head's keys of every block the piece reads are laid out once as [hd, block] float
+// tiles, so that scoring is FMAs of a broadcast query value with a vector of keys, with no horizontal sum.
+// Then an item is (KV head, a tile of kTile tokens): the group's heads of those tokens, as rows, against every
+// block up to the tile's last position, with an online softmax; kRows rows are scored, and weight the
+// values, at once, kVecs vectors each, so that their sums stay in registers; the values are read where they
+// lie. The threads pull items from a shared counter, those that read the most first. Every sum is float32;
+// K/V in bf16 or fp16 are widened on load.
+
+namespace {
+
+constexpr int64_t kTile = 16;  // tokens an item takes
+constexpr int kRows = 4;       // rows (a token's query head) scored and weighted at once
+constexpr int kVecs = 4;       // vectors of scores or of outputs a row holds at once
+
+struct PrefillProblem {
+  int64_t n, start, heads, kvheads, group, head_dim, block_size, window;
+  int64_t v_block, v_slot, v_head;  // the value cache's strides, in elements
+  int64_t first_block;              // the first block any token reads (a window skips the earlier ones)
+  int64_t tile_width;               // a key tile's columns: block_size rounded up to kVecs vectors
+  const int64_t* table;
+  float scale;
+  const float* sinks;  // [heads] or null
+};
+
+// keys of (KV head, block b) as a [head_dim, tile_width] float tile, zero past the block's slots
+template <typename T>
+void lay_out_keys(const PrefillProblem& p, const at::Tensor& key_cache, int64_t kvhead, int64_t b, float* tile) {
+  const T* kc = key_cache.const_data_ptr<T>();
+  const int64_t w = p.tile_width;
+  const T* block = kc + p.table[b] * key_cache.stride(0) + kvhead * key_cache.stride(2);
+  std::fill(tile, tile + p.head_dim * w, 0.f);
+  for (int64_t s = 0; s < p.block_size; ++s) {
+    const T* key = block + s * key_cache.stride(1);
+    for (int64_t d = 0; d < p.head_dim; ++d) tile[d * w + s] = static_cast<float>(key[d]);
+  }
+}
+
+// scores[r][0, width) = q[r] . keys for rows [0, kRows) (every tile column; the caller masks)
+void score_rows(const float* q, int64_t head_dim, const float* tile, int64_t width, float* scores) {
+  for (int64_t c0 = 0; c0 < width; c0 += kVecs * kLanes) {
+    Vec s[kRows][kVecs];
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVecs; ++c) s[r][c] = Vec(0.f);
+    for (int64_t d = 0; d < head_dim; ++d) {
+      Vec k[kVecs];
+      for (int c = 0; c < kVecs; ++c) k[c] = Vec::loadu(tile + d * width + c0 + c * kLanes);
+      for (int r = 0; r < kRows; ++r) {
+        const Vec qv(q[r * head_dim + d]);
+        for (int c = 0; c < kVecs; ++c) s[r][c] = at::vec::fmadd(qv, k[c], s[r][c]);
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int c = 0; c < kVecs; ++c) s[r][c].store(scores + r * width + c0 + c * kLanes);
+  }
+}
+
+// acc[r] += sum_t weights[r][t] * values[t] for rows [0, kRows), n values, output vectors [v0, v0 + VN)
+template <typename T, int VN>
+void weigh_values(const T* values, int64_t v_slot, int64_t n, const float* weights, int64_t width, float* acc,
+                  int64_t head_dim, int64_t v0) {
+  Vec a[kRows][VN];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < VN; ++c) a[r][c] = Vec::loadu(acc + r * head_dim + (v0 + c) * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    Vec v[VN];
+    for (int c = 0; c < VN; ++c) v[c] = load_float(values + t * v_slot + (v0 + c) * kLanes);
+    for (int r = 0; r < kRows; ++r) {
+      const Vec w(weights[r * width + t]);
+      for (int c = 0; c < VN; ++c) a[r][c] = at::vec::fmadd(w, v[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < VN; ++c) a[r][c].store(acc + r * head_dim + (v0 + c) * kLanes);
+}
+
+// Folds one block's masked scores of a row into its running max and sum; leaves the weights in `scores`.
+void fold_block(float* scores, int64_t width, float& running_max, float& running_sum, float* acc, int64_t d) {
+  const Vec masked(-std::numeric_limits<float>::infinity()), zero(0.f);
+  Vec top = masked;
+  for (int64_t t = 0; t < width; t += kLanes) top = at::vec::maximum(top, Vec::loadu(scores + t));
+  const float block_max = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, top);
+  if (block_max == -std::numeric_limits<float>::infinity()) {  // no slot of this block is visible
+    std::fill(scores, scores + width, 0.f);
+    return;
+  }
+  const float new_max = std::max(running_max, block_max);
+  const float rescale = std::exp(running_max - new_max);  // 0 for the first block
+  const Vec m(new_max);
+  Vec total(0.f);
+  for (int64_t t = 0; t < width; t += kLanes) {  // masked scores are -inf: their weight is 0
+    const Vec x = Vec::loadu(scores + t);
+    const Vec e = Vec::blendv((x - m).exp_u20(), zero, x == masked);
+    e.store(scores + t);
+    total = total + e;
+  }
+  if (rescale != 1.f) {
+    const Vec r(rescale);
+    for (int64_t i = 0; i < d; i += kLanes) (Vec::loadu(acc + i) * r).store(acc + i);
+  }
+  running_sum = running_sum * rescale + hsum(total);
+  running_max = new_max;
+}
+
+struct PrefillScratch {
+  std::vector<float> query, acc, scores, max, sum;
+  PrefillScratch(const PrefillProblem& p, int64_t rows)
+      : query(rows * p.head_dim), acc(rows * p.head_dim), scores(rows * p.tile_width), max(rows), sum(rows) {}
+};
+
+// One item: tokens [t0, t1) of the piece, the heads of KV head `kvhead`'s group, as rows r = t * group + j.
+template <typename T>
+void prefill_item(const PrefillProblem& p, const T* query, const T* vc, const float* tiles, int64_t kvhead,
+                  int64_t t0, int64_t t1, T* out, PrefillScratch& s) {
+  const int64_t g = p.group, d = p.head_dim, w = p.tile_width, bs = p.block_size;
+  const int64_t rows = (t1 - t0) * g, padded = (rows + kRows - 1) / kRows * kRows;
+  for (int64_t r = 0; r < padded; ++r) {
+    float* q = s.query.data() + r * d;
+    if (r >= rows) {
+      std::fill(q, q + d, 0.f);
+      continue;
+    }
+    const T* src = query + ((t0 + r / g) * p.heads + kvhead * g + r % g) * d;
+    for (int64_t i = 0; i < d; ++i) q[i] = static_cast<float>(src[i]) * p.scale;
+  }
+  std::fill(s.acc.begin(), s.acc.begin() + padded * d, 0.f);
+  std::fill(s.max.begin(), s.max.begin() + padded, -std::numeric_limits<float>::infinity());
+  std::fill(s.sum.begin(), s.sum.begin() + padded, 0.f);
+  const int64_t last = p.start + t1 - 1;  // the tile's last position
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(0, p.start + t0 - p.window + 1) : 0;
+  const int64_t nb_total = (p.start + p.n + bs - 1) / bs;
+  for (int64_t b = lo / bs; b <= last / bs; ++b) {
+    const float* tile = tiles + (kvhead * (nb_total - p.first_block) + b - p.first_block) * d * w;
+    for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
+      score_rows(s.query.data() + r0 * d, d, tile, w, s.scores.data() + r0 * w);
+    }
+    for (int64_t r = 0; r < rows; ++r) {  // causal (and window) mask, then the online softmax
+      const int64_t pos = p.start + t0 + r / g;
+      float* sc = s.scores.data() + r * w;
+      // the block's visible columns [from, to): up to the row's position and the block's end, from its window
+      const int64_t to = std::clamp<int64_t>(pos - b * bs + 1, 0, bs);
+      const int64_t from = p.window > 0 ? std::clamp<int64_t>(pos - p.window + 1 - b * bs, 0, to) : 0;
+      std::fill(sc, sc + from, -std::numeric_limits<float>::infinity());
+      std::fill(sc + to, sc + w, -std::numeric_limits<float>::infinity());
+      fold_block(sc, w, s.max[r], s.sum[r], s.acc.data() + r * d, d);
+    }
+    const int64_t n = std::min(bs, last + 1 - b * bs);  // slots past the tile's last position weigh 0
+    const T* values = vc + p.table[b] * p.v_block + kvhead * p.v_head;
+    for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
+      for (int64_t v0 = 0; v0 < d / kLanes; v0 += kVecs) {
+        const float* weights = s.scores.data() + r0 * w;
+        float* acc = s.acc.data() + r0 * d;
+        switch (std::min<int64_t>(kVecs, d / kLanes - v0)) {
+          case 1: weigh_values<T, 1>(values, p.v_slot, n, weights, w, acc, d, v0); break;
+          case 2: weigh_values<T, 2>(values, p.v_slot, n, weights, w, acc, d, v0); break;
+          case 3: weigh_values<T, 3>(values, p.v_slot, n, weights, w, acc, d, v0); break;
+          default: weigh_values<T, 4>(values, p.v_slot, n, weights, w, acc, d, v0); break;
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t head = kvhead * g + r % g;
+    float denom = s.sum[r];
+    if (p.sinks != nullptr) denom += std::exp(p.sinks[head] - s.max[r]);
+    const float inv = denom > 0.f ? 1.f / denom : 0.f;
+    T* dest = out + ((t0 + r / g) * p.heads + head) * d;
+    for (int64_t i = 0; i < d; ++i) dest[i] = static_cast<T>(s.acc[r * d + i] * inv);
+  }
+}
+
+template <typename T>
+void run_prefill(const PrefillProblem& p, const at::Tensor& query, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, at::Tensor& out) {
+  const int64_t bs = p.block_size, d = p.head_dim, w = p.tile_width;
+  const int64_t nb = (p.start + p.n + bs - 1) / bs - p.first_block;
+  std::vector<float> tiles(p.kvheads * nb * d * w);
+  const int64_t work = p.n * (p.start + p.n) * p.heads;  // about twice the score count
+  const bool parallel = work >= 64 * 1024 && at::get_num_threads() > 1;
+  auto lay_out = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      lay_out_keys<T>(p, key_cache, i / nb, p.first_block + i % nb, tiles.data() + i * d * w);
+    }
+  };
+  if (parallel) {
+    at::parallel_for(0, p.kvheads * nb, 1, lay_out);
+  } else {
+    lay_out(0, p.kvheads * nb);
+  }
+  std::vector<std::pair<int64_t, int64_t>> items;  // (kv head, first token), the latest tiles first
+  for (int64_t t0 = (p.n - 1) / kTile * kTile; t0 >= 0; t0 -= kTile)
+    for (int64_t h = 0; h < p.kvheads; ++h) items.emplace_back(h, t0);
+  const T* q = query.const_data_ptr<T>();
+  const T* vc = value_cache.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  std::atomic<int64_t> next{0};
+  const int64_t count = static_cast<int64_t>(items.size());
+  auto worker = [&](int64_t, int64_t) {
+    PrefillScratch s(p, (kTile * p.group + kRows - 1) / kRows * kRows);
+    for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
+      const auto [h, t0] = items[i];
+      prefill_item<T>(p, q, vc, tiles.data(), h, t0, std::min(p.n, t0 + kTile), o, s);
+    }
+  };
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
+  if (!parallel || threads <= 1) {
+    worker(0, 1);
+  } else {
+    at::parallel_for(0, threads, 1, worker);
+  }
+}
+
+at::Tensor paged_prefill(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& table_in, int64_t start, double scale,
+                         const std::optional<at::Tensor>& sinks_in, int64_t window) {
+  TORCH_CHECK(query_in.dim() == 3, "paged_prefill: query must be [tokens, heads, head_dim], got ", query_in.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "paged_prefill: the caches must both be [num_blocks, block_size, kv_heads, head_dim], got ",
+              key_cache.sizes(), " and ", value_cache.sizes());
+  TORCH_CHECK(key_cache.scalar_type() == query_in.scalar_type() && value_cache.scalar_type() == query_in.scalar_type(),
+              "paged_prefill: query and caches differ in dtype (", query_in.scalar_type(), ", ",
+              key_cache.scalar_type(), ", ", value_cache.scalar_type(), ")");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
+              "paged_prefill: the caches' head_dim must be contiguous");
+  const int64_t n = query_in.size(0), heads = query_in.size(1), head_dim = query_in.size(2);
+  const int64_t kvheads = key_cache.size(2), block_size = key_cache.size(1);
+  TORCH_CHECK(key_cache.size(3) == head_dim, "paged_prefill: query head_dim ", head_dim, " != cache head_dim ",
+              key_cache.size(3));
+  TORCH_CHECK(head_dim % kLanes == 0 && block_size % kLanes == 0, "paged_prefill: head_dim ", head_dim,
+              " and block_size ", block_size, " must be multiples of the vector width ", kLanes);
+  TORCH_CHECK(kvheads > 0 && heads % kvheads == 0, "paged_prefill: ", heads, " query heads do not share ", kvheads,
+              " KV heads evenly");
+  const at::Tensor table = table_in.to(at::kLong).contiguous();
+  TORCH_CHECK(table.dim() == 1 && start >= 0 && start + n <= table.size(0) * block_size,
+              "paged_prefill: positions ", start, " to ", start + n, " are outside the piece's ", table.size(0),
+              " blocks");
+  at::Tensor sinks;
+  if (sinks_in.has_value()) {
+    sinks = sinks_in->to(at::kFloat).contiguous();
+    TORCH_CHECK(sinks.numel() == heads, "paged_prefill: sinks must hold one logit per query head (", heads,
+                "), got ", sinks.numel());
+  }
+  const at::Tensor query = query_in.contiguous();
+  at::Tensor out = at::empty_like(query);
+  if (n == 0) return out;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
+  const int64_t width = (block_size + kVecs * kLanes - 1) / (kVecs * kLanes) * (kVecs * kLanes);
+  PrefillProblem p{n,
+                   start,
+                   heads,
+                   kvheads,
+                   heads / kvheads,
+                   head_dim,
+                   block_size,
+                   window,
+                   value_cache.stride(0),
+                   value_cache.stride(1),
+                   value_cache.stride(2),
+                   lo / block_size,
+                   width,
+                   table.const_data_ptr<int64_t>(),
+                   static_cast<float>(scale),
+                   sinks.defined() ? sinks.const_data_ptr<float>() : nullptr};
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      run_prefill<float>(p, query, key_cache, value_cache, out);
+      break;
+    case at::kBFloat16:
+      run_prefill<c10::BFloat16>(p, query, key_cache, value_cache, out);
+      break;
+    case at::kHalf:
+      run_prefill<c10::Half>(p, query, key_cache, value_cache, out);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_prefill: dtype ", query.scalar_type(), " is not float32, bfloat16 or float16");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
+  m.def(
+      "paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor table, int start, float scale, "
+      "Tensor? sinks=None, int window=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
+  m.impl("paged_prefill", &paged_prefill);
+}
