@@ -251,7 +251,9 @@ def paged_prefill(
     cached tokens up to its position (their K/V, this step's included, are already in the cache).
     query: [T, h, hd]; piece_tables: [P, nb]; piece_lens: [P] (0: no such piece); token_piece, token_pos:
     [T] -> [T, h, hd], zeros for padding tokens. Opaque to the compiler: each piece reads only the blocks it
-    uses, and the pieces' lengths and layout change from step to step under one graph."""
+    uses, and the pieces' lengths and layout change from step to step under one graph. A piece of consecutive
+    positions runs the C++ kernel that reads its blocks in place (kernels/paged_prefill.cpp) where the
+    extension is built, else the ATen ops below (its fallback and oracle)."""
     out = torch.zeros_like(query)
     layout = _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window)
     kernel = paged_attention.prefill_kernel() if query.dtype == key_cache.dtype else None
