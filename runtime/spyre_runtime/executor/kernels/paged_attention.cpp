@@ -352,24 +352,42 @@ void run(const Problem& p, const Plan& plan, const at::Tensor& query, const at::
   }
 }
 
+// What both attention ops ask of their query [n, heads, head_dim] and caches [num_blocks, block_size, kv_heads,
+// head_dim]; each failure names the op and what was wrong.
+void check_attention_inputs(const char* op, const char* what, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache) {
+  TORCH_CHECK(query.dim() == 3, op, ": query must be [", what, ", heads, head_dim], got ", query.sizes());
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), op,
+              ": the caches must both be [num_blocks, block_size, kv_heads, head_dim], got ", key_cache.sizes(),
+              " and ", value_cache.sizes());
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(), op,
+              ": query and caches differ in dtype (", query.scalar_type(), ", ", key_cache.scalar_type(), ", ",
+              value_cache.scalar_type(), ")");
+  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, op, ": the caches' head_dim must be contiguous");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), op, ": query head_dim ", query.size(2), " != cache head_dim ",
+              key_cache.size(3));
+  const int64_t heads = query.size(1), kvheads = key_cache.size(2);
+  TORCH_CHECK(kvheads > 0 && heads % kvheads == 0, op, ": ", heads, " query heads do not share ", kvheads,
+              " KV heads evenly");
+}
+
+// Calls f(T{}) with T the C++ type of a float32, bfloat16 or float16 tensor's dtype; names `op` otherwise.
+template <typename F>
+void with_float_type(at::ScalarType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kBFloat16: return f(c10::BFloat16{});
+    case at::kHalf: return f(c10::Half{});
+    default: TORCH_CHECK(false, op, ": dtype ", dtype, " is not float32, bfloat16 or float16");
+  }
+}
+
 at::Tensor paged_decode(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                         const at::Tensor& block_table_in, const at::Tensor& seq_lens_in, double scale,
                         const std::optional<at::Tensor>& sinks_in, int64_t window, int64_t live) {
-  TORCH_CHECK(query_in.dim() == 3, "paged_decode: query must be [rows, heads, head_dim], got ", query_in.sizes());
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
-              "paged_decode: the caches must both be [num_blocks, block_size, kv_heads, head_dim], got ",
-              key_cache.sizes(), " and ", value_cache.sizes());
-  TORCH_CHECK(key_cache.scalar_type() == query_in.scalar_type() && value_cache.scalar_type() == query_in.scalar_type(),
-              "paged_decode: query and caches differ in dtype (", query_in.scalar_type(), ", ",
-              key_cache.scalar_type(), ", ", value_cache.scalar_type(), ")");
-  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-              "paged_decode: the caches' head_dim must be contiguous");
+  check_attention_inputs("paged_decode", "rows", query_in, key_cache, value_cache);
   const int64_t rows = query_in.size(0), heads = query_in.size(1), head_dim = query_in.size(2);
   const int64_t kvheads = key_cache.size(2), block_size = key_cache.size(1);
-  TORCH_CHECK(key_cache.size(3) == head_dim, "paged_decode: query head_dim ", head_dim, " != cache head_dim ",
-              key_cache.size(3));
-  TORCH_CHECK(kvheads > 0 && heads % kvheads == 0, "paged_decode: ", heads, " query heads do not share ", kvheads,
-              " KV heads evenly");
   TORCH_CHECK(block_table_in.dim() == 2 && block_table_in.size(0) == rows && seq_lens_in.numel() == rows,
               "paged_decode: block_table must be [rows, blocks] and seq_lens [rows] for ", rows, " rows, got ",
               block_table_in.sizes(), " and ", seq_lens_in.sizes());
@@ -405,19 +423,9 @@ at::Tensor paged_decode(const at::Tensor& query_in, const at::Tensor& key_cache,
     every_row_read = plan.splits[r] > 0;
   }
   at::Tensor out = every_row_read ? at::empty_like(query) : at::zeros_like(query);
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      run<float>(p, plan, query, key_cache, value_cache, out);
-      break;
-    case at::kBFloat16:
-      run<c10::BFloat16>(p, plan, query, key_cache, value_cache, out);
-      break;
-    case at::kHalf:
-      run<c10::Half>(p, plan, query, key_cache, value_cache, out);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_decode: dtype ", query.scalar_type(), " is not float32, bfloat16 or float16");
-  }
+  with_float_type(query.scalar_type(), "paged_decode", [&](auto zero) {
+    run<decltype(zero)>(p, plan, query, key_cache, value_cache, out);
+  });
   return out;
 }
 

@@ -227,23 +227,11 @@ void run_prefill(const PrefillProblem& p, const at::Tensor& query, const at::Ten
 at::Tensor paged_prefill(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
                          const at::Tensor& table_in, int64_t start, double scale,
                          const std::optional<at::Tensor>& sinks_in, int64_t window) {
-  TORCH_CHECK(query_in.dim() == 3, "paged_prefill: query must be [tokens, heads, head_dim], got ", query_in.sizes());
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
-              "paged_prefill: the caches must both be [num_blocks, block_size, kv_heads, head_dim], got ",
-              key_cache.sizes(), " and ", value_cache.sizes());
-  TORCH_CHECK(key_cache.scalar_type() == query_in.scalar_type() && value_cache.scalar_type() == query_in.scalar_type(),
-              "paged_prefill: query and caches differ in dtype (", query_in.scalar_type(), ", ",
-              key_cache.scalar_type(), ", ", value_cache.scalar_type(), ")");
-  TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1,
-              "paged_prefill: the caches' head_dim must be contiguous");
+  check_attention_inputs("paged_prefill", "tokens", query_in, key_cache, value_cache);
   const int64_t n = query_in.size(0), heads = query_in.size(1), head_dim = query_in.size(2);
   const int64_t kvheads = key_cache.size(2), block_size = key_cache.size(1);
-  TORCH_CHECK(key_cache.size(3) == head_dim, "paged_prefill: query head_dim ", head_dim, " != cache head_dim ",
-              key_cache.size(3));
   TORCH_CHECK(head_dim % kLanes == 0 && block_size % kLanes == 0, "paged_prefill: head_dim ", head_dim,
               " and block_size ", block_size, " must be multiples of the vector width ", kLanes);
-  TORCH_CHECK(kvheads > 0 && heads % kvheads == 0, "paged_prefill: ", heads, " query heads do not share ", kvheads,
-              " KV heads evenly");
   const at::Tensor table = table_in.to(at::kLong).contiguous();
   TORCH_CHECK(table.dim() == 1 && start >= 0 && start + n <= table.size(0) * block_size,
               "paged_prefill: positions ", start, " to ", start + n, " are outside the piece's ", table.size(0),
@@ -275,19 +263,9 @@ at::Tensor paged_prefill(const at::Tensor& query_in, const at::Tensor& key_cache
                    table.const_data_ptr<int64_t>(),
                    static_cast<float>(scale),
                    sinks.defined() ? sinks.const_data_ptr<float>() : nullptr};
-  switch (query.scalar_type()) {
-    case at::kFloat:
-      run_prefill<float>(p, query, key_cache, value_cache, out);
-      break;
-    case at::kBFloat16:
-      run_prefill<c10::BFloat16>(p, query, key_cache, value_cache, out);
-      break;
-    case at::kHalf:
-      run_prefill<c10::Half>(p, query, key_cache, value_cache, out);
-      break;
-    default:
-      TORCH_CHECK(false, "paged_prefill: dtype ", query.scalar_type(), " is not float32, bfloat16 or float16");
-  }
+  with_float_type(query.scalar_type(), "paged_prefill", [&](auto zero) {
+    run_prefill<decltype(zero)>(p, query, key_cache, value_cache, out);
+  });
   return out;
 }
 
