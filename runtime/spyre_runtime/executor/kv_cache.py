@@ -257,7 +257,7 @@ def paged_prefill(
     out = torch.zeros_like(query)
     layout = _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window)
     kernel = paged_attention.prefill_kernel() if query.dtype == key_cache.dtype else None
-    for rows, first, table, visible, blocks, start in layout:
+    for rows, first, blocks, visible, start in layout:
         if kernel is not None and start is not None and query.shape[-1] % 16 == 0:  # the C++ kernel
             piece = kernel(
                 query.index_select(0, rows), key_cache, value_cache, blocks, start, scale, sinks, window
@@ -265,9 +265,9 @@ def paged_prefill(
             out.index_copy_(0, rows, piece)
             continue
         if first is not None:  # the piece's blocks are consecutive: a view of the cache, nothing gathered
-            keys, values = key_cache[first : first + table], value_cache[first : first + table]
+            keys, values = key_cache[first : first + len(blocks)], value_cache[first : first + len(blocks)]
         else:
-            keys, values = key_cache.index_select(0, table), value_cache.index_select(0, table)
+            keys, values = key_cache.index_select(0, blocks), value_cache.index_select(0, blocks)
         length = visible.shape[1] if visible is not None else rows.shape[0]
         piece = _attend_piece(query.index_select(0, rows), keys, values, length, visible, scale, sinks)
         out.index_copy_(0, rows, piece)
@@ -276,10 +276,10 @@ def paged_prefill(
 
 def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window=0):
     """Per piece, what every layer of a mixed step reads the same way: its tokens in the region (in
-    position order), its blocks (the first one and their count when consecutive, else the table), what
+    position order), its first block when its blocks are consecutive (else None), its block table, what
     each token sees (`visible` is None when the piece is its prompt's start: causal from slot 0, attention
-    skips the masked half instead of reading a mask), its block table, and its first position when its
-    positions are consecutive (the C++ kernel's case, kernels/paged_prefill.cpp; else None). Computed by the
+    skips the masked half instead of reading a mask), and its first position when its positions are
+    consecutive (the C++ kernel's case, kernels/paged_prefill.cpp; else None). Computed by the
     step's first layer (`step_layouts`)."""
     cached = _layouts.get(("prefill", window)) if _layouts is not None else None
     if cached is not None:
@@ -304,9 +304,7 @@ def _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window=0):
             if window:
                 visible &= slots > positions[:, None] - window
         start = int(positions[0]) if bool((positions == positions[0] + slots[: len(rows)]).all()) else None
-        layout.append(
-            (rows, first if consecutive else None, nb if consecutive else blocks, visible, blocks, start)
-        )
+        layout.append((rows, first if consecutive else None, blocks, visible, start))
     if _layouts is not None:
         _layouts[("prefill", window)] = layout
     return layout

@@ -55,9 +55,9 @@ SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # the C++ kernel of linear.py's packed linear op (packed_linear.cpp), which serves once linear.py has
 # moved its state into it (`when_loaded`), and a prompt piece's attention (paged_prefill.cpp,
 # `torch.ops.spyre_kernels.paged_prefill`, which kv_cache.paged_prefill runs)
-SOURCES = tuple(
-    Path(__file__).with_name(name)
-    for name in ("paged_attention.cpp", "linear_row.cpp", "packed_linear.cpp", "paged_prefill.cpp")
+SOURCES = (
+    SOURCE,
+    *(SOURCE.with_name(name) for name in ("linear_row.cpp", "packed_linear.cpp", "paged_prefill.cpp")),
 )
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OWN_FLAGS = ["-O3", "-fopenmp", "-DNDEBUG"]
@@ -74,6 +74,7 @@ ISAS = {
 _lock = threading.Lock()
 _op: list = []  # [op or None] once the kernel has been tried (built and loaded, or not)
 _row: list = []  # [the one-row linear op] once the extension is loaded
+_prefill: list = []  # [a prompt piece's attention op] likewise
 _off = 0  # > 0 within `disabled()`
 _hooks: list[Callable[[], None]] = []  # run once the extension is loaded (`when_loaded`)
 _hooks_lock = threading.Lock()
@@ -98,9 +99,9 @@ def row_kernel():
 
 
 def prefill_kernel():
-    """A prompt piece's attention op (`torch.ops.spyre_kernels.paged_prefill.default`, paged_prefill.cpp);
-    None where `kernel()` is None (the setting off, within `disabled()`, or no build)."""
-    return torch.ops.spyre_kernels.paged_prefill.default if kernel() is not None else None
+    """A prompt piece's attention op (`torch.ops.spyre_kernels.paged_prefill.default`, paged_prefill.cpp),
+    looked up once; None where `kernel()` is None (the setting off, within `disabled()`, or no build)."""
+    return _prefill[0] if kernel() is not None else None
 
 
 def start_build() -> threading.Thread | None:
@@ -246,6 +247,7 @@ def _load():
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
         with _hooks_lock:
             _row.append(torch.ops.spyre_kernels.linear_row.default)
+            _prefill.append(torch.ops.spyre_kernels.paged_prefill.default)
             hooks = list(_hooks)
             _hooks.clear()
         _tell_row()
