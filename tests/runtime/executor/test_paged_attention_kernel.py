@@ -77,6 +77,10 @@ CASES = [  # lens, heads, kv heads, head_dim, window, sinks
     pytest.param([90, 333], 32, 1, 64, 0, True, id="mqa-32-heads-one-kv"),
     pytest.param([17, 250], 12, 1, 72, 0, False, id="head-dim-with-a-vector-tail"),
     pytest.param([1, 2, 3], 2, 1, 8, 0, False, id="tiny-head-dim"),
+    # head_dim of 1, 2 and 8 whole AVX-512 vectors, and a group the fixed loops take in three passes (2, 2, 1)
+    pytest.param([3, 64, 100], 6, 2, 16, 0, False, id="hd16"),
+    pytest.param([70, 129], 8, 1, 32, 0, True, id="hd32-gqa8-sinks"),
+    pytest.param([40, 300], 10, 2, 128, 0, False, id="group-of-5-hd128"),
 ]
 
 

@@ -21,7 +21,10 @@
 // in bf16 or fp16 are widened to fp32 on load; every sum is fp32. The kernel waits on memory, not on
 // arithmetic: each slot it reads asks for the same slot of the next block (into L2) and for a slot a few
 // tokens ahead (into L1); the heads scored or weighted at once are a compile-time count, so that their sums
-// stay in registers (bench/README.md runs 25 and 26).
+// stay in registers (bench/README.md runs 25 and 26). Where head_dim is 1, 2, 4 or 8 whole vectors, the
+// head_dim is a compile-time count too: a group's queries (when scoring) or its accumulators (when weighting
+// the values) stay in registers across the block's tokens, up to 4 heads at once (run 36: 2.3x less
+// arithmetic than the loops over any head_dim, which remain for the other sizes).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -193,6 +196,114 @@ void accumulate_heads(const Problem& p, const T* values, int64_t n, const float*
   }
 }
 
+// The same two loops for a head_dim of DV whole vectors (DV a constant): the HN heads' queries, or their
+// accumulators, stay in registers across the block's tokens, so a token costs its DV loads and HN * DV FMAs,
+// with no accumulator reloaded and no chain of FMAs longer than one per token.
+template <typename T, int HN, int DV>
+void score_fixed(const Problem& p, const float* q, const T* keys, int64_t n, int64_t h0, float* scores,
+                 const T* next, int64_t ahead) {
+  constexpr int64_t d = DV * kLanes;
+  Vec qv[HN][DV];
+  for (int j = 0; j < HN; ++j)
+    for (int c = 0; c < DV; ++c) qv[j][c] = Vec::loadu(q + (h0 + j) * d + c * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    if (t < ahead) prefetch(next + t * p.k_slot, d);
+    if (t + kNear < n) prefetch<T, 3>(keys + (t + kNear) * p.k_slot, d);
+    const T* k = keys + t * p.k_slot;
+    Vec kv[DV];
+    for (int c = 0; c < DV; ++c) kv[c] = load_float(k + c * kLanes);
+    for (int j = 0; j < HN; ++j) {
+      Vec s = qv[j][0] * kv[0];
+      for (int c = 1; c < DV; ++c) s = at::vec::fmadd(qv[j][c], kv[c], s);
+      scores[(h0 + j) * p.block_size + t] = hsum(s);
+    }
+  }
+}
+
+template <typename T, int HN, int DV>
+void accumulate_fixed(const Problem& p, const T* values, int64_t n, const float* weights, float* acc, int64_t h0,
+                      const T* next, int64_t ahead) {
+  constexpr int64_t d = DV * kLanes;
+  Vec a[HN][DV];
+  for (int j = 0; j < HN; ++j)
+    for (int c = 0; c < DV; ++c) a[j][c] = Vec::loadu(acc + (h0 + j) * d + c * kLanes);
+  for (int64_t t = 0; t < n; ++t) {
+    if (t < ahead) prefetch(next + t * p.v_slot, d);
+    if (t + kNear < n) prefetch<T, 3>(values + (t + kNear) * p.v_slot, d);
+    const T* v = values + t * p.v_slot;
+    Vec vv[DV];
+    for (int c = 0; c < DV; ++c) vv[c] = load_float(v + c * kLanes);
+    for (int j = 0; j < HN; ++j) {
+      const Vec w(weights[(h0 + j) * p.block_size + t]);
+      for (int c = 0; c < DV; ++c) a[j][c] = at::vec::fmadd(w, vv[c], a[j][c]);
+    }
+  }
+  for (int j = 0; j < HN; ++j)
+    for (int c = 0; c < DV; ++c) a[j][c].store(acc + (h0 + j) * d + c * kLanes);
+}
+
+// The vector registers the fixed loops may fill: AVX-512 has 32, AVX2 16 (VSX and Z more; 16 is safe).
+constexpr int kRegisters = kLanes >= 16 ? 32 : 16;
+
+// How many heads the fixed loops take at once for a head_dim of `dv` vectors: their DV * HN accumulators,
+// the token's DV values and a weight within the registers; 1 to 4.
+constexpr int64_t heads_at_once(int dv) {
+  const int fit = (kRegisters - dv - 1) / dv;
+  return fit < 1 ? 1 : (fit > 4 ? 4 : fit);
+}
+
+// Calls f(std::integral_constant<int, dv>{}) when head_dim is dv whole vectors for dv in 1, 2, 4 or 8, and
+// returns true; false (f not called) for any other head_dim.
+template <typename F>
+inline bool with_vector_count(int64_t head_dim, F&& f) {
+  if (head_dim % kLanes != 0) return false;
+  switch (head_dim / kLanes) {
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    default: return false;
+  }
+}
+
+// One KV head's group of query heads over n tokens of a block: their scores, the softmax folded into each
+// head's running max and sum, and the values weighted into the accumulators. DV > 0: head_dim is DV whole
+// vectors (the fixed loops); 0: any head_dim.
+template <typename T, int DV>
+void attend_group(const Problem& p, const T* keys, const T* values, int64_t n, const T* next_keys,
+                  const T* next_values, int64_t ahead, int64_t first, Scratch& s) {
+  const int64_t d = p.head_dim, g = p.group;
+  const float* q = s.query.data() + first * d;
+  float* acc = s.acc.data() + first * d;
+  float* scores = s.scores.data();
+  constexpr int64_t most = DV > 0 ? heads_at_once(DV) : kHeadChunk;
+  for (int64_t h0 = 0; h0 < g; h0 += most) {
+    with_head_count(std::min(most, g - h0), [&](auto hn) {
+      constexpr int HN = decltype(hn)::value;
+      const int64_t fetch = h0 == 0 ? ahead : 0;
+      if constexpr (DV == 0) {
+        score_heads<T, HN>(p, q, keys, n, h0, scores, next_keys, fetch);
+      } else if constexpr (HN <= most) {
+        score_fixed<T, HN, DV>(p, q, keys, n, h0, scores, next_keys, fetch);
+      }
+    });
+  }
+  for (int64_t h = 0; h < g; ++h) {
+    softmax_block(scores + h * p.block_size, n, s.max[first + h], s.sum[first + h], acc + h * d, d);
+  }
+  for (int64_t h0 = 0; h0 < g; h0 += most) {
+    with_head_count(std::min(most, g - h0), [&](auto hn) {
+      constexpr int HN = decltype(hn)::value;
+      const int64_t fetch = h0 == 0 ? ahead : 0;
+      if constexpr (DV == 0) {
+        accumulate_heads<T, HN>(p, values, n, scores, acc, h0, next_values, fetch);
+      } else if constexpr (HN <= most) {
+        accumulate_fixed<T, HN, DV>(p, values, n, scores, acc, h0, next_values, fetch);
+      }
+    });
+  }
+}
+
 // Every head of the item's row over the item's positions: leaves the running max, sum and the
 // unnormalized output of each in `s`. A block is read whole, one KV head after another, while it is in
 // the cache: an item's reads are the block's contiguous slots, not one head's slice of each.
@@ -217,22 +328,10 @@ void attend_range(const Problem& p, const T* query, const T* kc, const T* vc, co
       const T* next_keys = kc + next * p.k_block + kvhead * p.k_head;
       const T* next_values = vc + next * p.v_block + kvhead * p.v_head;
       const int64_t first = kvhead * g;  // the group's first query head
-      float* acc = s.acc.data() + first * d;
-      for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
-        with_head_count(std::min(kHeadChunk, g - h0), [&](auto hn) {
-          score_heads<T, decltype(hn)::value>(p, s.query.data() + first * d, keys, n, h0, s.scores.data(),
-                                              next_keys, h0 == 0 ? ahead : 0);
-        });
-      }
-      for (int64_t h = 0; h < g; ++h) {
-        softmax_block(s.scores.data() + h * p.block_size, n, s.max[first + h], s.sum[first + h], acc + h * d, d);
-      }
-      for (int64_t h0 = 0; h0 < g; h0 += kHeadChunk) {
-        with_head_count(std::min(kHeadChunk, g - h0), [&](auto hn) {
-          accumulate_heads<T, decltype(hn)::value>(p, values, n, s.scores.data(), acc, h0, next_values,
-                                                   h0 == 0 ? ahead : 0);
-        });
-      }
+      const bool fixed = with_vector_count(d, [&](auto dv) {
+        attend_group<T, decltype(dv)::value>(p, keys, values, n, next_keys, next_values, ahead, first, s);
+      });
+      if (!fixed) attend_group<T, 0>(p, keys, values, n, next_keys, next_values, ahead, first, s);
     }
     pos += n;
   }
