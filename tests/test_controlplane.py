@@ -127,6 +127,31 @@ def test_port_already_taken_is_named(tmp_path):
     assert cp.procs == []
 
 
+def test_a_port_taken_after_it_was_chosen_is_chosen_again(cluster, tmp_path):
+    """Parallel test modules each choose free ports; one can bind a port another chose before that one
+    binds it. The component that lost its port starts on a new one instead of failing the module."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        cp = ControlPlane(workdir=tmp_path)
+        choose = cp._choose_ports
+
+        def choose_then_lose_the_schedulers():
+            choose()
+            cp.ports["kube-scheduler"] = taken
+
+        cp._choose_ports = choose_then_lose_the_schedulers
+        try:
+            cp.start()
+            assert cp.ports["kube-scheduler"] != taken
+            assert is_port_in_use(cp.ports["kube-scheduler"])
+            assert len(cp.pids()) == 4 and all(pid_alive(p) for p in cp.pids())
+            assert "address already in use" in (tmp_path / "kube-scheduler.log").read_text()
+        finally:
+            cp.stop()
+
+
 def test_missing_binary_is_named(tmp_path):
     cp = ControlPlane(workdir=tmp_path / "work", bin_dir=tmp_path / "empty-bin")
     with pytest.raises(ControlPlaneError, match=r"kube-apiserver binary not found at .*empty-bin"):

@@ -12,6 +12,7 @@ import contextlib
 import ctypes
 import datetime
 import json
+import logging
 import os
 import shutil
 import signal
@@ -30,6 +31,8 @@ K8S_VERSION = "1.20.2"
 DEFAULT_CARD_RESOURCE = "ibm.com/spyre_pf"
 COMPONENTS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler")
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+log = logging.getLogger(__name__)
 
 
 class ControlPlaneError(RuntimeError):
@@ -183,15 +186,31 @@ class ControlPlane:
             self._choose_ports()
             self._write_pki_and_tokens()
             self._write_kubeconfigs()
-            self._start_etcd()
+            self._on_free_ports(("etcd-client", "etcd-peer"), self._start_etcd)
             self._start_apiserver()
-            self._start_controller_manager()
-            self._start_scheduler()
+            self._on_free_ports(("kube-controller-manager",), self._start_controller_manager)
+            self._on_free_ports(("kube-scheduler",), self._start_scheduler)
             self._write_state()
         except BaseException:
             self.stop()
             raise
         self.startup_seconds = time.monotonic() - t0
+
+    def _on_free_ports(self, names: tuple[str, ...], start, attempts: int = 3) -> None:
+        """Runs `start`; when its process exits because another one bound a port of `names` between
+        `free_port()` choosing it and the bind (test modules run in parallel, each choosing ports), chooses
+        new ports and starts it again, up to `attempts` times. Any other failure is raised as it is."""
+        for attempt in range(attempts):
+            try:
+                start()
+                return
+            except ControlPlaneError as e:
+                if "address already in use" not in str(e) or attempt == attempts - 1:
+                    raise
+                log.warning("%s: a port was taken before it bound; starting it on new ports", names[0])
+                self.procs = [p for p in self.procs if p.is_alive()]
+                for name in names:
+                    self.ports[name] = free_port()
 
     def stop(self, grace: float = 10.0) -> None:
         """Stops every started process, newest first: SIGTERM, then SIGKILL after `grace` seconds."""
