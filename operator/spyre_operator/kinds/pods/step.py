@@ -4,7 +4,8 @@ the serving one, held while the graph cache fills or while the model waits for a
 budget, and which old pods' nodes could host a new pod when cards are short.
 
 The watch's view is acted on as it is (no list of the model's pods beside the watch) once it shows the
-operator's own last writes; until then the step waits for the watch's events, which bring the model back.
+operator's own last writes, and as read then (a view read before may lack them); until then the step waits
+for the watch's events, which bring the model back.
 The pods are listed from the API server only when the cache cannot answer: a write of ours the watch has not
 shown within watch.EXPECT_SECONDS (its event lost, or a pod that came and went within one batch of events).
 """
@@ -78,7 +79,13 @@ class PodStep:
             pods, version = self.kube.listing("Pod", namespace, f"{MODEL_LABEL}={name}")
             self.watch.relisted(key, pods, version)
             plan, build = self._decide(key, model, spec, thash, pods, cache, work)
-        self._apply(key, model, plan, build, work)
+        elif (shown := self.watch.pods(key)) != pods:
+            # `pods` was read before the watch showed our last writes: a plan on it would make them again
+            # (a pod created in the last pass and missing from it is created twice: one too many)
+            pods = shown
+            plan, build = self._decide(key, model, spec, thash, pods, cache, work)
+        if not plan.is_noop:
+            self._apply(key, model, plan, build, work)
         return pods, not plan.is_noop
 
     def forget(self, key: Key) -> None:
