@@ -199,19 +199,33 @@ void accumulate_heads(const Problem& p, const T* values, int64_t n, const float*
 // The same two loops for a head_dim of DV whole vectors (DV a constant): the HN heads' queries, or their
 // accumulators, stay in registers across the block's tokens, so a token costs its DV loads and HN * DV FMAs,
 // with no accumulator reloaded and no chain of FMAs longer than one per token.
+// Loads the DV vectors of heads [h0, h0 + HN) from `base` (HN rows of DV vectors).
+template <int HN, int DV>
+inline void load_heads(Vec (&out)[HN][DV], const float* base, int64_t h0) {
+  constexpr int64_t d = DV * kLanes;
+  for (int j = 0; j < HN; ++j)
+    for (int c = 0; c < DV; ++c) out[j][c] = Vec::loadu(base + (h0 + j) * d + c * kLanes);
+}
+
+// Loads token t's DV vectors from a block's slots at `base` (`stride` apart), after asking for the next block's
+// slot t (while t < ahead) and for this block's slot kNear tokens on, as the loops over any head_dim do.
+template <typename T, int DV>
+inline void load_slot(Vec (&out)[DV], const T* base, int64_t stride, int64_t t, int64_t n, const T* next,
+                      int64_t ahead) {
+  constexpr int64_t d = DV * kLanes;
+  if (t < ahead) prefetch(next + t * stride, d);
+  if (t + kNear < n) prefetch<T, 3>(base + (t + kNear) * stride, d);
+  for (int c = 0; c < DV; ++c) out[c] = load_float(base + t * stride + c * kLanes);
+}
+
 template <typename T, int HN, int DV>
 void score_fixed(const Problem& p, const float* q, const T* keys, int64_t n, int64_t h0, float* scores,
                  const T* next, int64_t ahead) {
-  constexpr int64_t d = DV * kLanes;
   Vec qv[HN][DV];
-  for (int j = 0; j < HN; ++j)
-    for (int c = 0; c < DV; ++c) qv[j][c] = Vec::loadu(q + (h0 + j) * d + c * kLanes);
+  load_heads<HN, DV>(qv, q, h0);
   for (int64_t t = 0; t < n; ++t) {
-    if (t < ahead) prefetch(next + t * p.k_slot, d);
-    if (t + kNear < n) prefetch<T, 3>(keys + (t + kNear) * p.k_slot, d);
-    const T* k = keys + t * p.k_slot;
     Vec kv[DV];
-    for (int c = 0; c < DV; ++c) kv[c] = load_float(k + c * kLanes);
+    load_slot<T, DV>(kv, keys, p.k_slot, t, n, next, ahead);
     for (int j = 0; j < HN; ++j) {
       Vec s = qv[j][0] * kv[0];
       for (int c = 1; c < DV; ++c) s = at::vec::fmadd(qv[j][c], kv[c], s);
@@ -223,21 +237,17 @@ void score_fixed(const Problem& p, const float* q, const T* keys, int64_t n, int
 template <typename T, int HN, int DV>
 void accumulate_fixed(const Problem& p, const T* values, int64_t n, const float* weights, float* acc, int64_t h0,
                       const T* next, int64_t ahead) {
-  constexpr int64_t d = DV * kLanes;
   Vec a[HN][DV];
-  for (int j = 0; j < HN; ++j)
-    for (int c = 0; c < DV; ++c) a[j][c] = Vec::loadu(acc + (h0 + j) * d + c * kLanes);
+  load_heads<HN, DV>(a, acc, h0);
   for (int64_t t = 0; t < n; ++t) {
-    if (t < ahead) prefetch(next + t * p.v_slot, d);
-    if (t + kNear < n) prefetch<T, 3>(values + (t + kNear) * p.v_slot, d);
-    const T* v = values + t * p.v_slot;
     Vec vv[DV];
-    for (int c = 0; c < DV; ++c) vv[c] = load_float(v + c * kLanes);
+    load_slot<T, DV>(vv, values, p.v_slot, t, n, next, ahead);
     for (int j = 0; j < HN; ++j) {
       const Vec w(weights[(h0 + j) * p.block_size + t]);
       for (int c = 0; c < DV; ++c) a[j][c] = at::vec::fmadd(w, vv[c], a[j][c]);
     }
   }
+  constexpr int64_t d = DV * kLanes;
   for (int j = 0; j < HN; ++j)
     for (int c = 0; c < DV; ++c) a[j][c].store(acc + (h0 + j) * d + c * kLanes);
 }
@@ -266,6 +276,18 @@ inline bool with_vector_count(int64_t head_dim, F&& f) {
   }
 }
 
+// Calls f(std::integral_constant<int, hn>{}, h0, fetch) for the group's heads in chunks [h0, h0 + hn) of at
+// most `most` heads (hn a constant, never above `most`); `fetch`: how many of the next block's slots the
+// chunk asks for (the first chunk asks for `ahead`, the others for none).
+template <int64_t most, typename F>
+inline void for_head_chunks(int64_t g, int64_t ahead, F&& f) {
+  for (int64_t h0 = 0; h0 < g; h0 += most) {
+    with_head_count(std::min(most, g - h0), [&](auto hn) {
+      if constexpr (decltype(hn)::value <= most) f(hn, h0, h0 == 0 ? ahead : 0);
+    });
+  }
+}
+
 // One KV head's group of query heads over n tokens of a block: their scores, the softmax folded into each
 // head's running max and sum, and the values weighted into the accumulators. DV > 0: head_dim is DV whole
 // vectors (the fixed loops); 0: any head_dim.
@@ -277,31 +299,23 @@ void attend_group(const Problem& p, const T* keys, const T* values, int64_t n, c
   float* acc = s.acc.data() + first * d;
   float* scores = s.scores.data();
   constexpr int64_t most = DV > 0 ? heads_at_once(DV) : kHeadChunk;
-  for (int64_t h0 = 0; h0 < g; h0 += most) {
-    with_head_count(std::min(most, g - h0), [&](auto hn) {
-      constexpr int HN = decltype(hn)::value;
-      const int64_t fetch = h0 == 0 ? ahead : 0;
-      if constexpr (DV == 0) {
-        score_heads<T, HN>(p, q, keys, n, h0, scores, next_keys, fetch);
-      } else if constexpr (HN <= most) {
-        score_fixed<T, HN, DV>(p, q, keys, n, h0, scores, next_keys, fetch);
-      }
-    });
-  }
+  for_head_chunks<most>(g, ahead, [&](auto hn, int64_t h0, int64_t fetch) {
+    if constexpr (DV == 0) {
+      score_heads<T, decltype(hn)::value>(p, q, keys, n, h0, scores, next_keys, fetch);
+    } else {
+      score_fixed<T, decltype(hn)::value, DV>(p, q, keys, n, h0, scores, next_keys, fetch);
+    }
+  });
   for (int64_t h = 0; h < g; ++h) {
     softmax_block(scores + h * p.block_size, n, s.max[first + h], s.sum[first + h], acc + h * d, d);
   }
-  for (int64_t h0 = 0; h0 < g; h0 += most) {
-    with_head_count(std::min(most, g - h0), [&](auto hn) {
-      constexpr int HN = decltype(hn)::value;
-      const int64_t fetch = h0 == 0 ? ahead : 0;
-      if constexpr (DV == 0) {
-        accumulate_heads<T, HN>(p, values, n, scores, acc, h0, next_values, fetch);
-      } else if constexpr (HN <= most) {
-        accumulate_fixed<T, HN, DV>(p, values, n, scores, acc, h0, next_values, fetch);
-      }
-    });
-  }
+  for_head_chunks<most>(g, ahead, [&](auto hn, int64_t h0, int64_t fetch) {
+    if constexpr (DV == 0) {
+      accumulate_heads<T, decltype(hn)::value>(p, values, n, scores, acc, h0, next_values, fetch);
+    } else {
+      accumulate_fixed<T, decltype(hn)::value, DV>(p, values, n, scores, acc, h0, next_values, fetch);
+    }
+  });
 }
 
 // Every head of the item's row over the item's positions: leaves the running max, sum and the
