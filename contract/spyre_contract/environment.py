@@ -19,12 +19,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 CB_DEFAULT_MAX_MODEL_LEN = 512
 CB_DEFAULT_MAX_NUM_SEQS = 4
 CB_DEFAULT_CHUNK = 256
-# prompt tokens a mixed step carries while requests are decoding (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS;
-# 0: the whole --max-num-batched-tokens). bench/README.md run 20 measured 64 against 0: 64 keeps a running
-# stream's ITL p99 lower (0.68x vLLM's instead of 1.19x) but more than doubles TTFT and costs throughput
+# prompt tokens a mixed step carries beside decodes (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS; 0: the chunk).
+# bench/README.md run 20: 64 keeps ITL p99 lower (0.68x vLLM's, not 1.19x) but more than doubles TTFT
 CB_DEFAULT_MIXED_PREFILL_TOKENS = 0
-# prompts one mixed step prefills pieces of, at most (SENDNN_INFERENCE_CB_PREFILL_PIECES)
-CB_DEFAULT_PREFILL_PIECES = 4
+CB_DEFAULT_PREFILL_PIECES = 4  # prompts one mixed step prefills pieces of, at most (..._CB_PREFILL_PIECES)
 # waves kept whole (SENDNN_INFERENCE_CB_STEP_BUDGET_MS, 0: off) and the step cost it plans with: fixed, per
 # chunk token, per decode row, in microseconds (bench/README.md run 20's profile, SmolLM2-135M fp32, a Xeon)
 CB_DEFAULT_STEP_BUDGET_MS = 0
@@ -34,8 +32,7 @@ ALIAS_PREFIX = "VLLM_SPYRE_"  # 1.x's prefix: sendnn-inference 2.x no longer rea
 # Spyre's volumetric limit: a decode step's rows x context (tkv) stay at or under it (known configurations
 # set it; sendnn-inference reads the same name)
 TKV_LIMIT_VAR = "VLLM_DT_MAX_BATCH_TKV_LIMIT"
-# variables sendnn-inference 2.x removed, and what replaces each (one start-up line each)
-RETIRED = {
+RETIRED = {  # variables sendnn-inference 2.x removed, and what replaces each (one start-up line each)
     "VLLM_DT_CHUNK_LEN": "the prefill chunk is --max-num-batched-tokens (a multiple of 64)",
     "SENDNN_INFERENCE_USE_CHUNKED_PREFILL": "continuous batching always prefills in chunks of "
     "--max-num-batched-tokens; remove it",
@@ -194,6 +191,7 @@ class EngineFlags:
     max_num_batched_tokens: int | None = None
     num_kv_blocks: int | None = None
     dtype: str | None = None
+    kv_cache_dtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -202,6 +200,7 @@ class EnvironmentSettings:
 
     backend: str = "sendnn"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # the KV cache's own dtype (auto: the model's)
     use_cb: bool = False  # read_environment: True for a decoder with no batching setting (decoder_batching)
     static_batching: str = ""  # a decoder on static batching: what chose it (static_batching_line)
     shapes: tuple[Shape, ...] = (Shape(64, 20, 1),)
@@ -270,6 +269,7 @@ def read_environment(
     settings = EnvironmentSettings(
         backend=backend,
         dtype=dtype,
+        kv_cache_dtype=_dtype(env, flags.kv_cache_dtype, "KV_CACHE_DTYPE", "--kv-cache-dtype"),
         use_cb=use_cb,
         static_batching=static_batching,
         shapes=shapes,
@@ -325,8 +325,8 @@ def _backend(env: Env) -> str:
     return backend
 
 
-def _dtype(env: Env, flag: str | None) -> str:
-    var, value = ("--dtype", flag) if flag is not None else env.raw("DTYPE")
+def _dtype(env: Env, flag: str | None, name: str = "DTYPE", flag_name: str = "--dtype") -> str:
+    var, value = (flag_name, flag) if flag is not None else env.raw(name)
     dtype = (value or "auto").strip().lower() or "auto"
     if dtype not in DTYPES:
         raise ContractError(f"{var}={dtype!r} is not one of {', '.join(DTYPES)}")

@@ -142,11 +142,13 @@ def plan_memory(
     where: str,
     dtype_bytes: int = 4,
     state_bytes: int = 0,
+    kv_dtype_bytes: int = 0,
 ) -> MemoryPlan:
-    """`state_bytes`: a hybrid model's per-sequence Mamba state, counted with the KV cache."""
+    """`state_bytes`: a hybrid model's per-sequence Mamba state, counted with the KV cache; `kv_dtype_bytes`:
+    the KV cache's element size when it is not the model's (--kv-cache-dtype)."""
     tp = max(1, settings.tensor_parallel_size)
     weights = dims.num_params() * dtype_bytes // tp
-    kv_per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * dtype_bytes // tp
+    kv_per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * (kv_dtype_bytes or dtype_bytes) // tp
     if settings.use_cb:
         blocks = settings.num_kv_blocks or 1 + settings.max_num_seqs * (
             round_up(settings.max_model_len) // PROMPT_LEN_MULTIPLE
@@ -176,6 +178,19 @@ def plan_memory(
         unpacked = (0 if dims.tied else embedding) + (embedding if tp > 1 else 0)
         packed = max(0, weights - unpacked // tp)
     return MemoryPlan(weights, kv, largest, label, capacity, where, packed)
+
+
+def kv_cache_dtype_for(backend: str, dtype: str, kv_cache_dtype: str) -> str:
+    """The KV cache's dtype for a model run in `dtype` (resolved, not auto): `kv_cache_dtype`
+    (--kv-cache-dtype, SENDNN_INFERENCE_KV_CACHE_DTYPE), auto being the model's. Spyre cards keep the
+    model's."""
+    kv = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if backend == "sendnn" and kv != dtype:
+        raise ContractError(
+            f"SENDNN_INFERENCE_KV_CACHE_DTYPE={kv_cache_dtype}: Spyre cards (backend sendnn) keep the KV "
+            f"cache in the model's {dtype}; set auto"
+        )
+    return kv
 
 
 def host_memory_bytes() -> int:

@@ -15,13 +15,8 @@ from pathlib import Path
 from spyre_contract.devices import allocated_cards, describe_cards
 from spyre_contract.tasks import check_task, is_pooling_task
 
-from spyre_runtime.config import (
-    ConfigError,
-    check_known_configuration,
-    check_memory,
-    load_config,
-    parse_kv_events_config,
-)
+from spyre_runtime.config import ConfigError, check_known_configuration, check_memory, load_config
+from spyre_runtime.engine.kv_events import parse_kv_events_config
 
 log = logging.getLogger("spyre_runtime")
 
@@ -142,6 +137,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
         help="auto (default: the checkpoint's dtype on CPU backends, float16 for sendnn), float32, "
         "bfloat16 or float16; env SENDNN_INFERENCE_DTYPE",
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="auto (default: the model's dtype), float32, bfloat16 or float16: the KV cache's dtype; a "
+        "float32 model with a bfloat16 cache reads half the bytes per decode step and holds twice the tokens "
+        "(CPU backends; sendnn keeps the model's); env SENDNN_INFERENCE_KV_CACHE_DTYPE",
+    )
 
 
 def _serve_flags(p: argparse.ArgumentParser) -> None:
@@ -212,6 +214,7 @@ def _config(args):
         enable_prefix_caching=args.enable_prefix_caching,
         num_kv_blocks=args.num_kv_blocks,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         task=task,
     )
     if not is_pooling_task(task):

@@ -43,6 +43,7 @@ from spyre_contract.memory import (
     ModelDims,
     host_memory_bytes,
     kv_blocks_for,
+    kv_cache_dtype_for,
     plan_memory,
     volumetric_line,
 )
@@ -94,48 +95,6 @@ class KVEventsConfig:
 KV_EVENTS_FLAG = "--kv-events-config"
 
 
-def parse_kv_events_config(text: str | None) -> KVEventsConfig:
-    """The flag's JSON object -> KVEventsConfig; a ConfigError naming the flag for bad JSON or values."""
-    if text is None:
-        return KVEventsConfig()
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"{KV_EVENTS_FLAG}: not valid JSON ({e})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{KV_EVENTS_FLAG}: expected a JSON object, got {text!r}")
-    known = {f.name: f for f in fields(KVEventsConfig)}
-    for key, value in raw.items():
-        if key not in known:
-            raise ConfigError(f"{KV_EVENTS_FLAG}: unknown key {key!r}; known keys: {', '.join(known)}")
-        _check_kv_events_value(key, value, known[key].default)
-    if "publisher" not in raw:
-        raw["publisher"] = "zmq" if raw.get("enable_kv_cache_events") else "null"
-    if raw["publisher"] not in ("null", "zmq"):
-        raise ConfigError(f"{KV_EVENTS_FLAG}: publisher={raw['publisher']!r} must be 'zmq' or 'null'")
-    for key in ("endpoint", "replay_endpoint"):
-        value = raw.get(key)
-        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ConfigError(
-                f"{KV_EVENTS_FLAG}: {key}={value!r} must start with tcp://, ipc:// or inproc://"
-            )
-    return KVEventsConfig(**raw)
-
-
-def _check_kv_events_value(key: str, value, default) -> None:
-    if key == "replay_endpoint" or isinstance(default, str):
-        ok = isinstance(value, str) or (key == "replay_endpoint" and value is None)
-        want = "a string"
-    elif isinstance(default, bool):
-        ok, want = isinstance(value, bool), "true or false"
-    else:
-        least = 0 if key == "hwm" else 1  # a high-water mark of 0: no limit (ZeroMQ's meaning)
-        ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
-        want = f"an integer >= {least}"
-    if not ok:
-        raise ConfigError(f"{KV_EVENTS_FLAG}: {key}={json.dumps(value)} must be {want}")
-
-
 @dataclass(frozen=True)
 class RuntimeConfig:
     model_dir: Path
@@ -143,6 +102,7 @@ class RuntimeConfig:
     task: str = "generate"  # generate | embed | score | rerank (pooling: engine/pooling_client.py)
     backend: str = "sendnn"
     dtype: str = "auto"  # auto: the checkpoint's dtype on CPU backends, float16 for sendnn (loader.py)
+    kv_cache_dtype: str = "auto"  # the KV cache's (auto: the model's; narrower on CPU backends only)
     memory_utilization: float = 0.0  # continuous batching: size the KV cache from this share of memory
     skip_warmup: bool = False  # development: compile on first use instead of at start-up
     use_cb: bool = False  # load_config: continuous for a decoder with no batching setting, static for pooling
@@ -248,6 +208,7 @@ def load_config(
     num_kv_blocks: int | None = None,
     dtype: str | None = None,
     task: str = "generate",
+    kv_cache_dtype: str | None = None,
 ) -> RuntimeConfig:
     """Environment first, then flags (any argument that is not None wins). Pooling tasks read their
     own shapes (prompt length x batch size, spyre_contract.tasks)."""
@@ -258,6 +219,7 @@ def load_config(
         max_num_batched_tokens=max_num_batched_tokens,
         num_kv_blocks=num_kv_blocks,
         dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
     )
     if port is not None and not 0 < port <= 65535:
         raise ConfigError(f"--port={port} must be between 1 and 65535")
@@ -356,6 +318,8 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     dims = ModelDims.from_config(model_config)
     auto = "float16" if config.backend == "sendnn" else checkpoint_dtype(model_config) or "float32"
     dtype = auto if config.dtype == "auto" else config.dtype
+    kv_dtype = kv_cache_dtype_for(config.backend, dtype, config.kv_cache_dtype)
+    kv_bytes = DTYPE_BYTES.get(kv_dtype, 4)
     if config.backend == "sendnn":
         capacity, where = int(card_gib * GIB), "card"
     else:
@@ -372,15 +336,19 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     if config.use_cb and config.max_batch_tkv_limit:  # Spyre's volumetric limit, beside the memory
         logging.getLogger(__name__).info("%s", volumetric_line(config))
     state = hybrid_state_bytes(config, DTYPE_BYTES.get(dtype, 4))  # a hybrid model's Mamba state
-    plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state)
+    plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state, kv_bytes)
     logging.getLogger(__name__).info(
-        "memory plan (%s, tensor parallel %d):\n%s", dtype, config.tensor_parallel_size, plan.table()
+        "memory plan (%s, KV cache %s, tensor parallel %d):\n%s",
+        dtype,
+        kv_dtype,
+        config.tensor_parallel_size,
+        plan.table(),
     )
     if not plan.fits:
         raise ConfigError(plan.refusal())
     if config.use_cb and config.memory_utilization and not config.num_kv_blocks:
         per_block = PROMPT_LEN_MULTIPLE * 2 * dims.layers * dims.kv_heads * dims.head_dim
-        per_block = per_block * DTYPE_BYTES.get(dtype, 4) // max(1, config.tensor_parallel_size)
+        per_block = per_block * kv_bytes // max(1, config.tensor_parallel_size)
         placed = dataclasses.replace(plan, activations=plan.activations + state)  # the Mamba state, first
         blocks = kv_blocks_for(placed, config.memory_utilization, per_block, config.min_kv_blocks)
         logging.getLogger(__name__).info(
@@ -391,7 +359,7 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
             blocks * per_block / GIB,
         )
         config = dataclasses.replace(config, num_kv_blocks=blocks)
-        plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state)
+        plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state, kv_bytes)
     if plan.is_tight:
         logging.getLogger(__name__).warning(
             "the memory plan uses %.0f%% of %s memory", 100 * plan.total / plan.capacity, where

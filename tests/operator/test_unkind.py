@@ -267,13 +267,23 @@ def test_scarce_card_rollout_never_below_one_ready_pod(operator, ns):
     assert min(seen) >= 1
 
 
+def quota_used(ns) -> str | None:
+    used = ns.core.read_namespaced_resource_quota("cards", ns.name).status.used or {}
+    return used.get("requests.ibm.com/spyre_pf")
+
+
 def test_rollout_under_a_card_quota_moves_one_pod_at_a_time(operator, ns):
     ns.core.create_namespaced_resource_quota(
         ns.name,
         {"metadata": {"name": "cards"}, "spec": {"hard": {"requests.ibm.com/spyre_pf": "2"}}},
     )
+    # The quota controller's first count of a new quota can land after admission charged the first pods, and
+    # overwrites their charge with 0 until its next count (minutes later): the rollout's surge pod would then be
+    # admitted. So the pods come once the quota has been counted, and the test checks that they were charged.
+    wait_for(lambda: quota_used(ns) == "0", what="the quota's first count")
     ns.apply_model("q", spec(replicas=2))
     ns.wait_ready("q", 2)
+    wait_for(lambda: quota_used(ns) == "2", what="the quota to charge the two pods' cards")
     old = set(hashes(ns, "q"))
     with sampled(lambda: len(ns.pods("q"))) as seen:
         ns.patch_spec("q", {"batching": {"mode": "static", "shapes": SHAPES_B}})

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import logging
 import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from spyre_runtime.config import KV_EVENTS_FLAG, ConfigError, KVEventsConfig
 
@@ -35,6 +36,48 @@ log = logging.getLogger(__name__)
 MEDIUM = "GPU"
 HASH_MASK = (1 << 64) - 1
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # ends a replay
+
+
+def parse_kv_events_config(text: str | None) -> KVEventsConfig:
+    """The flag's JSON object -> KVEventsConfig; a ConfigError naming the flag for bad JSON or values."""
+    if text is None:
+        return KVEventsConfig()
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{KV_EVENTS_FLAG}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{KV_EVENTS_FLAG}: expected a JSON object, got {text!r}")
+    known = {f.name: f for f in fields(KVEventsConfig)}
+    for key, value in raw.items():
+        if key not in known:
+            raise ConfigError(f"{KV_EVENTS_FLAG}: unknown key {key!r}; known keys: {', '.join(known)}")
+        _check_kv_events_value(key, value, known[key].default)
+    if "publisher" not in raw:
+        raw["publisher"] = "zmq" if raw.get("enable_kv_cache_events") else "null"
+    if raw["publisher"] not in ("null", "zmq"):
+        raise ConfigError(f"{KV_EVENTS_FLAG}: publisher={raw['publisher']!r} must be 'zmq' or 'null'")
+    for key in ("endpoint", "replay_endpoint"):
+        value = raw.get(key)
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ConfigError(
+                f"{KV_EVENTS_FLAG}: {key}={value!r} must start with tcp://, ipc:// or inproc://"
+            )
+    return KVEventsConfig(**raw)
+
+
+def _check_kv_events_value(key: str, value, default) -> None:
+    if key == "replay_endpoint" or isinstance(default, str):
+        ok = isinstance(value, str) or (key == "replay_endpoint" and value is None)
+        want = "a string"
+    elif isinstance(default, bool):
+        ok, want = isinstance(value, bool), "true or false"
+    else:
+        least = 0 if key == "hwm" else 1  # a high-water mark of 0: no limit (ZeroMQ's meaning)
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= least
+        want = f"an integer >= {least}"
+    if not ok:
+        raise ConfigError(f"{KV_EVENTS_FLAG}: {key}={json.dumps(value)} must be {want}")
 
 
 def external_block_hash(content_hash: int) -> int:

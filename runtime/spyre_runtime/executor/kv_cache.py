@@ -62,10 +62,11 @@ def step_layouts() -> Iterator[None]:
 
 
 def _store(keys, values, key_cache, value_cache, **attn_kwargs):
-    # keys/values: [B, L, kvh, hd]; caches: [num_blocks, BLOCK_SIZE, kvh, hd]
-    slots = attn_kwargs["slot_mapping"].reshape(-1)
-    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slots, keys.reshape(-1, *keys.shape[2:]))
-    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slots, values.reshape(-1, *values.shape[2:]))
+    # keys/values: [B, L, kvh, hd]; caches: [num_blocks, BLOCK_SIZE, kvh, hd], in the model's dtype or a
+    # narrower one (--kv-cache-dtype): what is read back from them is widened to the model's again
+    slots, cached = attn_kwargs["slot_mapping"].reshape(-1), key_cache.dtype
+    for new, cache in ((keys, key_cache), (values, value_cache)):
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new.reshape(-1, *new.shape[2:]).to(cached))
     if attn_kwargs.get("seq_lens") is not None:  # paged decode (or mixed): the op reads the cache itself
         return key_cache, value_cache, key_cache, value_cache
     slab_start = attn_kwargs.get("slab_start")
@@ -73,14 +74,14 @@ def _store(keys, values, key_cache, value_cache, **attn_kwargs):
         # rows own consecutive blocks: the context is a view of the cache, nothing is gathered
         rows, num_keys = attn_kwargs["mask"].shape[0], attn_kwargs["mask"].shape[-1]
         end = slab_start + rows * (num_keys // BLOCK_SIZE)
-        keys_ctx = key_cache[slab_start:end].view(rows, num_keys, *key_cache.shape[2:])
-        values_ctx = value_cache[slab_start:end].view(rows, num_keys, *value_cache.shape[2:])
+        keys_ctx = key_cache[slab_start:end].view(rows, num_keys, *key_cache.shape[2:]).to(keys.dtype)
+        values_ctx = value_cache[slab_start:end].view(rows, num_keys, *value_cache.shape[2:]).to(keys.dtype)
         return keys_ctx, values_ctx, key_cache, value_cache
     block_table = attn_kwargs.get("block_table")
     if block_table is None:
         return keys, values, key_cache, value_cache
-    keys_ctx = key_cache[block_table].flatten(1, 2)  # [B, nb * BLOCK_SIZE, kvh, hd]
-    values_ctx = value_cache[block_table].flatten(1, 2)
+    keys_ctx = key_cache[block_table].flatten(1, 2).to(keys.dtype)  # [B, nb * BLOCK_SIZE, kvh, hd]
+    values_ctx = value_cache[block_table].flatten(1, 2).to(keys.dtype)
     return keys_ctx, values_ctx, key_cache, value_cache
 
 
@@ -167,7 +168,7 @@ def paged_decode(
     the ATen ops below (its fallback and oracle)."""
     live = live_decode_row_count()
     kernel = paged_attention.kernel()
-    if kernel is not None and query.dtype == key_cache.dtype and query.dtype in paged_attention.DTYPES:
+    if kernel is not None and paged_attention.takes(query, key_cache):
         rows = -1 if live is None else live
         return kernel(query, key_cache, value_cache, block_table, seq_lens, scale, sinks, window, rows)
     if live is None or live >= query.shape[0]:
@@ -212,6 +213,7 @@ def _attend_live_blocks(query, key_cache, value_cache, layout, scale, sinks=None
     # index_select: about 2x faster than key_cache[table]
     keys = key_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
     values = value_cache.index_select(0, blocks).view(rows, -1, kvheads, head_dim)[:, :length].transpose(1, 2)
+    keys, values = keys.to(query.dtype), values.to(query.dtype)  # a narrower cache (--kv-cache-dtype)
     grouped = query.view(rows, kvheads, nheads // kvheads, head_dim)
     sinks = None if sinks is None else sinks.view(1, kvheads, -1, 1)
     out = attend(grouped, keys, values, mask, scale, sinks)  # the group's heads as its query length
@@ -256,7 +258,7 @@ def paged_prefill(
     extension is built, else the ATen ops below (its fallback and oracle)."""
     out = torch.zeros_like(query)
     layout = _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window)
-    kernel = paged_attention.prefill_kernel() if query.dtype == key_cache.dtype else None
+    kernel = paged_attention.prefill_kernel() if paged_attention.takes(query, key_cache) else None
     for rows, first, blocks, visible, start in layout:
         if kernel is not None and start is not None and query.shape[-1] % 16 == 0:  # the C++ kernel
             piece = kernel(
@@ -346,8 +348,8 @@ def _attend_piece(query, keys, values, length, visible, scale, sinks=None):
     sees slots 0..i; n == length). GQA: query head i uses KV head i // group. -> [n, h, hd]."""
     _, nheads, head_dim = query.shape
     kvheads = keys.shape[2]
-    keys = keys.reshape(-1, kvheads, head_dim)[:length].transpose(0, 1)
-    values = values.reshape(-1, kvheads, head_dim)[:length].transpose(0, 1)
+    keys = keys.reshape(-1, kvheads, head_dim)[:length].transpose(0, 1).to(query.dtype)
+    values = values.reshape(-1, kvheads, head_dim)[:length].transpose(0, 1).to(query.dtype)
     out = attend(
         query.transpose(0, 1)[None],
         keys[None],

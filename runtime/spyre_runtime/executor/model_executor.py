@@ -29,8 +29,8 @@ from spyre_runtime.executor.compiler import (
 from spyre_runtime.executor.families.rooms import family_of, load_model
 from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.executor.kv_cache import KVCachePool, blocks_for
+from spyre_runtime.executor.loader import TORCH_DTYPES, model_dims, pack_weights, prime_rotary
 from spyre_runtime.executor.loader import configure_threads as configure_threads  # re-exported
-from spyre_runtime.executor.loader import model_dims, pack_weights, prime_rotary
 from spyre_runtime.executor.step_inputs import StepInputs, TokenSpan
 from spyre_runtime.executor.warmup import WarmupProgress, graphs_to_warm, warm_continuous, warm_static
 from spyre_runtime.executor.workers import WorkerGroup
@@ -66,8 +66,10 @@ class ModelExecutor:
             num_blocks = config.cb_num_blocks
         else:
             num_blocks = 1 + max(s.batch_size * blocks_for(s.max_len) for s in config.shapes)
+        # --kv-cache-dtype: the cache may be narrower than the model (kv_cache._store narrows, readers widen)
+        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
         self.kv = KVCachePool(
-            self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=self.dtype
+            self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=kv_dtype
         )
         self.mamba = family.attach_state(self.model, config, self.dtype)  # a hybrid model's state slots
         self.cache_states = self.mamba.cache_states(self.kv.layers) if self.mamba else self.kv.layers

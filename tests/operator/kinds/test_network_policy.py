@@ -104,7 +104,7 @@ def test_the_kv_events_port_is_open_only_where_the_spec_enables_kv_events():
     flag = container["args"][container["args"].index("--kv-events-config") + 1]
     assert json.loads(flag) == {"enable_kv_cache_events": True, "endpoint": "tcp://*:5600"}
     # the runtime reads the flag as vLLM's: enabled, publishing by ZeroMQ on that port
-    from spyre_runtime.config import parse_kv_events_config
+    from spyre_runtime.engine.kv_events import parse_kv_events_config
 
     assert parse_kv_events_config(flag).is_enabled and parse_kv_events_config(flag).endpoint == "tcp://*:5600"
     default = check_spec("granite", model(batching=CB, kvEvents={})["spec"], ON)

@@ -16,7 +16,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import zmq
-from spyre_runtime.config import ConfigError, KVEventsConfig, RuntimeConfig, parse_kv_events_config
+from spyre_runtime.config import ConfigError, KVEventsConfig, RuntimeConfig
 from spyre_runtime.engine.block_manager import BlockManager
 from spyre_runtime.engine.kv_events import (
     AllBlocksCleared,
@@ -25,6 +25,7 @@ from spyre_runtime.engine.kv_events import (
     ZmqEventPublisher,
     encode_batch,
     external_block_hash,
+    parse_kv_events_config,
     publisher_for,
 )
 

@@ -107,6 +107,25 @@ def test_kernel_equals_the_aten_ops(kernel, lens, heads, kvheads, head_dim, wind
     assert kernel_error <= 0.04 if dtype == torch.bfloat16 else kernel_error <= 0.008
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(("lens", "heads", "kvheads", "head_dim", "window", "with_sinks"), CASES)
+def test_a_float32_query_over_a_narrower_cache_equals_the_aten_ops(
+    kernel, lens, heads, kvheads, head_dim, window, with_sinks, cache_dtype
+):
+    """--kv-cache-dtype: a float32 model's query against a bf16 or fp16 cache. The kernel widens what it
+    reads and sums in fp32, as the ATen ops do after widening the cache: the same numbers, float32 out."""
+    query, key_cache, value_cache, table, seq_lens = layout(lens, heads, kvheads, head_dim, torch.float32)
+    sinks = torch.randn(heads, generator=torch.Generator().manual_seed(1)) if with_sinks else None
+    narrow = (query, key_cache.to(cache_dtype), value_cache.to(cache_dtype), table, seq_lens, head_dim**-0.5)
+    args = (*narrow, sinks, window)
+    got = kv_cache.paged_decode(*args)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, kernel(*args, -1), atol=0, rtol=0)  # the kernel served it
+    torch.testing.assert_close(got, oracle(*args), atol=2e-5, rtol=2e-5)
+    widened = (query, narrow[1].float(), narrow[2].float(), *args[3:])
+    torch.testing.assert_close(got, oracle(*widened), atol=2e-5, rtol=2e-5)
+
+
 def test_a_long_context_split_across_threads_equals_one_thread_and_the_oracle(kernel):
     """One row of 4,000 tokens: with 2 threads its range is split and the splits' softmaxes merged."""
     query, key_cache, value_cache, table, seq_lens = layout([4000], 9, 3, 64, torch.float32)
@@ -150,8 +169,11 @@ def test_kernel_errors_name_the_bad_input(kernel):
     query, key_cache, value_cache, table, seq_lens = layout([100, 70], 9, 3, 64, torch.float32)
     with pytest.raises(RuntimeError, match=r"seq_lens\[1\]=900 is outside the row's block table"):
         kernel(query, key_cache, value_cache, table, torch.tensor([100, 900]), 0.125)
-    with pytest.raises(RuntimeError, match="differ in dtype"):
+    # a query narrower than the cache, or two caches of different dtypes, are refused by name
+    with pytest.raises(RuntimeError, match="the query must have it or be float32"):
         kernel(query.bfloat16(), key_cache, value_cache, table, seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="the caches must share a dtype"):
+        kernel(query, key_cache, value_cache.bfloat16(), table, seq_lens, 0.125)
     with pytest.raises(RuntimeError, match="9 query heads do not share 2 KV heads"):
         kernel(query, key_cache[:, :, :2], value_cache[:, :, :2], table, seq_lens, 0.125)
     with pytest.raises(RuntimeError, match="one logit per query head"):

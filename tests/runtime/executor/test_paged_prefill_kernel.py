@@ -90,6 +90,23 @@ def test_the_kernel_equals_the_aten_path(
     assert fast[token_piece >= 0].abs().amax(dim=(1, 2)).gt(0).all()
 
 
+@pytest.mark.parametrize(("pieces", "heads", "kvheads", "head_dim", "window", "with_sinks"), CASES)
+def test_a_float32_query_over_a_bfloat16_cache_equals_the_aten_path(
+    prefill, pieces, heads, kvheads, head_dim, window, with_sinks
+):
+    """--kv-cache-dtype bfloat16 under a float32 model: both paths widen the cache and sum in float32."""
+    query, key_cache, value_cache, *rest = region(pieces, heads, kvheads, head_dim, torch.float32)
+    args = (query, key_cache.bfloat16(), value_cache.bfloat16(), *rest)
+    sinks = torch.linspace(-2, 3, heads) if with_sinks else None
+    fast, slow = both(args, head_dim**-0.5, sinks, window)
+    assert fast.dtype == slow.dtype == torch.float32
+    torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
+    with kv_cache.step_layouts():  # the kernel served it: a float32 cache of the same values, the same result
+        widened = (query, args[1].float(), args[2].float(), *rest)
+        wide = kv_cache.paged_prefill(*widened, head_dim**-0.5, sinks, window)
+    torch.testing.assert_close(fast, wide, atol=1e-5, rtol=1e-5)
+
+
 def test_the_op_reads_only_the_piece_s_blocks_and_its_positions(prefill):
     """Called directly: a later chunk (positions 70..99) of a prompt in blocks [4, 2]; the keys and values of
     every other block, and of the slots after each token's position, are NaN and change nothing."""
@@ -115,7 +132,7 @@ def test_bad_input_is_named(prefill):
     cache = torch.zeros(3, BLOCK, 2, 64)
     with pytest.raises(RuntimeError, match=r"positions 100 to 130 are outside the piece's 1 blocks"):
         prefill(torch.zeros(30, 4, 64), cache, cache, torch.tensor([1]), 100, 1.0, None, 0)
-    with pytest.raises(RuntimeError, match="query and caches differ in dtype"):
+    with pytest.raises(RuntimeError, match="the query must have it or be float32"):
         prefill(torch.zeros(3, 4, 64, dtype=torch.bfloat16), cache, cache, torch.tensor([1]), 0, 1.0, None, 0)
     with pytest.raises(RuntimeError, match="5 query heads do not share 2 KV heads evenly"):
         prefill(torch.zeros(3, 5, 64), cache, cache, torch.tensor([1]), 0, 1.0, None, 0)

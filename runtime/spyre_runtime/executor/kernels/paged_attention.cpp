@@ -318,14 +318,19 @@ void attend_group(const Problem& p, const T* keys, const T* values, int64_t n, c
   });
 }
 
-// Every head of the item's row over the item's positions: leaves the running max, sum and the
-// unnormalized output of each in `s`. A block is read whole, one KV head after another, while it is in
-// the cache: an item's reads are the block's contiguous slots, not one head's slice of each.
+// The row's query heads, scaled, as float32 in `s` (Q: the query's type, which may be wider than the cache's).
+template <typename Q>
+void load_query(const Problem& p, const Q* query, int64_t row, Scratch& s) {
+  const Q* q = query + row * p.heads * p.head_dim;
+  for (int64_t i = 0; i < p.heads * p.head_dim; ++i) s.query[i] = static_cast<float>(q[i]) * p.scale;
+}
+
+// Every head of the item's row (its query in `s`, load_query) over the item's positions: leaves the running
+// max, sum and the unnormalized output of each in `s`. A block is read whole, one KV head after another, while
+// it is in the cache: an item's reads are the block's contiguous slots, not one head's slice of each.
 template <typename T>
-void attend_range(const Problem& p, const T* query, const T* kc, const T* vc, const Item& item, Scratch& s) {
+void attend_range(const Problem& p, const T* kc, const T* vc, const Item& item, Scratch& s) {
   const int64_t d = p.head_dim, g = p.group;
-  const T* q = query + item.row * p.heads * d;
-  for (int64_t i = 0; i < p.heads * d; ++i) s.query[i] = static_cast<float>(q[i]) * p.scale;
   std::fill(s.acc.begin(), s.acc.end(), 0.f);
   std::fill(s.max.begin(), s.max.end(), -std::numeric_limits<float>::infinity());
   std::fill(s.sum.begin(), s.sum.end(), 0.f);
@@ -424,13 +429,14 @@ Plan plan_items(const int64_t* seq_lens, int64_t live, int64_t kvheads, int64_t 
   return plan;
 }
 
-template <typename T>
+// T: the caches' element type; Q: the query's and the output's (T, or float32 over a narrower cache).
+template <typename T, typename Q>
 void run(const Problem& p, const Plan& plan, const at::Tensor& query, const at::Tensor& key_cache,
          const at::Tensor& value_cache, at::Tensor& out) {
-  const T* q = query.const_data_ptr<T>();
+  const Q* q = query.const_data_ptr<Q>();
   const T* kc = key_cache.const_data_ptr<T>();
   const T* vc = value_cache.const_data_ptr<T>();
-  T* o = out.mutable_data_ptr<T>();
+  Q* o = out.mutable_data_ptr<Q>();
   const int64_t stride = p.heads * (p.head_dim + 2);
   std::vector<float> partials(plan.partials * stride);
   std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[plan.splits.size()]);
@@ -441,8 +447,9 @@ void run(const Problem& p, const Plan& plan, const at::Tensor& query, const at::
     Scratch s(p);
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
       const Item& item = plan.items[i];
-      attend_range(p, q, kc, vc, item, s);
-      T* dest = o + item.row * p.heads * p.head_dim;
+      load_query(p, q, item.row, s);
+      attend_range(p, kc, vc, item, s);
+      Q* dest = o + item.row * p.heads * p.head_dim;
       if (item.partial < 0) {
         write_output(p, s.acc.data(), s.max.data(), s.sum.data(), dest);
         continue;
@@ -473,9 +480,11 @@ void check_attention_inputs(const char* op, const char* what, const at::Tensor& 
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(), op,
               ": the caches must both be [num_blocks, block_size, kv_heads, head_dim], got ", key_cache.sizes(),
               " and ", value_cache.sizes());
-  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type() && value_cache.scalar_type() == query.scalar_type(), op,
-              ": query and caches differ in dtype (", query.scalar_type(), ", ", key_cache.scalar_type(), ", ",
-              value_cache.scalar_type(), ")");
+  // a cache narrower than the model (--kv-cache-dtype) is read under a float32 query
+  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type() &&
+                  (query.scalar_type() == key_cache.scalar_type() || query.scalar_type() == at::kFloat),
+              op, ": the caches must share a dtype, and the query must have it or be float32 (", query.scalar_type(),
+              ", ", key_cache.scalar_type(), ", ", value_cache.scalar_type(), ")");
   TORCH_CHECK(key_cache.stride(3) == 1 && value_cache.stride(3) == 1, op, ": the caches' head_dim must be contiguous");
   TORCH_CHECK(key_cache.size(3) == query.size(2), op, ": query head_dim ", query.size(2), " != cache head_dim ",
               key_cache.size(3));
@@ -484,14 +493,19 @@ void check_attention_inputs(const char* op, const char* what, const at::Tensor& 
               " KV heads evenly");
 }
 
-// Calls f(T{}) with T the C++ type of a float32, bfloat16 or float16 tensor's dtype; names `op` otherwise.
+// Calls f(T{}, Q{}) with T the C++ type of the caches' dtype (float32, bfloat16 or float16; names `op`
+// otherwise) and Q the query's: T, or float (check_attention_inputs allows nothing else).
 template <typename F>
-void with_float_type(at::ScalarType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case at::kFloat: return f(float{});
-    case at::kBFloat16: return f(c10::BFloat16{});
-    case at::kHalf: return f(c10::Half{});
-    default: TORCH_CHECK(false, op, ": dtype ", dtype, " is not float32, bfloat16 or float16");
+void with_float_types(const at::Tensor& query, const at::Tensor& cache, const char* op, F&& f) {
+  auto with_query = [&](auto t) {
+    if (query.scalar_type() == cache.scalar_type()) return f(t, t);
+    return f(t, float{});
+  };
+  switch (cache.scalar_type()) {
+    case at::kFloat: return with_query(float{});
+    case at::kBFloat16: return with_query(c10::BFloat16{});
+    case at::kHalf: return with_query(c10::Half{});
+    default: TORCH_CHECK(false, op, ": dtype ", cache.scalar_type(), " is not float32, bfloat16 or float16");
   }
 }
 
@@ -536,8 +550,8 @@ at::Tensor paged_decode(const at::Tensor& query_in, const at::Tensor& key_cache,
     every_row_read = plan.splits[r] > 0;
   }
   at::Tensor out = every_row_read ? at::empty_like(query) : at::zeros_like(query);
-  with_float_type(query.scalar_type(), "paged_decode", [&](auto zero) {
-    run<decltype(zero)>(p, plan, query, key_cache, value_cache, out);
+  with_float_types(query, key_cache, "paged_decode", [&](auto t, auto q) {
+    run<decltype(t), decltype(q)>(p, plan, query, key_cache, value_cache, out);
   });
   return out;
 }

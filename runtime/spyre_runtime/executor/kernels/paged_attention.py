@@ -92,6 +92,12 @@ def kernel():
     return _op[0]
 
 
+def takes(query: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the attention kernels read `cache` under `query`: a cache of DTYPES, and a query of its dtype
+    or a float32 query over a narrower cache (--kv-cache-dtype)."""
+    return cache.dtype in DTYPES and query.dtype in (cache.dtype, torch.float32)
+
+
 def row_kernel():
     """The one-row linear op (`torch.ops.spyre_kernels.linear_row.default`), looked up once; None where
     `kernel()` is None (the setting off, within `disabled()`, or no build)."""

@@ -123,9 +123,10 @@ struct PrefillScratch {
 };
 
 // One item: tokens [t0, t1) of the piece, the heads of KV head `kvhead`'s group, as rows r = t * group + j.
-template <typename T>
-void prefill_item(const PrefillProblem& p, const T* query, const T* vc, const float* tiles, int64_t kvhead,
-                  int64_t t0, int64_t t1, T* out, PrefillScratch& s) {
+// T: the caches' element type; Q: the query's and the output's (T, or float32 over a narrower cache).
+template <typename T, typename Q>
+void prefill_item(const PrefillProblem& p, const Q* query, const T* vc, const float* tiles, int64_t kvhead,
+                  int64_t t0, int64_t t1, Q* out, PrefillScratch& s) {
   const int64_t g = p.group, d = p.head_dim, w = p.tile_width, bs = p.block_size;
   const int64_t rows = (t1 - t0) * g, padded = (rows + kRows - 1) / kRows * kRows;
   for (int64_t r = 0; r < padded; ++r) {
@@ -134,7 +135,7 @@ void prefill_item(const PrefillProblem& p, const T* query, const T* vc, const fl
       std::fill(q, q + d, 0.f);
       continue;
     }
-    const T* src = query + ((t0 + r / g) * p.heads + kvhead * g + r % g) * d;
+    const Q* src = query + ((t0 + r / g) * p.heads + kvhead * g + r % g) * d;
     for (int64_t i = 0; i < d; ++i) q[i] = static_cast<float>(src[i]) * p.scale;
   }
   std::fill(s.acc.begin(), s.acc.begin() + padded * d, 0.f);
@@ -178,12 +179,12 @@ void prefill_item(const PrefillProblem& p, const T* query, const T* vc, const fl
     float denom = s.sum[r];
     if (p.sinks != nullptr) denom += std::exp(p.sinks[head] - s.max[r]);
     const float inv = denom > 0.f ? 1.f / denom : 0.f;
-    T* dest = out + ((t0 + r / g) * p.heads + head) * d;
-    for (int64_t i = 0; i < d; ++i) dest[i] = static_cast<T>(s.acc[r * d + i] * inv);
+    Q* dest = out + ((t0 + r / g) * p.heads + head) * d;
+    for (int64_t i = 0; i < d; ++i) dest[i] = static_cast<Q>(s.acc[r * d + i] * inv);
   }
 }
 
-template <typename T>
+template <typename T, typename Q>
 void run_prefill(const PrefillProblem& p, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, at::Tensor& out) {
   const int64_t bs = p.block_size, d = p.head_dim, w = p.tile_width;
@@ -204,16 +205,16 @@ void run_prefill(const PrefillProblem& p, const at::Tensor& query, const at::Ten
   std::vector<std::pair<int64_t, int64_t>> items;  // (kv head, first token), the latest tiles first
   for (int64_t t0 = (p.n - 1) / kTile * kTile; t0 >= 0; t0 -= kTile)
     for (int64_t h = 0; h < p.kvheads; ++h) items.emplace_back(h, t0);
-  const T* q = query.const_data_ptr<T>();
+  const Q* q = query.const_data_ptr<Q>();
   const T* vc = value_cache.const_data_ptr<T>();
-  T* o = out.mutable_data_ptr<T>();
+  Q* o = out.mutable_data_ptr<Q>();
   std::atomic<int64_t> next{0};
   const int64_t count = static_cast<int64_t>(items.size());
   auto worker = [&](int64_t, int64_t) {
     PrefillScratch s(p, (kTile * p.group + kRows - 1) / kRows * kRows);
     for (int64_t i = next.fetch_add(1); i < count; i = next.fetch_add(1)) {
       const auto [h, t0] = items[i];
-      prefill_item<T>(p, q, vc, tiles.data(), h, t0, std::min(p.n, t0 + kTile), o, s);
+      prefill_item<T, Q>(p, q, vc, tiles.data(), h, t0, std::min(p.n, t0 + kTile), o, s);
     }
   };
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), count);
@@ -263,8 +264,8 @@ at::Tensor paged_prefill(const at::Tensor& query_in, const at::Tensor& key_cache
                    table.const_data_ptr<int64_t>(),
                    static_cast<float>(scale),
                    sinks.defined() ? sinks.const_data_ptr<float>() : nullptr};
-  with_float_type(query.scalar_type(), "paged_prefill", [&](auto zero) {
-    run_prefill<decltype(zero)>(p, query, key_cache, value_cache, out);
+  with_float_types(query, key_cache, "paged_prefill", [&](auto t, auto q) {
+    run_prefill<decltype(t), decltype(q)>(p, query, key_cache, value_cache, out);
   });
   return out;
 }
