@@ -83,6 +83,7 @@ def ours_config(args) -> tuple[dict, tuple[str, ...]]:
         "SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS": str(args.mixed_prefill_tokens),
         "SENDNN_INFERENCE_CB_PREFILL_PIECES": str(args.prefill_pieces),
         "SENDNN_INFERENCE_CB_STEP_BUDGET_MS": str(args.step_budget_ms),
+        "SENDNN_INFERENCE_KV_CACHE_DTYPE": args.kv_cache_dtype,
     }
     if args.step_cost_us:
         env["SENDNN_INFERENCE_CB_STEP_COST_US"] = args.step_cost_us
@@ -199,7 +200,8 @@ def run_dtype(dtype: str, args, vllm_python: Path | None, log_dir: Path) -> dict
         caches = args.cache_dir or log_dir
         env = {**VLLM_ENV, "VLLM_CACHE_ROOT": str(caches / "vllm-cache")}
         env |= {"TORCHINDUCTOR_CACHE_DIR": str(caches / "ind-v")}
-        systems["vllm"] = (lambda port: vllm_argv(vllm_python, port, dtype, args.vllm_eager), env)
+        kv = ("--kv-cache-dtype", args.vllm_kv_cache_dtype) if args.vllm_kv_cache_dtype != "auto" else ()
+        systems["vllm"] = (lambda port: [*vllm_argv(vllm_python, port, dtype, args.vllm_eager), *kv], env)
     out: dict = {name: {} for name in systems}
     servers: dict = {}
     try:
@@ -286,6 +288,8 @@ def main() -> int:
         "--chunk", type=int, default=2048, help="our --max-num-batched-tokens (vLLM's CPU server: 2048)"
     )
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="ours: the KV cache's dtype (auto: the model's)")
+    ap.add_argument("--vllm-kv-cache-dtype", default="auto", help="vLLM's (CPU: auto or fp8*)")
     ap.add_argument("--systems", default="ours,vllm")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results-matrix.json")
     ap.add_argument(
@@ -320,6 +324,7 @@ def main() -> int:
         "ours_args": list(flags),
         "vllm_enforce_eager": args.vllm_eager,
         "ours_cold_kernel": args.cold_kernel,
+        "vllm_kv_cache_dtype": args.vllm_kv_cache_dtype,
     }
     print(json.dumps(results["machine"]), flush=True)
     with work_dir("spyre-matrix-", args.logs) as tmp:

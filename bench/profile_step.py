@@ -2,7 +2,8 @@
 through the runtime's own ModelExecutor on SmolLM2 (inductor). A script with a report, not a timed test.
 
     .venv/bin/python bench/profile_step.py [--batch 8] [--live N] [--kv 256] [--chunk 256] [--dtype float32]
-                                           [--iters 20] [--kernel 1] [--out FILE] [--model DIR]
+                                           [--kv-cache-dtype auto] [--iters 20] [--kernel 1] [--out FILE]
+                                           [--model DIR]
 
 Prints the median time of the compiled forward and of the whole executor step (inputs built, forward,
 sampling), and torch.profiler's top operators for both. The chunk runs as a mixed step (the chunk and the
@@ -96,6 +97,7 @@ def main() -> int:
     ap.add_argument("--kv", type=int, default=256)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="the KV cache's dtype (auto: the model's)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backend", default="inductor")
     ap.add_argument(
@@ -121,6 +123,7 @@ def main() -> int:
         "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": str(args.batch),
         "SENDNN_INFERENCE_CB_KV_LENS": str(args.kv),
         "SENDNN_INFERENCE_DTYPE": args.dtype,
+        "SENDNN_INFERENCE_KV_CACHE_DTYPE": args.kv_cache_dtype,
     }
     if args.model is None:
         from spyre_runtime.testing.models import prepare_smollm2
