@@ -92,6 +92,7 @@ def test_a_valid_model_is_created_with_the_schema_defaults(crd_server, spyremode
     assert answer.code == 201, answer
     spec = answer.body["spec"]
     assert (spec["cards"], spec["replicas"], spec["task"], spec["dtype"]) == (1, 1, "generate", "auto")
+    assert spec["kvCacheDtype"] == "auto"
     assert crd_server.request("DELETE", f"{MODELS}/valid").code == 200
 
 
@@ -239,6 +240,12 @@ ACCEPTED = {
                 "prefillBuckets": {"min": 64, "step": 64, "max": 256},
             },
         },
+    ),
+    "kv-cache-narrower-than-the-model": ("kv", {**BASE, "dtype": "float32", "kvCacheDtype": "bfloat16"}),
+    "kv-cache-float16-on-spyre": ("kv-spyre", {**BASE, "backend": "sendnn", "kvCacheDtype": "float16"}),
+    "kv-cache-of-the-models-dtype-on-spyre": (
+        "kv-spyre-bf16",
+        {**BASE, "backend": "sendnn", "dtype": "bfloat16", "kvCacheDtype": "bfloat16"},
     ),
     "cards-by-dra": ("dra", {**BASE, "cards": 4, "devices": {}}),
     "virtual-functions-by-dra": ("dra-vf", {**BASE, "devices": {}, "cardResource": "ibm.com/spyre_vf"}),

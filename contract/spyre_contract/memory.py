@@ -123,7 +123,7 @@ class MemoryPlan:
         elif name == "KV cache":
             hint = (
                 f"a KV cache of at most {max(0, room) / GIB:.2f} GiB "
-                "(fewer sequences or a shorter max model length)"
+                "(fewer sequences, a shorter max model length, or a narrower --kv-cache-dtype on CPU)"
             )
         else:
             under = max(0, room) / GIB

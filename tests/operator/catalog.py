@@ -345,6 +345,29 @@ CATALOG = [
         schema=True,
     ),
     Row(
+        "kv-cache-dtype-int8",
+        {"kvCacheDtype": "int8"},
+        "spec.kvCacheDtype: must be one of auto, float32, bfloat16, float16, got 'int8'",
+        at_create='spec.kvCacheDtype: Unsupported value: "int8"',
+        schema=True,
+    ),
+    # Spyre cards keep the KV cache in the model's dtype (float16 with dtype auto); CPU backends may narrow it
+    Row(
+        "kv-cache-bfloat16-on-sendnn",
+        {"backend": "sendnn", "kvCacheDtype": "bfloat16"},
+        "must be auto or float16 with backend sendnn, got 'bfloat16': Spyre cards keep the KV cache in the "
+        "model's float16",
+        at_create="spec.kvCacheDtype: Invalid value: must be auto or float16 with backend sendnn, got "
+        "bfloat16: Spyre cards keep the KV cache in the model's float16",
+    ),
+    Row(
+        "kv-cache-not-the-models-dtype-on-sendnn",
+        {"backend": "sendnn", "dtype": "bfloat16", "kvCacheDtype": "float16"},
+        "must be auto or bfloat16 with backend sendnn, got 'float16'",
+        at_create="spec.kvCacheDtype: Invalid value: must be auto or bfloat16 with backend sendnn, got "
+        "float16",
+    ),
+    Row(
         "suspend-string",
         {"suspend": "yes"},
         "true or false",

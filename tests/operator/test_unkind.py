@@ -278,8 +278,8 @@ def test_rollout_under_a_card_quota_moves_one_pod_at_a_time(operator, ns):
         {"metadata": {"name": "cards"}, "spec": {"hard": {"requests.ibm.com/spyre_pf": "2"}}},
     )
     # The quota controller's first count of a new quota can land after admission charged the first pods, and
-    # overwrites their charge with 0 until its next count (minutes later): the rollout's surge pod would then be
-    # admitted. So the pods come once the quota has been counted, and the test checks that they were charged.
+    # overwrites their charge with 0 until its next count (minutes later): the rollout's surge pod would then
+    # be admitted. So the pods come once the quota has been counted, and the test checks they were charged.
     wait_for(lambda: quota_used(ns) == "0", what="the quota's first count")
     ns.apply_model("q", spec(replicas=2))
     ns.wait_ready("q", 2)

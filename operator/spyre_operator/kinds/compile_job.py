@@ -96,8 +96,8 @@ def _seconds_since(stamp: str) -> float:
 
 def cache_key(spec: ModelSpec, settings: OperatorSettings) -> str:
     """Names one compile configuration: what the graphs depend on as far as the operator can see (the
-    model source, backend, shapes or limits, cards, runtime image and user environment). The runtime keys
-    its entries finer still (weights digest, library versions)."""
+    model source, backend, shapes or limits, cards, the KV cache's dtype, runtime image and user environment).
+    The runtime keys its entries finer still (weights digest, library versions)."""
     config = {
         "source": spec.source.uri,
         "backend": spec.backend,
@@ -109,6 +109,8 @@ def cache_key(spec: ModelSpec, settings: OperatorSettings) -> str:
         "image": spec.image or settings.runtime_image,
         "env": list(spec.env),
     }
+    if spec.kv_cache_dtype != "auto":  # left out at auto: the keys of caches compiled before it stay the same
+        config["kv_cache_dtype"] = spec.kv_cache_dtype
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 
 

@@ -133,6 +133,7 @@ class ModelSpec:
     replicas: int = 1
     backend: str = "sendnn"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # spec.kvCacheDtype: the KV cache's own dtype (auto: the model's)
     task: str = "generate"
     mode: str = "static"  # parse_spec: spec.batching.mode, else continuous for generate, static for pooling
     shapes: tuple[StaticShape, ...] = (StaticShape(64, 20, 1),)

@@ -1,16 +1,19 @@
 """The SpyreModel spec, validated by the operator itself: the 1.20 API server ignores the CRD's CEL rules,
 and a spec written before a CRD upgrade may predate its schema. Every rule the CRD states is checked here,
-one section of the spec at a time (model, engine, batching, graphCache, the pod's own fields, rollout; auth
-and tls in spec/security.py), in the order a reader meets them; the first broken rule is the one reported."""
+one section of the spec at a time (model, engine, batching, graphCache, the pod's own fields, rollout;
+batching in spec/batching.py, auth and tls in spec/security.py), in the order a reader meets them; the first
+broken rule is the one reported."""
 
 from __future__ import annotations
 
 import re
 
-from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES
+from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES, ContractError
+from spyre_contract.memory import kv_cache_dtype_for
 from spyre_contract.source_uri import DOWNLOADED, SourceError, parse_source_uri
-from spyre_contract.tasks import POOLING_TASKS, TASKS
+from spyre_contract.tasks import TASKS
 
+from spyre_operator.spec.batching import check_warmup_env, parse_batching
 from spyre_operator.spec.model_source import CABundle, model_source
 from spyre_operator.spec.model_spec import (
     DEFAULT_PICKER_PORT,
@@ -20,21 +23,15 @@ from spyre_operator.spec.model_spec import (
     InvalidSpec,
     ModelSpec,
     Rollout,
-    StaticShape,
 )
-from spyre_operator.spec.pod_fields import DNS_NAME, object_field, parse_pod_fields, string_field
+from spyre_operator.spec.pod_fields import DNS_NAME, int_field, object_field, parse_pod_fields, string_field
 from spyre_operator.spec.security import parse_security
 
 VALID_CARDS = (1, 2, 4, 8)
+SENDNN_DTYPE = "float16"  # what dtype auto runs on Spyre cards (backend sendnn)
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service name (RFC 1035 label)
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
-# continuous batching's bucket ranges (min, step, max; expanded as Gaudi's docs say) and their variables
-BUCKET_FIELDS = {
-    "decodeBatchBuckets": "SENDNN_INFERENCE_CB_DECODE_BATCH_BUCKETS",
-    "kvBuckets": "SENDNN_INFERENCE_CB_KV_BUCKETS",
-    "prefillBuckets": "SENDNN_INFERENCE_CB_PREFILL_BUCKETS",
-}
 # The model's name becomes a Service name and a label value; pod names add "-<hash>-<random>".
 MAX_NAME = 63
 # InferencePool v1 (Gateway API Inference Extension): its protocols, failure modes and reference kinds
@@ -70,11 +67,11 @@ def parse_spec(name: str, spec: dict) -> ModelSpec:
         raise InvalidSpec("", "must be an object")
     model = _model_section(name, spec)
     engine = _engine_fields(spec)
-    batching = _batching_section(spec, engine["task"])
+    batching = parse_batching(spec, engine["task"])
     cache = _graph_cache_section(object_field(spec, "graphCache"))
     require_known_config = _bool(spec, "requireKnownConfiguration")
     pod_fields = parse_pod_fields(spec)
-    _check_warmup_env(pod_fields["env"], engine["task"], batching)
+    check_warmup_env(pod_fields["env"], engine["task"], batching)
     return ModelSpec(
         **model,
         **engine,
@@ -160,11 +157,11 @@ def _ca_bundle(value) -> CABundle | None:
 
 
 def _engine_fields(spec: dict) -> dict:
-    """cards, replicas, backend, task and dtype."""
+    """cards, replicas, backend, task, dtype and kvCacheDtype."""
     cards = spec.get("cards", 1)
     if cards not in VALID_CARDS or isinstance(cards, bool):
         raise InvalidSpec("cards", f"must be one of 1, 2, 4, 8, got {cards!r}")
-    replicas = _int("replicas", spec.get("replicas", 1), minimum=0)
+    replicas = int_field("replicas", spec.get("replicas", 1), minimum=0)
     backend = spec.get("backend", "sendnn")
     if backend not in BACKENDS and backend not in BACKEND_ALIASES:
         raise InvalidSpec("backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
@@ -172,108 +169,27 @@ def _engine_fields(spec: dict) -> dict:
     task = spec.get("task", "generate")
     if task not in TASKS:
         raise InvalidSpec("task", f"must be one of {', '.join(TASKS)}, got {task!r}")
-    dtype = spec.get("dtype", "auto")
-    if dtype not in DTYPES:
-        raise InvalidSpec("dtype", f"must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return {"cards": cards, "replicas": replicas, "backend": backend, "task": task, "dtype": dtype}
+    return {"cards": cards, "replicas": replicas, "backend": backend, "task": task, **_dtypes(spec, backend)}
 
 
-# said when a generate model's batching has no mode and continuous batching's limits are missing
-DEFAULT_MODE_HINT = (
-    " (continuous is the default for generate models; batching.mode: static keeps sendnn-inference 1.x's "
-    "warm-up shapes)"
-)
-
-
-def _batching_section(spec: dict, task: str) -> dict:
-    """spec.batching: continuous batching's limits and bucket ranges, or static warm-up shapes. Without
-    batching.mode, the task's mode: continuous for generate (sendnn-inference 2.x's only mode for decoders),
-    static for the pooling tasks (their only mode); the CRD's rules resolve it the same way."""
-    batching = object_field(spec, "batching")
-    mode = batching.get("mode", "static" if task in POOLING_TASKS else "continuous")
-    if mode not in ("static", "continuous"):
-        raise InvalidSpec("batching.mode", f"must be static or continuous, got {mode!r}")
-    if task in POOLING_TASKS and mode != "static":
-        raise InvalidSpec("batching.mode", f"{task} models run on static warm-up shapes, got {mode!r}")
-    if mode == "static":
-        return {"mode": mode, "shapes": _static_shapes(batching.get("shapes"), task)}
-    return {"mode": mode, "shapes": (), **_continuous_batching(batching, defaulted="mode" not in batching)}
-
-
-def _static_shapes(raw_shapes, task: str) -> tuple[StaticShape, ...]:
-    if not raw_shapes:
-        raise InvalidSpec("batching.shapes", "static batching needs at least one shape")
-    if not isinstance(raw_shapes, list):
-        raise InvalidSpec("batching.shapes", f"must be a list of shapes, got {raw_shapes!r}")
-    parsed = []
-    for i, s in enumerate(raw_shapes):
-        at = f"batching.shapes[{i}]"
-        if not isinstance(s, dict):
-            raise InvalidSpec(at, "must be an object with promptLength, newTokens, batchSize")
-        p = _int(f"{at}.promptLength", s.get("promptLength"), minimum=64)
-        if p % 64:
-            raise InvalidSpec(f"{at}.promptLength", f"must be a multiple of 64, got {p}")
-        if task in POOLING_TASKS:  # encoders generate nothing: a shape is a prompt length and a batch size
-            n = 0
-            if s.get("newTokens") not in (None, 0):
-                raise InvalidSpec(f"{at}.newTokens", f"does not apply to {task} models")
-        else:
-            n = _int(f"{at}.newTokens", s.get("newTokens"), minimum=1)
-        b = _int(f"{at}.batchSize", s.get("batchSize"), minimum=1, maximum=256)
-        parsed.append(StaticShape(p, n, b))
-    return tuple(parsed)
-
-
-def _continuous_batching(batching: dict, defaulted: bool) -> dict:
-    if batching.get("maxNumSeqs") is None or batching.get("maxModelLen") is None:
-        why = DEFAULT_MODE_HINT if defaulted else ""
-        raise InvalidSpec("batching", f"continuous batching needs maxNumSeqs and maxModelLen{why}")
-    max_num_seqs = _int("batching.maxNumSeqs", batching["maxNumSeqs"], minimum=1, maximum=256)
-    max_model_len = _int("batching.maxModelLen", batching["maxModelLen"], minimum=64)
-    buckets = []
-    for field_name, var in BUCKET_FIELDS.items():
-        r = batching.get(field_name)
-        if r is None:
-            continue
-        at = f"batching.{field_name}"
-        if not isinstance(r, dict) or set(r) - {"min", "step", "max"}:
-            raise InvalidSpec(at, f"must be an object with min, step and max, got {r!r}")
-        values = tuple(_int(f"{at}.{k}", r.get(k), minimum=1) for k in ("min", "step", "max"))
-        buckets.append((var, values))
-    chunk = None
-    if batching.get("maxNumBatchedTokens") is not None:
-        chunk = _int("batching.maxNumBatchedTokens", batching["maxNumBatchedTokens"], minimum=64)
-        if chunk % 64:
-            raise InvalidSpec("batching.maxNumBatchedTokens", f"must be a multiple of 64, got {chunk}")
-    return {
-        "max_num_seqs": max_num_seqs,
-        "max_model_len": max_model_len,
-        "max_num_batched_tokens": chunk,
-        "buckets": tuple(buckets),
-    }
-
-
-def _check_warmup_env(env: tuple, task: str, batching: dict) -> None:
-    """The runtime zips its warm-up lists into shapes: a list the env overrides keeps one entry per shape
-    (the operator writes the lists from spec.batching.shapes; an alias spelling never overrides them)."""
-    if batching["mode"] != "static":
-        return
-    lists = (
-        ("PROMPT_LENS", "BATCH_SIZES")
-        if task in POOLING_TASKS
-        else ("PROMPT_LENS", "NEW_TOKENS", "BATCH_SIZES")
-    )
-    names = {f"SENDNN_INFERENCE_WARMUP_{v}" for v in lists}
-    for var in env:
-        value = var.get("value")
-        if var["name"] in names and value is not None and value.strip():
-            num_entries = len(value.split(","))
-            if num_entries != len(batching["shapes"]):
-                raise InvalidSpec(
-                    "env",
-                    f"warmup lists differ in length: {var['name']} has {num_entries} entries, "
-                    f"spec.batching.shapes has {len(batching['shapes'])} (one entry per shape)",
-                )
+def _dtypes(spec: dict, backend: str) -> dict:
+    """dtype, and kvCacheDtype: the KV cache's own (auto: the model's). Spyre cards keep the KV cache in the
+    model's dtype, float16 unless spec.dtype says otherwise (the runtime's rule, kv_cache_dtype_for)."""
+    dtype, kv_cache_dtype = spec.get("dtype", "auto"), spec.get("kvCacheDtype", "auto")
+    for key, value in (("dtype", dtype), ("kvCacheDtype", kv_cache_dtype)):
+        if value not in DTYPES:
+            raise InvalidSpec(key, f"must be one of {', '.join(DTYPES)}, got {value!r}")
+    if backend == "sendnn":
+        on_cards = SENDNN_DTYPE if dtype == "auto" else dtype
+        try:
+            kv_cache_dtype_for(backend, on_cards, kv_cache_dtype)
+        except ContractError:
+            raise InvalidSpec(
+                "kvCacheDtype",
+                f"must be auto or {on_cards} with backend sendnn, got {kv_cache_dtype!r}: Spyre cards keep "
+                f"the KV cache in the model's {on_cards}",
+            ) from None
+    return {"dtype": dtype, "kv_cache_dtype": kv_cache_dtype}
 
 
 def _graph_cache_section(gc: dict) -> GraphCache:
@@ -358,7 +274,7 @@ def _endpoint_picker(ref) -> EndpointPicker:
     elif not isinstance(port, dict):
         raise InvalidSpec(f"{at}.port", f"must be an object with a number, got {port!r}")
     else:
-        number = _int(f"{at}.port.number", port.get("number"), minimum=1, maximum=65535)
+        number = int_field(f"{at}.port.number", port.get("number"), minimum=1, maximum=65535)
     failure_mode = ref.get("failureMode", "FailClose")
     if failure_mode not in FAILURE_MODES:
         raise InvalidSpec(f"{at}.failureMode", f"must be FailOpen or FailClose, got {failure_mode!r}")
@@ -366,16 +282,6 @@ def _endpoint_picker(ref) -> EndpointPicker:
 
 
 # ---- fields --------------------------------------------------------------------------------------
-
-
-def _int(path: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidSpec(path, f"must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise InvalidSpec(path, f"must be at least {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise InvalidSpec(path, f"must be at most {maximum}, got {value}")
-    return value
 
 
 def _bool(spec: dict, key: str) -> bool:

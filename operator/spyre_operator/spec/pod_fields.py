@@ -81,6 +81,16 @@ def string_field(spec: dict, key: str) -> str | None:
     return value
 
 
+def int_field(path: str, value, minimum: int | None = None, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidSpec(path, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidSpec(path, f"must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidSpec(path, f"must be at most {maximum}, got {value}")
+    return value
+
+
 def card_counts(resources: dict, card_resource: str) -> list[tuple[str, object]]:
     """(field path, amount) of every card count in requests and limits: the pod's card resource, or any
     resource IBM's device plugins publish cards under."""

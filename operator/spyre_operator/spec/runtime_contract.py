@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from spyre_contract import ContractError, EngineFlags, read_environment
-from spyre_contract.memory import DTYPE_BYTES, GIB, ModelDims, plan_memory
+from spyre_contract.memory import DTYPE_BYTES, GIB, ModelDims, kv_cache_dtype_for, plan_memory
 from spyre_contract.registry import check_known_config
 from spyre_contract.tasks import POOLING_TASKS, read_pooling_environment
 
@@ -28,6 +28,8 @@ def runtime_env(spec: ModelSpec, serving: bool = True) -> list[dict]:
     env += [{"name": var, "value": ",".join(map(str, r))} for var, r in spec.buckets]
     if spec.dtype != "auto":
         env.append({"name": "SENDNN_INFERENCE_DTYPE", "value": spec.dtype})
+    if spec.kv_cache_dtype != "auto":
+        env.append({"name": "SENDNN_INFERENCE_KV_CACHE_DTYPE", "value": spec.kv_cache_dtype})
     if spec.mode == "static":
         lists = [
             ("PROMPT_LENS", "prompt_length"),
@@ -158,7 +160,9 @@ def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
         else:
             capacity, where = 0, ""
         if capacity:
-            plan = plan_memory(dims, contract, capacity, where, DTYPE_BYTES.get(dtype, 4))
+            kv_dtype = kv_cache_dtype_for(spec.backend, dtype, spec.kv_cache_dtype)  # parse_spec checked it
+            dtype_bytes, kv_bytes = DTYPE_BYTES.get(dtype, 4), DTYPE_BYTES.get(kv_dtype, 4)
+            plan = plan_memory(dims, contract, capacity, where, dtype_bytes, kv_dtype_bytes=kv_bytes)
             if not plan.fits:
                 raise InvalidSpec("cards", plan.refusal())
     if spec.require_known_config or settings.require_known_config:

@@ -46,6 +46,18 @@ def test_compile_job_and_cache_key():
         spec_of(graphCache={"precompile": True, "enabled": False})
 
 
+def test_a_kv_cache_dtype_is_a_compile_configuration_of_its_own():
+    """The cache's dtype is in the graphs (the KV tensors they read and write): a narrower cache is compiled
+    again; auto leaves the key as it was before the field existed."""
+    from spyre_operator.kinds.compile_job import cache_key
+
+    s = OperatorSettings()
+    key = cache_key(spec_of(graphCache={"precompile": True}), s)
+    assert cache_key(spec_of(graphCache={"precompile": True}, kvCacheDtype="auto"), s) == key
+    narrow = cache_key(spec_of(graphCache={"precompile": True}, kvCacheDtype="bfloat16"), s)
+    assert narrow != key != cache_key(spec_of(graphCache={"precompile": True}, kvCacheDtype="float16"), s)
+
+
 @pytest.mark.parametrize(
     ("job_status", "ready", "failed", "reason"),
     [

@@ -72,6 +72,29 @@ from tests.operator.objects import spec_of
         ),
         ({"graphCache": {"size": "lots"}}, "graphCache.size", "quantity"),
         ({"env": [{"value": "x"}]}, "env[0]", "must be an object with a name"),
+        ({"dtype": "int8"}, "dtype", "must be one of auto, float32, bfloat16, float16, got 'int8'"),
+        (
+            {"kvCacheDtype": "fp8"},
+            "kvCacheDtype",
+            "must be one of auto, float32, bfloat16, float16, got 'fp8'",
+        ),
+        (
+            {"backend": "sendnn", "kvCacheDtype": "bfloat16"},
+            "kvCacheDtype",
+            "must be auto or float16 with backend sendnn, got 'bfloat16': Spyre cards keep the KV cache in "
+            "the model's float16",
+        ),
+        (
+            {"backend": "sendnn_decoder", "kvCacheDtype": "float32"},  # the alias is sendnn
+            "kvCacheDtype",
+            "must be auto or float16 with backend sendnn, got 'float32'",
+        ),
+        (
+            {"backend": "sendnn", "dtype": "bfloat16", "kvCacheDtype": "float16"},
+            "kvCacheDtype",
+            "must be auto or bfloat16 with backend sendnn, got 'float16': Spyre cards keep the KV cache in "
+            "the model's bfloat16",
+        ),
     ],
 )
 def test_every_rule_names_field_and_rule(changes, field, rule):
@@ -79,3 +102,18 @@ def test_every_rule_names_field_and_rule(changes, field, rule):
         spec_of(**changes)
     assert err.value.field_path == field and rule in err.value.rule
     assert str(err.value).startswith(f"spec.{field}: ")
+
+
+@pytest.mark.parametrize(
+    ("changes", "kv_cache_dtype"),
+    [
+        ({}, "auto"),  # the model's dtype
+        ({"dtype": "float32", "kvCacheDtype": "bfloat16"}, "bfloat16"),  # CPU backends may narrow the cache
+        ({"backend": "eager", "kvCacheDtype": "float16"}, "float16"),
+        ({"backend": "sendnn", "kvCacheDtype": "auto"}, "auto"),
+        ({"backend": "sendnn", "kvCacheDtype": "float16"}, "float16"),  # dtype auto is float16 on Spyre
+        ({"backend": "sendnn", "dtype": "bfloat16", "kvCacheDtype": "bfloat16"}, "bfloat16"),
+    ],
+)
+def test_the_kv_cache_dtypes_each_backend_takes(changes, kv_cache_dtype):
+    assert spec_of(**changes).kv_cache_dtype == kv_cache_dtype

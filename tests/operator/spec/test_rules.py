@@ -67,3 +67,32 @@ def test_memory_plan_and_known_configurations_before_any_pod():
     assert err.value.reason == "UnknownConfiguration" and "nearest" in str(err.value)
     with pytest.raises(InvalidSpec, match=r"model\.architecture"):
         check_fit(parse_spec("m", {**BASE, "requireKnownConfiguration": True}), settings)
+
+
+# a 1.3B float32 decoder whose continuous-batching KV cache is its largest consumer: 24 GiB in float32
+KV_BOUND = {
+    "hidden_size": 2048,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "intermediate_size": 5632,
+    "vocab_size": 32000,
+    "torch_dtype": "float32",
+}
+
+
+def test_the_memory_plan_counts_the_kv_cache_in_its_own_dtype():
+    """A float32 model whose KV cache does not fit the container's memory fits with a bfloat16 cache (half
+    the bytes per token); kvCacheDtype float32 is the model's own, so it is refused as auto is."""
+    from spyre_operator.spec.runtime_contract import check_fit
+
+    spec = {
+        **BASE,
+        "model": {"source": "pvc://models/m", "config": KV_BOUND},
+        "batching": {"mode": "continuous", "maxNumSeqs": 16, "maxModelLen": 4096},
+        "resources": {"limits": {"memory": "32Gi"}},
+    }
+    for kv_cache_dtype in ("auto", "float32"):
+        with pytest.raises(InvalidSpec, match=r"largest consumer is the KV cache \(24\.02 GiB\)"):
+            check_fit(parse_spec("m", {**spec, "kvCacheDtype": kv_cache_dtype}), OperatorSettings())
+    check_fit(parse_spec("m", {**spec, "kvCacheDtype": "bfloat16"}), OperatorSettings())

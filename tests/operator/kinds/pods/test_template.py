@@ -98,6 +98,27 @@ def test_continuous_batching_flags_and_user_env_override():
     assert "--max-num-batched-tokens" not in args  # the runtime's default chunk size
 
 
+def test_dtypes_reach_the_pod_environment_only_when_set():
+    """spec.dtype and spec.kvCacheDtype become the runtime's variables, which the runtime's contract reads
+    back; auto is the runtime's own default, so the pod is not told."""
+    settings = OperatorSettings()
+    narrow = spec_of(dtype="float32", kvCacheDtype="bfloat16")
+    env = env_of(build_pod(MODEL, narrow, settings))
+    assert env["SENDNN_INFERENCE_DTYPE"] == "float32" and env["SENDNN_INFERENCE_KV_CACHE_DTYPE"] == "bfloat16"
+    read = check_runtime_contract(narrow)
+    assert (read.dtype, read.kv_cache_dtype) == ("float32", "bfloat16")
+    default = env_of(build_pod(MODEL, spec_of(), settings))
+    assert "SENDNN_INFERENCE_DTYPE" not in default and "SENDNN_INFERENCE_KV_CACHE_DTYPE" not in default
+    model_dtype = spec_of(dtype="float32")
+    assert build_pod(MODEL, spec_of(dtype="float32", kvCacheDtype="auto"), settings) == build_pod(
+        MODEL, model_dtype, settings
+    )
+    # a new KV cache dtype is a new pod template: the pods roll
+    assert template_hash(pod_template("granite", narrow, settings)) != template_hash(
+        pod_template("granite", model_dtype, settings)
+    )
+
+
 def test_a_generate_model_without_a_batching_mode_runs_continuous_batching():
     spec = spec_of(batching={"maxNumSeqs": 8, "maxModelLen": 2048})
     assert spec.mode == "continuous" and spec.shapes == ()
