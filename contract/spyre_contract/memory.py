@@ -183,12 +183,20 @@ def plan_memory(
 def kv_cache_dtype_for(backend: str, dtype: str, kv_cache_dtype: str) -> str:
     """The KV cache's dtype for a model run in `dtype` (resolved, not auto): `kv_cache_dtype`
     (--kv-cache-dtype, SENDNN_INFERENCE_KV_CACHE_DTYPE), auto being the model's. Spyre cards keep the
-    model's."""
+    model's; on CPU a float32 model may narrow it to bfloat16 or float16 (what the attention kernels read
+    under a float32 query), nothing else differs from the model's."""
     kv = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    if backend == "sendnn" and kv != dtype:
+    if kv == dtype:
+        return kv
+    setting = f"a {kv} KV cache (--kv-cache-dtype, SENDNN_INFERENCE_KV_CACHE_DTYPE, spec.kvCacheDtype)"
+    if backend == "sendnn":
         raise ContractError(
-            f"SENDNN_INFERENCE_KV_CACHE_DTYPE={kv_cache_dtype}: Spyre cards (backend sendnn) keep the KV "
-            f"cache in the model's {dtype}; set auto"
+            f"{setting}: Spyre cards (backend sendnn) keep the KV cache in the model's {dtype}; set auto"
+        )
+    if dtype != "float32" or kv not in ("bfloat16", "float16"):
+        raise ContractError(
+            f"{setting} under a {dtype} model: only a float32 model takes a narrower (bfloat16 or float16) "
+            "cache; set auto"
         )
     return kv
 

@@ -367,6 +367,22 @@ CATALOG = [
         at_create="spec.kvCacheDtype: Invalid value: must be auto or bfloat16 with backend sendnn, got "
         "float16",
     ),
+    # the same rule on what the pod would get: an env override the spec's fields do not show
+    Row(
+        "env-kv-cache-bfloat16-on-sendnn",
+        {"backend": "sendnn", "env": [{"name": "SENDNN_INFERENCE_KV_CACHE_DTYPE", "value": "bfloat16"}]},
+        "the runtime would refuse it: a bfloat16 KV cache (--kv-cache-dtype, "
+        "SENDNN_INFERENCE_KV_CACHE_DTYPE, spec.kvCacheDtype): Spyre cards (backend sendnn) keep the KV "
+        "cache in the model's float16",
+    ),
+    # on CPU only a float32 model narrows its cache (the kernels read bf16/fp16 under a float32 query)
+    Row(
+        "kv-cache-float16-under-a-bfloat16-model",
+        {"dtype": "bfloat16", "kvCacheDtype": "float16"},
+        "spec.kvCacheDtype: the runtime would refuse it: a float16 KV cache (--kv-cache-dtype, "
+        "SENDNN_INFERENCE_KV_CACHE_DTYPE, spec.kvCacheDtype) under a bfloat16 model: only a float32 model "
+        "takes",
+    ),
     Row(
         "suspend-string",
         {"suspend": "yes"},

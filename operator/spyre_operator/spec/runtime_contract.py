@@ -128,6 +128,29 @@ def check_runtime_contract(spec: ModelSpec) -> None:
         raise InvalidSpec("env" if named else "batching", f"the runtime would refuse it: {message}") from None
 
 
+def _model_dtype(spec: ModelSpec, dtype: str) -> str | None:
+    """The dtype the runtime will run (`dtype`: the contract's, user env included); None when it is auto on
+    a CPU backend and the spec does not tell the checkpoint's (model.config)."""
+    if dtype != "auto":
+        return dtype
+    if spec.backend == "sendnn":
+        return "float16"
+    return str(spec.model_config.get("torch_dtype") or "float32") if spec.model_config else None
+
+
+def _kv_cache_dtype(spec: ModelSpec, dtype: str, kv_cache_dtype: str) -> str:
+    """The runtime's rule on the KV cache's dtype (kv_cache_dtype_for) on what the pod would get, user env
+    included: an env override the spec's fields do not show is refused here, not by a crash-looping pod."""
+    try:
+        return kv_cache_dtype_for(spec.backend, dtype, kv_cache_dtype)
+    except ContractError as e:
+        user = {v["name"] for v in spec.env}
+        overridden = bool(user & {"SENDNN_INFERENCE_KV_CACHE_DTYPE", "SENDNN_INFERENCE_DTYPE"})
+        raise InvalidSpec(
+            "env" if overridden else "kvCacheDtype", f"the runtime would refuse it: {e}"
+        ) from None
+
+
 def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
     """The runtime's memory plan and the known-configurations registry, run before any pod exists, as far
     as the spec tells the model (`model.config`, `model.architecture`): InvalidSpec when the plan cannot fit
@@ -138,20 +161,13 @@ def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
     if spec.kv_events_port == settings.runtime_port:
         raise InvalidSpec("kvEvents.port", f"{spec.kv_events_port} is the runtime's API port")
     contract = check_runtime_contract(spec)
+    dtype = _model_dtype(spec, contract.dtype)
+    kv_dtype = _kv_cache_dtype(spec, dtype, contract.kv_cache_dtype) if dtype else None
     if spec.model_config:
         try:
             dims = ModelDims.from_config(spec.model_config)
         except ContractError as e:
             raise InvalidSpec("model.config", str(e)) from None
-        dtype = (
-            spec.dtype
-            if spec.dtype != "auto"
-            else (
-                "float16"
-                if spec.backend == "sendnn"
-                else str(spec.model_config.get("torch_dtype") or "float32")
-            )
-        )
         limit = ((spec.resources.get("limits") or {}).get("memory")) if spec.backend != "sendnn" else None
         if spec.backend == "sendnn":
             capacity, where = int(settings.card_memory_gib * GIB), "card"
@@ -160,7 +176,6 @@ def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
         else:
             capacity, where = 0, ""
         if capacity:
-            kv_dtype = kv_cache_dtype_for(spec.backend, dtype, spec.kv_cache_dtype)  # parse_spec checked it
             dtype_bytes, kv_bytes = DTYPE_BYTES.get(dtype, 4), DTYPE_BYTES.get(kv_dtype, 4)
             plan = plan_memory(dims, contract, capacity, where, dtype_bytes, kv_dtype_bytes=kv_bytes)
             if not plan.fits:

@@ -112,6 +112,9 @@ def cache_configuration(config: RuntimeConfig) -> dict:
         },
         "backend": config.backend,
         "dtype": config.dtype,
+        # the KV cache's dtype changes every graph that reads it; left out at auto, so that the keys of
+        # entries compiled before the setting existed stay the same
+        **({"kv_cache_dtype": config.kv_cache_dtype} if config.kv_cache_dtype != "auto" else {}),
         "graph_format": GRAPH_FORMAT,
         "max_block_calls": MAX_BLOCK_CALLS,  # the blocks one compiled graph holds (inductor)
         "shapes": shapes,

@@ -15,6 +15,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+from spyre_contract.memory import kv_cache_dtype_for
 
 from spyre_runtime.config import RuntimeConfig, Shape
 from spyre_runtime.executor import kv_cache, linear
@@ -67,7 +68,10 @@ class ModelExecutor:
         else:
             num_blocks = 1 + max(s.batch_size * blocks_for(s.max_len) for s in config.shapes)
         # --kv-cache-dtype: the cache may be narrower than the model (kv_cache._store narrows, readers widen)
-        kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else TORCH_DTYPES[config.kv_cache_dtype]
+        kv_dtype = self.dtype
+        if config.kv_cache_dtype != "auto":  # refused here too for callers that skip config.check_memory
+            model = {v: k for k, v in TORCH_DTYPES.items()}.get(self.dtype, str(self.dtype))
+            kv_dtype = TORCH_DTYPES[kv_cache_dtype_for(config.backend, model, config.kv_cache_dtype)]
         self.kv = KVCachePool(
             self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=kv_dtype
         )

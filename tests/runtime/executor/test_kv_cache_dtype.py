@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from spyre_contract import DTYPES
 from spyre_runtime.config import ConfigError, check_memory, load_config
 from spyre_runtime.executor.model_executor import ModelExecutor
 from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
@@ -42,6 +43,28 @@ def test_spyre_cards_keep_the_model_s_dtype(tiny_model):
     with pytest.raises(ConfigError, match=r"Spyre cards .* KV cache in the model's float16; set auto"):
         check_memory(load_config(tiny_model, environ=env), environ=env)
     check_memory(load_config(tiny_model, environ={"SENDNN_INFERENCE_KV_CACHE_DTYPE": "float16"}), environ={})
+
+
+def test_only_a_float32_model_narrows_its_cache(tiny_model):
+    """A bfloat16 model's float16 cache (or a wider one) would leave the kernels for the ATen ops, and fp16
+    overflows where bf16 does not: refused at start-up, and by the executor for callers that skip it."""
+    with pytest.raises(ConfigError, match="under a bfloat16 model: only a float32 model takes a narrower"):
+        config = load_config(tiny_model, environ=CB, dtype="bfloat16", kv_cache_dtype="float16")
+        check_memory(config, environ=CB)
+    with pytest.raises(ConfigError, match=r"a float32 KV cache .* under a bfloat16 model"):
+        ModelExecutor(small_cb(tiny_model, dtype="bfloat16", kv_cache_dtype="float32"))
+    with pytest.raises(ConfigError, match="Spyre cards"):
+        ModelExecutor(small_cb(tiny_model, backend="sendnn", kv_cache_dtype="bfloat16"), compile_only=True)
+
+
+def test_the_graph_cache_keys_the_cache_s_dtype(tiny_model):
+    """Graphs compiled for one cache dtype are not a hit for another; at auto the key is what it was."""
+    from spyre_runtime.executor.graph_key import cache_configuration, cache_key
+
+    base = small_cb(tiny_model)
+    keys = {kv: cache_key(cache_configuration(dataclasses.replace(base, kv_cache_dtype=kv))) for kv in DTYPES}
+    assert len(set(keys.values())) == 4
+    assert "kv_cache_dtype" not in cache_configuration(base)
 
 
 def test_the_memory_plan_sizes_a_bfloat16_cache_at_half_the_bytes(tiny_model):
