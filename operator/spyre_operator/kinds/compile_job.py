@@ -109,7 +109,10 @@ def cache_key(spec: ModelSpec, settings: OperatorSettings) -> str:
         "image": spec.image or settings.runtime_image,
         "env": list(spec.env),
     }
-    if spec.kv_cache_dtype != "auto":  # left out at auto: the keys of caches compiled before it stay the same
+    # left out when it is the model's (auto, or the dtype the spec names, float16 on Spyre at auto): the
+    # graphs are the same, and the keys of caches compiled before the field existed stay the same
+    model_dtype = spec.dtype if spec.dtype != "auto" else ("float16" if spec.backend == "sendnn" else "auto")
+    if spec.kv_cache_dtype not in ("auto", model_dtype):
         config["kv_cache_dtype"] = spec.kv_cache_dtype
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 

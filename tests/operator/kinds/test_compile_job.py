@@ -56,6 +56,11 @@ def test_a_kv_cache_dtype_is_a_compile_configuration_of_its_own():
     assert cache_key(spec_of(graphCache={"precompile": True}, kvCacheDtype="auto"), s) == key
     narrow = cache_key(spec_of(graphCache={"precompile": True}, kvCacheDtype="bfloat16"), s)
     assert narrow != key != cache_key(spec_of(graphCache={"precompile": True}, kvCacheDtype="float16"), s)
+    # the model's own dtype named is auto: float32 under dtype float32, float16 on Spyre cards
+    f32 = {"graphCache": {"precompile": True}, "dtype": "float32"}
+    assert cache_key(spec_of(**f32, kvCacheDtype="float32"), s) == cache_key(spec_of(**f32), s)
+    cards = {"graphCache": {"precompile": True}, "backend": "sendnn"}
+    assert cache_key(spec_of(**cards, kvCacheDtype="float16"), s) == cache_key(spec_of(**cards), s)
 
 
 @pytest.mark.parametrize(
