@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from spyre_contract.architectures import checkpoint_dtype
 from spyre_contract.environment import PROMPT_LEN_MULTIPLE, ContractError, EnvironmentSettings, round_up
 
 GIB = 2**30
@@ -178,6 +179,20 @@ def plan_memory(
         unpacked = (0 if dims.tied else embedding) + (embedding if tp > 1 else 0)
         packed = max(0, weights - unpacked // tp)
     return MemoryPlan(weights, kv, largest, label, capacity, where, packed)
+
+
+def resolved_dtype(backend: str, dtype: str, model_config: Mapping | None) -> str | None:
+    """`dtype` (--dtype, spec.dtype) as the runtime runs the model: auto is float16 on Spyre cards (sendnn),
+    else the dtype config.json names, float32 when it names none or one the runtime does not run; None for
+    auto on a CPU backend when the checkpoint's config is not known."""
+    if dtype != "auto":
+        return dtype
+    if backend == "sendnn":
+        return "float16"
+    if model_config is None:
+        return None
+    named = checkpoint_dtype(model_config)
+    return named if named in DTYPE_BYTES else "float32"
 
 
 def kv_cache_dtype_for(backend: str, dtype: str, kv_cache_dtype: str) -> str:

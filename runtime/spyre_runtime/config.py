@@ -34,7 +34,7 @@ from spyre_contract import (
     round_up,
     static_batching_line,
 )
-from spyre_contract.architectures import check_batching, check_decoder_config, checkpoint_dtype
+from spyre_contract.architectures import check_batching, check_decoder_config
 from spyre_contract.hybrid import HybridModelError, HybridSpec
 from spyre_contract.memory import (
     DEFAULT_CARD_MEMORY_GIB,
@@ -45,6 +45,7 @@ from spyre_contract.memory import (
     kv_blocks_for,
     kv_cache_dtype_for,
     plan_memory,
+    resolved_dtype,
     volumetric_line,
 )
 from spyre_contract.registry import Verdict, check_known_config, load_registry, registry_settings
@@ -316,8 +317,7 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
         raise ConfigError(f"{var}={raw!r} must be positive")
     model_config = json.loads((config.model_dir / "config.json").read_text())
     dims = ModelDims.from_config(model_config)
-    auto = "float16" if config.backend == "sendnn" else checkpoint_dtype(model_config) or "float32"
-    dtype = auto if config.dtype == "auto" else config.dtype
+    dtype = resolved_dtype(config.backend, config.dtype, model_config)
     kv_dtype = kv_cache_dtype_for(config.backend, dtype, config.kv_cache_dtype)
     kv_bytes = DTYPE_BYTES.get(kv_dtype, 4)
     if config.backend == "sendnn":

@@ -11,6 +11,7 @@ import json
 from dataclasses import dataclass
 
 from kubernetes.client.rest import ApiException
+from spyre_contract.memory import resolved_dtype
 
 from spyre_operator.io.events import EventRecorder
 from spyre_operator.io.kube import Kube, problem_of
@@ -111,8 +112,7 @@ def cache_key(spec: ModelSpec, settings: OperatorSettings) -> str:
     }
     # left out when it is the model's (auto, or the dtype the spec names, float16 on Spyre at auto): the
     # graphs are the same, and the keys of caches compiled before the field existed stay the same
-    model_dtype = spec.dtype if spec.dtype != "auto" else ("float16" if spec.backend == "sendnn" else "auto")
-    if spec.kv_cache_dtype not in ("auto", model_dtype):
+    if spec.kv_cache_dtype not in ("auto", resolved_dtype(spec.backend, spec.dtype, None)):
         config["kv_cache_dtype"] = spec.kv_cache_dtype
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES, ContractError
-from spyre_contract.memory import kv_cache_dtype_for
+from spyre_contract.memory import kv_cache_dtype_for, resolved_dtype
 from spyre_contract.source_uri import DOWNLOADED, SourceError, parse_source_uri
 from spyre_contract.tasks import TASKS
 
@@ -28,7 +28,6 @@ from spyre_operator.spec.pod_fields import DNS_NAME, int_field, object_field, pa
 from spyre_operator.spec.security import parse_security
 
 VALID_CARDS = (1, 2, 4, 8)
-SENDNN_DTYPE = "float16"  # what dtype auto runs on Spyre cards (backend sendnn)
 QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|K|M|G|T)?$")
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service name (RFC 1035 label)
 PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
@@ -180,7 +179,7 @@ def _dtypes(spec: dict, backend: str) -> dict:
         if value not in DTYPES:
             raise InvalidSpec(key, f"must be one of {', '.join(DTYPES)}, got {value!r}")
     if backend == "sendnn":
-        on_cards = SENDNN_DTYPE if dtype == "auto" else dtype
+        on_cards = resolved_dtype(backend, dtype, None)
         try:
             kv_cache_dtype_for(backend, on_cards, kv_cache_dtype)
         except ContractError:

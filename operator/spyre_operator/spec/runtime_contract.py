@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from spyre_contract import ContractError, EngineFlags, read_environment
-from spyre_contract.memory import DTYPE_BYTES, GIB, ModelDims, kv_cache_dtype_for, plan_memory
+from spyre_contract.memory import DTYPE_BYTES, GIB, ModelDims, kv_cache_dtype_for, plan_memory, resolved_dtype
 from spyre_contract.registry import check_known_config
 from spyre_contract.tasks import POOLING_TASKS, read_pooling_environment
 
@@ -128,16 +128,6 @@ def check_runtime_contract(spec: ModelSpec) -> None:
         raise InvalidSpec("env" if named else "batching", f"the runtime would refuse it: {message}") from None
 
 
-def _model_dtype(spec: ModelSpec, dtype: str) -> str | None:
-    """The dtype the runtime will run (`dtype`: the contract's, user env included); None when it is auto on
-    a CPU backend and the spec does not tell the checkpoint's (model.config)."""
-    if dtype != "auto":
-        return dtype
-    if spec.backend == "sendnn":
-        return "float16"
-    return str(spec.model_config.get("torch_dtype") or "float32") if spec.model_config else None
-
-
 def _kv_cache_dtype(spec: ModelSpec, dtype: str, kv_cache_dtype: str) -> str:
     """The runtime's rule on the KV cache's dtype (kv_cache_dtype_for) on what the pod would get, user env
     included: an env override the spec's fields do not show is refused here, not by a crash-looping pod."""
@@ -161,7 +151,7 @@ def check_fit(spec: ModelSpec, settings: OperatorSettings) -> None:
     if spec.kv_events_port == settings.runtime_port:
         raise InvalidSpec("kvEvents.port", f"{spec.kv_events_port} is the runtime's API port")
     contract = check_runtime_contract(spec)
-    dtype = _model_dtype(spec, contract.dtype)
+    dtype = resolved_dtype(spec.backend, contract.dtype, spec.model_config or None)  # user env included
     kv_dtype = _kv_cache_dtype(spec, dtype, contract.kv_cache_dtype) if dtype else None
     if spec.model_config:
         try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from spyre_contract.architectures import checkpoint_dtype
+from spyre_contract.memory import resolved_dtype
 
 from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.executor import linear
@@ -78,15 +78,13 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 def resolve_dtype(dtype: str, backend: str, model_dir: Path) -> torch.dtype:
     """--dtype to a torch dtype. `auto`: float16 for sendnn (what Spyre cards run), else the checkpoint's
     dtype from config.json (`dtype` or `torch_dtype`), float32 when it names none or an unknown one."""
-    if dtype != "auto":
-        return TORCH_DTYPES[dtype]
-    if backend == "sendnn":
-        return torch.float16
+    if dtype != "auto" or backend == "sendnn":
+        return TORCH_DTYPES[resolved_dtype(backend, dtype, None)]
     try:
         hf = json.loads((model_dir / "config.json").read_text())
     except (OSError, ValueError):
         return torch.float32
-    return TORCH_DTYPES.get(checkpoint_dtype(hf), torch.float32)
+    return TORCH_DTYPES[resolved_dtype(backend, dtype, hf)]
 
 
 def pack_weights(model: torch.nn.Module, config: RuntimeConfig, dtype: torch.dtype) -> bool:

@@ -70,7 +70,7 @@ class ModelExecutor:
         # --kv-cache-dtype: the cache may be narrower than the model (kv_cache._store narrows, readers widen)
         kv_dtype = self.dtype
         if config.kv_cache_dtype != "auto":  # refused here too for callers that skip config.check_memory
-            model = {v: k for k, v in TORCH_DTYPES.items()}.get(self.dtype, str(self.dtype))
+            model = str(self.dtype).removeprefix("torch.")
             kv_dtype = TORCH_DTYPES[kv_cache_dtype_for(config.backend, model, config.kv_cache_dtype)]
         self.kv = KVCachePool(
             self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=kv_dtype
