@@ -6,6 +6,9 @@ parity with HF on a bfloat16 cache is in tests/runtime/test_smollm2.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -36,6 +39,27 @@ def test_the_setting_comes_from_the_flag_then_the_environment_then_auto(tiny_mod
 def test_an_unknown_value_is_refused_naming_the_setting(tiny_model, environ, flag, named):
     with pytest.raises(ConfigError, match=named):
         load_config(tiny_model, environ=environ, kv_cache_dtype=flag)
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype='int8'"),
+        (["--dtype", "bfloat16", "--kv-cache-dtype", "float16"], "under a bfloat16 model"),
+    ],
+)
+def test_the_cli_stops_with_one_line_and_exit_code_2(tiny_model, tmp_path, args, named):
+    """Before anything loads: a bad value, and a pairing the runtime refuses (the memory plan's check)."""
+    cache = {"TORCH_SENDNN_CACHE_ENABLE": "1", "TORCH_SENDNN_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-m", "spyre_runtime.cli", "compile", str(tiny_model), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **cache},
+        timeout=120,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert named in out.stderr and "Traceback" not in out.stderr
 
 
 def test_spyre_cards_keep_the_model_s_dtype(tiny_model):
