@@ -232,6 +232,25 @@ def test_runtime_image_serves_the_modelcar_model_on_the_real_node(stack, node, t
     assert "Paged attention kernel unavailable" not in logs and "Paged attention kernel spyre_" in logs, logs
 
 
+def test_a_bfloat16_kv_cache_reaches_the_runtime_under_the_kubelet(stack, node):
+    """spec.kvCacheDtype as the kubelet runs it: the container's environment carries it, the runtime's
+    memory plan counts the float32 model's cache in bfloat16, and the model answers."""
+    stack.apply_model(NS, model_manifest("kvbf16", kvCacheDtype="bfloat16"))
+    try:
+        wait_ready(stack, "kvbf16", 1, 300)
+        (pod,) = [p for p in model_pods(stack, "kvbf16") if is_ready(p)]
+        name = pod.metadata.name
+        env = node.cp.kubectl(
+            "exec", "-n", NS, name, "-c", "runtime", "--", "printenv", "SENDNN_INFERENCE_KV_CACHE_DTYPE"
+        )
+        assert env.stdout.strip() == "bfloat16", env
+        logs = node.cp.kubectl("logs", "-n", NS, name, "-c", "runtime").stdout
+        assert "memory plan (float32, KV cache bfloat16" in logs, logs
+        assert ask(pod.status.pod_ip)
+    finally:
+        delete_model(stack, "kvbf16")
+
+
 def test_the_kubelet_runs_the_model_pod_hardened(stack, node, tiny):
     """Issue 40: the serving pod the operator made, as the kernel runs it: its root filesystem read-only (a
     write outside its volumes is EROFS, even where the image lets its user write), its volumes writable, no
