@@ -97,8 +97,8 @@ def _seconds_since(stamp: str) -> float:
 
 def cache_key(spec: ModelSpec, settings: OperatorSettings) -> str:
     """Names one compile configuration: what the graphs depend on as far as the operator can see (the
-    model source, backend, shapes or limits, cards, the KV cache's dtype, runtime image and user environment).
-    The runtime keys its entries finer still (weights digest, library versions)."""
+    model source, backend, shapes or limits, cards, the model's and the KV cache's dtypes, runtime image and
+    user environment). The runtime keys its entries finer still (weights digest, library versions)."""
     config = {
         "source": spec.source.uri,
         "backend": spec.backend,
@@ -110,8 +110,10 @@ def cache_key(spec: ModelSpec, settings: OperatorSettings) -> str:
         "image": spec.image or settings.runtime_image,
         "env": list(spec.env),
     }
-    # left out when it is the model's (auto, or the dtype the spec names, float16 on Spyre at auto): the
+    # each left out when it is what auto runs (float16 on Spyre; the KV cache: the model's dtype): the
     # graphs are the same, and the keys of caches compiled before the field existed stay the same
+    if spec.dtype not in ("auto", resolved_dtype(spec.backend, "auto", None)):
+        config["dtype"] = spec.dtype
     if spec.kv_cache_dtype not in ("auto", resolved_dtype(spec.backend, spec.dtype, None)):
         config["kv_cache_dtype"] = spec.kv_cache_dtype
     return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]

@@ -63,6 +63,23 @@ def test_a_kv_cache_dtype_is_a_compile_configuration_of_its_own():
     assert cache_key(spec_of(**cards, kvCacheDtype="float16"), s) == cache_key(spec_of(**cards), s)
 
 
+def test_a_model_dtype_is_a_compile_configuration_of_its_own():
+    """spec.dtype is in the graphs (their weights and activations): bfloat16 or float32 named is compiled
+    again; auto, and float16 on Spyre cards (what auto runs there), leave the key as it was."""
+    from spyre_operator.kinds.compile_job import cache_key
+
+    s = OperatorSettings()
+    pre = {"graphCache": {"precompile": True}}
+    key = cache_key(spec_of(**pre), s)
+    assert cache_key(spec_of(**pre, dtype="auto"), s) == key
+    keys = {cache_key(spec_of(**pre, dtype=d), s) for d in ("bfloat16", "float16", "float32")}
+    assert len(keys) == 3 and key not in keys
+    cards = {**pre, "backend": "sendnn"}
+    on_cards = cache_key(spec_of(**cards), s)
+    assert cache_key(spec_of(**cards, dtype="float16"), s) == on_cards
+    assert cache_key(spec_of(**cards, dtype="bfloat16"), s) != on_cards
+
+
 @pytest.mark.parametrize(
     ("job_status", "ready", "failed", "reason"),
     [
