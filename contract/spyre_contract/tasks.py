@@ -23,6 +23,8 @@ from spyre_contract.environment import (
 
 TASKS = ("generate", "embed", "score", "rerank")
 POOLING_TASKS = ("embed", "score", "rerank")
+# a KV cache dtype other than auto (--kv-cache-dtype, spec.kvCacheDtype) on a pooling model would do nothing
+NO_KV_CACHE = "has no effect on a pooling model, which keeps no KV cache; leave it auto"
 _POOLING_ONLY_VARS = ("WARMUP_PROMPT_LENS", "WARMUP_NEW_TOKENS", "WARMUP_BATCH_SIZES", "USE_CB")
 
 
@@ -59,7 +61,7 @@ def read_pooling_environment(
 ) -> EnvironmentSettings:
     """The contract's variables for a pooling pod: every rule of `read_environment`, with pooling shapes.
     `max_model_len` is the longest warm-up prompt and `max_num_seqs` the widest batch; flags may lower
-    them but never raise them; one card only (encoders are small)."""
+    them but never raise them; one card only (encoders are small); no KV cache dtype (they keep none)."""
     env = Env(environ)
     flags = flags or EngineFlags()
     if env.bool("USE_CB", False):
@@ -71,6 +73,9 @@ def read_pooling_environment(
     rest = {k: v for k, v in env.environ.items() if k not in prefixes}
     flags_left = dataclasses.replace(flags, max_model_len=None, max_num_seqs=None)
     settings = read_environment(rest, flags_left, pooling=True)
+    if settings.kv_cache_dtype != "auto":
+        setting = "--kv-cache-dtype" if flags.kv_cache_dtype is not None else env.raw("KV_CACHE_DTYPE")[0]
+        raise ContractError(f"{setting}={settings.kv_cache_dtype!r} {NO_KV_CACHE}")
     longest = max(s.prompt_len for s in shapes)
     widest = max(s.batch_size for s in shapes)
     for flag, value, limit, what in (

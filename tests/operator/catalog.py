@@ -383,6 +383,30 @@ CATALOG = [
         "SENDNN_INFERENCE_KV_CACHE_DTYPE, spec.kvCacheDtype) under a bfloat16 model: only a float32 model "
         "takes",
     ),
+    # a pooling model keeps no KV cache: any kvCacheDtype but auto would do nothing
+    Row(
+        "kv-cache-dtype-on-a-pooling-model",
+        {
+            "task": "embed",
+            "batching": {"shapes": POOLING_SHAPES},
+            "dtype": "float32",
+            "kvCacheDtype": "bfloat16",
+        },
+        "spec.kvCacheDtype: 'bfloat16' has no effect on a pooling model, which keeps no KV cache; leave it "
+        "auto",
+        at_create="spec.kvCacheDtype: Invalid value: has no effect on a pooling model, which keeps no KV "
+        "cache; leave it auto",
+    ),
+    Row(
+        "env-kv-cache-dtype-on-a-pooling-model",
+        {
+            "task": "score",
+            "batching": {"shapes": POOLING_SHAPES},
+            "env": [{"name": "SENDNN_INFERENCE_KV_CACHE_DTYPE", "value": "float32"}],
+        },
+        "spec.env: the runtime would refuse it: SENDNN_INFERENCE_KV_CACHE_DTYPE='float32' has no effect on a "
+        "pooling model",
+    ),
     Row(
         "suspend-string",
         {"suspend": "yes"},

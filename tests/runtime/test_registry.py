@@ -239,6 +239,17 @@ def test_pooling_shapes_zip_prompt_lens_with_batch_sizes_and_ignore_new_tokens()
         ({}, {"tensor_parallel_size": 2}, "pooling models run on one card"),
         ({}, {"max_model_len": 128}, "--max-model-len=128 is larger than the longest warm-up prompt length"),
         ({"SENDNN_INFERENCE_DYNAMO_BACKEND": "gpu"}, {}, "'gpu' is not one of sendnn, inductor, eager"),
+        (
+            {"SENDNN_INFERENCE_KV_CACHE_DTYPE": "bfloat16"},
+            {},
+            "SENDNN_INFERENCE_KV_CACHE_DTYPE='bfloat16' has no effect on a pooling model, which keeps no KV "
+            "cache; leave it auto",
+        ),
+        (
+            {"SENDNN_INFERENCE_KV_CACHE_DTYPE": "bfloat16"},
+            {"kv_cache_dtype": "float32"},  # the flag wins, and is named
+            "--kv-cache-dtype='float32' has no effect on a pooling model",
+        ),
     ],
 )
 def test_pooling_environment_refusals(environ, flags, fragment):

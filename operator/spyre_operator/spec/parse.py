@@ -11,7 +11,7 @@ import re
 from spyre_contract import BACKEND_ALIASES, BACKENDS, DTYPES, ContractError
 from spyre_contract.memory import kv_cache_dtype_for, resolved_dtype
 from spyre_contract.source_uri import DOWNLOADED, SourceError, parse_source_uri
-from spyre_contract.tasks import TASKS
+from spyre_contract.tasks import NO_KV_CACHE, POOLING_TASKS, TASKS
 
 from spyre_operator.spec.batching import check_warmup_env, parse_batching
 from spyre_operator.spec.model_source import CABundle, model_source
@@ -168,16 +168,20 @@ def _engine_fields(spec: dict) -> dict:
     task = spec.get("task", "generate")
     if task not in TASKS:
         raise InvalidSpec("task", f"must be one of {', '.join(TASKS)}, got {task!r}")
-    return {"cards": cards, "replicas": replicas, "backend": backend, "task": task, **_dtypes(spec, backend)}
+    dtypes = _dtypes(spec, backend, task)
+    return {"cards": cards, "replicas": replicas, "backend": backend, "task": task, **dtypes}
 
 
-def _dtypes(spec: dict, backend: str) -> dict:
+def _dtypes(spec: dict, backend: str, task: str) -> dict:
     """dtype, and kvCacheDtype: the KV cache's own (auto: the model's). Spyre cards keep the KV cache in the
-    model's dtype, float16 unless spec.dtype says otherwise (the runtime's rule, kv_cache_dtype_for)."""
+    model's dtype, float16 unless spec.dtype says otherwise (the runtime's rule, kv_cache_dtype_for); a
+    pooling model keeps no KV cache, so only auto means anything there."""
     dtype, kv_cache_dtype = spec.get("dtype", "auto"), spec.get("kvCacheDtype", "auto")
     for key, value in (("dtype", dtype), ("kvCacheDtype", kv_cache_dtype)):
         if value not in DTYPES:
             raise InvalidSpec(key, f"must be one of {', '.join(DTYPES)}, got {value!r}")
+    if task in POOLING_TASKS and kv_cache_dtype != "auto":
+        raise InvalidSpec("kvCacheDtype", f"{kv_cache_dtype!r} {NO_KV_CACHE}")
     if backend == "sendnn":
         on_cards = resolved_dtype(backend, dtype, None)
         try:

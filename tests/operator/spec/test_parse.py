@@ -7,6 +7,12 @@ from spyre_operator.spec.model_spec import InvalidSpec
 
 from tests.operator.objects import spec_of
 
+EMBED = {
+    "task": "embed",
+    "cards": 1,
+    "batching": {"mode": "static", "shapes": [{"promptLength": 64, "batchSize": 1}]},
+}
+
 
 @pytest.mark.parametrize(
     ("changes", "field", "rule"),
@@ -95,6 +101,16 @@ from tests.operator.objects import spec_of
             "must be auto or bfloat16 with backend sendnn, got 'float16': Spyre cards keep the KV cache in "
             "the model's bfloat16",
         ),
+        (
+            {**EMBED, "dtype": "float32", "kvCacheDtype": "bfloat16"},
+            "kvCacheDtype",
+            "'bfloat16' has no effect on a pooling model, which keeps no KV cache; leave it auto",
+        ),
+        (
+            {**EMBED, "backend": "sendnn", "kvCacheDtype": "float16"},  # the model's own: still no cache
+            "kvCacheDtype",
+            "has no effect on a pooling model",
+        ),
     ],
 )
 def test_every_rule_names_field_and_rule(changes, field, rule):
@@ -113,6 +129,7 @@ def test_every_rule_names_field_and_rule(changes, field, rule):
         ({"backend": "sendnn", "kvCacheDtype": "auto"}, "auto"),
         ({"backend": "sendnn", "kvCacheDtype": "float16"}, "float16"),  # dtype auto is float16 on Spyre
         ({"backend": "sendnn", "dtype": "bfloat16", "kvCacheDtype": "bfloat16"}, "bfloat16"),
+        ({**EMBED, "kvCacheDtype": "auto"}, "auto"),  # a pooling model keeps no KV cache
     ],
 )
 def test_the_kv_cache_dtypes_each_backend_takes(changes, kv_cache_dtype):

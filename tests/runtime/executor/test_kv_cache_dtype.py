@@ -46,6 +46,7 @@ def test_an_unknown_value_is_refused_naming_the_setting(tiny_model, environ, fla
     [
         (["--kv-cache-dtype", "int8"], "--kv-cache-dtype='int8'"),
         (["--dtype", "bfloat16", "--kv-cache-dtype", "float16"], "under a bfloat16 model"),
+        (["--task", "embed", "--kv-cache-dtype", "bfloat16"], "has no effect on a pooling model"),
     ],
 )
 def test_the_cli_stops_with_one_line_and_exit_code_2(tiny_model, tmp_path, args, named):
