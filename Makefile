@@ -43,6 +43,9 @@ test: venv k8s node prometheus
 	@$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 	@$(VENV)/bin/lint-imports
 	@NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir build/site
+	@# the C++ kernels' whole build, once, in torch's shared folder: every test's server then loads it, where
+	@# a server that found none would build its own dtypes' paths (runtime/.../kernels/paged_attention.py)
+	@$(PY) -m spyre_runtime.executor.kernels.paged_attention
 	@OMP_WAIT_POLICY=PASSIVE $(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint:

@@ -15,6 +15,7 @@ import time
 from contextlib import nullcontext
 
 import torch
+from spyre_contract.environment import ContractError
 from spyre_contract.memory import kv_cache_dtype_for
 
 from spyre_runtime.config import RuntimeConfig, Shape
@@ -30,7 +31,7 @@ from spyre_runtime.executor.compiler import (
 from spyre_runtime.executor.families.rooms import family_of, load_model
 from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.executor.kv_cache import KVCachePool, blocks_for
-from spyre_runtime.executor.loader import TORCH_DTYPES, model_dims, pack_weights, prime_rotary
+from spyre_runtime.executor.loader import TORCH_DTYPES, model_dims, pack_weights, prime_rotary, resolve_dtype
 from spyre_runtime.executor.loader import configure_threads as configure_threads  # re-exported
 from spyre_runtime.executor.step_inputs import StepInputs, TokenSpan
 from spyre_runtime.executor.warmup import WarmupProgress, graphs_to_warm, warm_continuous, warm_static
@@ -39,6 +40,20 @@ from spyre_runtime.sampling.sampler import SamplerOutput, sample
 from spyre_runtime.steps import ContinuousStep, StaticStep
 
 log = logging.getLogger(__name__)
+
+
+def _kernel_dtypes(config: RuntimeConfig, model) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """The model's and its KV cache's dtypes, known before the weights load, so that the C++ kernels' first
+    build compiles only their paths (paged_attention.start_build); None for a model handed in, and for a
+    pairing the cache's allocation refuses below."""
+    if model is not None:
+        return None, None
+    dtype = resolve_dtype(config.dtype, config.backend, config.model_dir)
+    try:
+        kv = kv_cache_dtype_for(config.backend, str(dtype).removeprefix("torch."), config.kv_cache_dtype)
+    except ContractError:
+        return None, None
+    return dtype, TORCH_DTYPES[kv]
 
 
 class ModelExecutor:
@@ -50,7 +65,7 @@ class ModelExecutor:
         self.config = config
         kv_cache.register()
         if config.backend != "sendnn":  # the CPU decode attention kernel builds while the weights load
-            paged_attention.start_build()
+            paged_attention.start_build(*_kernel_dtypes(config, model))
         tp = config.tensor_parallel_size > 1
         self.workers = WorkerGroup(config, type(self)) if tp and rank == 0 else None
         family = family_of(config.model_dir)  # the registry's record and its room (families/)

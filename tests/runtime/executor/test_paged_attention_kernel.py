@@ -317,3 +317,70 @@ def test_a_prebuilt_kernel_loads_from_a_read_only_folder(tmp_path):
         assert "unavailable" not in done.stderr, done.stderr
     finally:
         subprocess.run(["umount", str(ro)], check=True)
+
+
+NARROWED = (  # a server's start: a float32 model over a bfloat16 cache, then a float16 cache it left out
+    "import torch\n"
+    "from spyre_runtime.executor import kv_cache\n"
+    "from spyre_runtime.executor.kernels import paged_attention as pa\n"
+    "thread = pa.start_build(torch.float32, torch.bfloat16)\n"
+    "thread and thread.join()\n"
+    "op = pa.kernel()\n"
+    "print(sorted(f'{c}/{q}'.replace('torch.', '') for c, q in pa._covers))\n"
+    "gen = torch.Generator().manual_seed(0)\n"
+    "q = torch.randn(2, 9, 64, generator=gen)\n"
+    "k, v = (torch.randn(5, kv_cache.BLOCK_SIZE, 3, 64, generator=gen) for _ in 'kv')\n"
+    "rest = (torch.tensor([[1, 2], [3, 4]]), torch.tensor([kv_cache.BLOCK_SIZE + 3, 9]), 0.125)\n"
+    "with pa.disabled():\n"
+    "    want = kv_cache.paged_decode(q, k.bfloat16(), v.bfloat16(), *rest)\n"
+    "assert pa.takes(q, k.bfloat16()) and pa.takes(q.bfloat16(), k.bfloat16())\n"
+    "torch.testing.assert_close(op(q, k.bfloat16(), v.bfloat16(), *rest), want, atol=2e-5, rtol=2e-5)\n"
+    "assert not pa.takes(q, k.half()) and not pa.takes(q.half(), k.half())\n"
+    "with pa.disabled():\n"
+    "    want = kv_cache.paged_decode(q.half(), k.half(), v.half(), *rest)\n"
+    "assert torch.equal(kv_cache.paged_decode(q.half(), k.half(), v.half(), *rest), want)\n"
+    "try:\n"
+    "    op(q.half(), k.half(), v.half(), *rest)\n"
+    "except RuntimeError as e:\n"
+    "    print(str(e).splitlines()[0])\n"
+)
+
+
+def test_a_servers_first_build_holds_its_own_dtypes_and_other_caches_take_the_aten_ops(tmp_path):
+    """A server that finds no build compiles only its dtypes' paths (start_build's model and cache; 9 s
+    against the whole build's 14.5 s on a 2-core Zen 5), in a folder of its own name. The build reads its
+    cache under both queries, equal to the ATen ops; a float16 cache it left out goes to the ATen ops
+    (`takes` says no), and the op itself refuses it naming the dtype."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
+    done = load_in_a_new_process(env, NARROWED)
+    pairs, refusal = done.stdout.strip().splitlines()
+    assert pairs == "['bfloat16/bfloat16', 'bfloat16/float32']", done.stdout
+    assert refusal.startswith("paged_decode: this build reads no Half cache"), refusal
+    name = f"{paged_attention.extension_name()}_kv_bfloat16_q_float32"
+    assert [p.name for p in tmp_path.iterdir()] == [name]
+    assert paged_attention._is_built(
+        tmp_path / name,
+        name,
+        paged_attention.source_text(),
+        ["-DSPYRE_KERNEL_CACHES=2", "-DSPYRE_KERNEL_MIXED=1"],
+    )
+
+
+def test_a_whole_build_serves_a_server_of_any_dtype_with_no_build_of_its_own(tmp_path):
+    """Where the whole build is there (the runtime image's, the tests'), a server asking for its dtypes loads
+    it as it is, with no compiler (CXX names none), and reads every cache with it."""
+    name = paged_attention.extension_name()
+    shutil.copytree(shared_build(), tmp_path / name)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-such-compiler"))
+    script = (
+        "import torch\n"
+        "from spyre_runtime.executor.kernels import paged_attention as pa\n"
+        "thread = pa.start_build(torch.bfloat16, torch.bfloat16)\n"
+        "thread and thread.join()\n"
+        "assert pa.kernel() is not None\n"
+        "query, cache = torch.zeros(1), torch.zeros(1, dtype=torch.half)\n"
+        "print(len(pa._covers), pa.takes(query, cache))\n"
+    )
+    done = load_in_a_new_process(env, script)
+    assert done.stdout.split() == ["5", "True"], done.stdout + done.stderr
+    assert [p.name for p in tmp_path.iterdir()] == [name]

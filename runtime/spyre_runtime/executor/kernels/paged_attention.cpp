@@ -493,19 +493,43 @@ void check_attention_inputs(const char* op, const char* what, const at::Tensor& 
               " KV heads evenly");
 }
 
+// The caches a build reads: SPYRE_KERNEL_CACHES, a mask of 1 float32, 2 bfloat16, 4 float16, and
+// SPYRE_KERNEL_MIXED, whether a float32 query may read a narrower cache (--kv-cache-dtype). A server's first
+// build compiles only its own dtypes' paths (paged_attention.py `start_build`); every path otherwise.
+#ifndef SPYRE_KERNEL_CACHES
+#define SPYRE_KERNEL_CACHES 7
+#endif
+#ifndef SPYRE_KERNEL_MIXED
+#define SPYRE_KERNEL_MIXED 1
+#endif
+
 // Calls f(T{}, Q{}) with T the C++ type of the caches' dtype (float32, bfloat16 or float16; names `op`
-// otherwise) and Q the query's: T, or float (check_attention_inputs allows nothing else).
+// otherwise) and Q the query's: T, or float (check_attention_inputs allows nothing else). A dtype this build
+// left out is an error naming it (the runtime's `takes` keeps such calls on the ATen ops).
 template <typename F>
 void with_float_types(const at::Tensor& query, const at::Tensor& cache, const char* op, F&& f) {
   auto with_query = [&](auto t) {
     if (query.scalar_type() == cache.scalar_type()) return f(t, t);
+#if SPYRE_KERNEL_MIXED
     return f(t, float{});
+#else
+    TORCH_CHECK(false, op, ": this build has no path for a float32 query over a ", cache.scalar_type(),
+                " cache");
+#endif
   };
   switch (cache.scalar_type()) {
+#if SPYRE_KERNEL_CACHES & 1
     case at::kFloat: return with_query(float{});
+#endif
+#if SPYRE_KERNEL_CACHES & 2
     case at::kBFloat16: return with_query(c10::BFloat16{});
+#endif
+#if SPYRE_KERNEL_CACHES & 4
     case at::kHalf: return with_query(c10::Half{});
-    default: TORCH_CHECK(false, op, ": dtype ", cache.scalar_type(), " is not float32, bfloat16 or float16");
+#endif
+    default:
+      TORCH_CHECK(false, op, ": this build reads no ", cache.scalar_type(),
+                  " cache (a build may read float32, bfloat16 and float16)");
   }
 }
 

@@ -27,6 +27,11 @@ compiler and no import of inductor (0.25 s of CPU at each start, and a rebuild w
 had built it: ninja's build file names the venv's torch headers). Otherwise the build starts in a
 background thread when the executor starts (`start_build`), so it overlaps loading the weights. Any
 failure (no compiler, a compile error, an unsupported platform) logs one line and the ATen ops serve.
+
+Narrowed builds: a whole build reads caches of every dtype (14.5 s of one core here, `python -m` below and
+the runtime image build it). A server that finds none builds only its own dtypes' paths (`start_build`'s
+model and cache dtypes; 9 s), into a folder of its own name (`_narrowed`), which `takes` then names the
+limits of; a whole build, where there is one, serves every process.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from threading import Thread
 
 import torch
 from spyre_contract.environment import Env
@@ -78,6 +84,8 @@ _prefill: list = []  # [a prompt piece's attention op] likewise
 _off = 0  # > 0 within `disabled()`
 _hooks: list[Callable[[], None]] = []  # run once the extension is loaded (`when_loaded`)
 _hooks_lock = threading.Lock()
+_want: list = []  # [(model dtype, cache dtype)] a server's dtypes (`start_build`), for a narrowed first build
+_covers: set = set()  # (cache dtype, query dtype) pairs the loaded build reads (`takes`)
 
 
 def kernel():
@@ -94,8 +102,23 @@ def kernel():
 
 def takes(query: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the attention kernels read `cache` under `query`: a cache of DTYPES, and a query of its dtype
-    or a float32 query over a narrower cache (--kv-cache-dtype)."""
-    return cache.dtype in DTYPES and query.dtype in (cache.dtype, torch.float32)
+    or a float32 query over a narrower cache (--kv-cache-dtype), where the loaded build holds that path."""
+    return (cache.dtype, query.dtype) in _covers
+
+
+def covered(caches: tuple, mixed: bool) -> set:
+    """The (cache dtype, query dtype) pairs a build of `caches` reads: each under its own dtype, and under a
+    float32 query too where `mixed`."""
+    return {(c, c) for c in caches} | ({(c, torch.float32) for c in caches} if mixed else set())
+
+
+def _narrowed(model: torch.dtype, cache: torch.dtype) -> tuple[str, list[str], set]:
+    """A build of one server's paths: its name, its -D flags (paged_attention.cpp's SPYRE_KERNEL_*) and the
+    pairs it reads."""
+    mixed = model == torch.float32 and cache != torch.float32
+    flags = [f"-DSPYRE_KERNEL_CACHES={1 << DTYPES.index(cache)}", f"-DSPYRE_KERNEL_MIXED={int(mixed)}"]
+    name = f"{extension_name()}_kv_{str(cache).removeprefix('torch.')}" + ("_q_float32" if mixed else "")
+    return name, flags, covered((cache,), mixed)
 
 
 def row_kernel():
@@ -110,12 +133,16 @@ def prefill_kernel():
     return _prefill[0] if kernel() is not None else None
 
 
-def start_build() -> threading.Thread | None:
+def start_build(model: torch.dtype | None = None, cache: torch.dtype | None = None) -> Thread | None:
     """Builds (or loads) the kernel in a background thread, so that a first build overlaps what the
-    process does meanwhile; a forward that needs it first waits for it. None when already tried."""
+    process does meanwhile; a forward that needs it first waits for it. None when already tried. `model`
+    and `cache`: the dtypes this process runs, so that a first build compiles only their paths (a whole
+    build, where there is one, serves instead)."""
     if _op:
         return None
-    if _is_built(_directory(), extension_name(), source_text()):
+    if model in DTYPES and cache in DTYPES and not _want:
+        _want.append((model, cache))
+    if any(_is_built(_directory(name), name, source_text(), flags) for name, flags, _ in _builds()):
         kernel()  # loads in milliseconds, and needs none of the imports below
         return None
     # the build's imports, on the caller's thread first: two threads importing torch._dynamo and
@@ -174,10 +201,10 @@ def source_text() -> str:
     return "\n".join(path.read_text() for path in SOURCES)
 
 
-def fingerprint(text: str) -> str:
+def fingerprint(text: str, defines: tuple | list = ()) -> str:
     """What a build is made of beyond its name (the ISA, hence inductor's flags for it, and torch's version):
     the source text and our own flags."""
-    return hashlib.sha256("\0".join([text, *OWN_FLAGS]).encode()).hexdigest()
+    return hashlib.sha256("\0".join([text, *OWN_FLAGS, *defines]).encode()).hexdigest()
 
 
 def build_flags() -> list[str]:
@@ -199,25 +226,33 @@ def _vec_isa():
     return getattr(cpu_vec_isa, isa[1])() if isa else None
 
 
-def _directory() -> Path:
+def _directory(name: str | None = None) -> Path:
     """TORCH_EXTENSIONS_DIR/<name>, else torch's default root (cpp_extension.get_default_build_root's)."""
     import torch._appdirs
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.realpath(
         torch._appdirs.user_cache_dir(appname="torch_extensions")
     )
-    return Path(root) / extension_name()
+    return Path(root) / (name or extension_name())
 
 
-def _is_built(directory: Path, name: str, text: str) -> bool:
+def _builds() -> list[tuple[str, list[str], set]]:
+    """The builds this process may load, the whole one first, and a narrowed one for a server's dtypes
+    (`start_build`): (name, -D flags, the pairs it reads)."""
+    whole = (extension_name(), [], covered(DTYPES, True))
+    return [whole, _narrowed(*_want[0])] if _want else [whole]
+
+
+def _is_built(directory: Path, name: str, text: str, defines: tuple | list = ()) -> bool:
     """The folder holds a finished build of `text` (its stamp says so)."""
     try:
-        return (directory / STAMP).read_text() == fingerprint(text) and (directory / f"{name}.so").is_file()
+        stamp = (directory / STAMP).read_text()
+        return stamp == fingerprint(text, defines) and (directory / f"{name}.so").is_file()
     except OSError:
         return False
 
 
-def load_built(directory: Path, name: str, text: str) -> bool:
+def load_built(directory: Path, name: str, text: str, defines: tuple | list = ()) -> bool:
     """Loads the build in `directory` when it is a finished build of `text`; False otherwise. Under a shared
     flock, so never while a builder rewrites it; the lock file is opened read-only, so a read-only folder
     (the image's prebuilt kernel under the restricted profile's read-only root filesystem) loads too."""
@@ -228,17 +263,32 @@ def load_built(directory: Path, name: str, text: str) -> bool:
     with held or contextlib.nullcontext():
         if held is not None:
             fcntl.flock(held, fcntl.LOCK_SH)
-        if not _is_built(directory, name, text):
+        if not _is_built(directory, name, text, defines):
             return False
         torch.ops.load_library(str(directory / f"{name}.so"))
         return True
 
 
+def _choose(text: str) -> tuple[str, list[str], set, bool]:
+    """The build to load, its flags, the pairs it reads, and whether it is finished and loaded: the first
+    finished one of `_builds()`; else the narrowest, or the whole one where its folder holds a library
+    without a stamp that nobody may rebuild (a read-only image built before stamps)."""
+    builds = _builds()
+    for name, defines, pairs in builds:
+        if load_built(_directory(name), name, text, defines):
+            return name, defines, pairs, True
+    whole, folder = builds[0], _directory(builds[0][0])
+    legacy = (folder / f"{whole[0]}.so").is_file() and not os.access(folder, os.W_OK)
+    return (*(whole if legacy else builds[-1]), False)
+
+
 def _load():
     started = time.monotonic()
     try:
-        name, directory, text = extension_name(), _directory(), source_text()
-        if not load_built(directory, name, text):
+        text = source_text()
+        name, defines, pairs, loaded = _choose(text)
+        directory = _directory(name)
+        if not loaded:
             directory.mkdir(parents=True, exist_ok=True)
             try:
                 held = open(directory / FLOCK, "a")  # noqa: SIM115
@@ -248,7 +298,8 @@ def _load():
                 torch.ops.load_library(str(directory / f"{name}.so"))
             else:
                 with held:
-                    _build_under(held, directory, name, text)
+                    _build_under(held, directory, name, text, defines)
+        _covers.update(pairs)
         op = torch.ops.spyre_kernels.paged_decode.default
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
         with _hooks_lock:
@@ -271,16 +322,16 @@ def _load():
     return op
 
 
-def _build_under(held, directory: Path, name: str, text: str) -> None:
+def _build_under(held, directory: Path, name: str, text: str, defines: tuple | list = ()) -> None:
     """Builds (or loads the cached build of) the kernel holding `held`'s flock: builders of this code hold
     it (the kernel drops it when one dies); torch's own `lock` file, which it waits on forever, is then a
     dead builder's leftover."""
     fcntl.flock(held, fcntl.LOCK_EX)
     (directory / "lock").unlink(missing_ok=True)
-    compile_extension(name, text, directory)
+    compile_extension(name, text, directory, defines)
 
 
-def compile_extension(name: str, text: str, directory: Path) -> None:
+def compile_extension(name: str, text: str, directory: Path, defines: tuple | list = ()) -> None:
     """Builds the C++ `text` as the extension `name` in `directory` with this CPU's flags, or loads the build
     there when it is current: the runtime's kernel, and the versions of it bench/kernel_ab.py compares.
 
@@ -288,10 +339,11 @@ def compile_extension(name: str, text: str, directory: Path) -> None:
     file it came from: ninja's build file names the source's path, so a build from another checkout or venv
     of the same source (a test clone beside a working tree, two venvs sharing ~/.cache) rebuilt it each time
     the path changed (20 s of compiling on a 2-core machine). The stamp goes while it builds and comes back
-    once the library is whole."""
+    once the library is whole. `defines`: -D flags of a narrowed build (`_narrowed`)."""
     from torch.utils import cpp_extension
 
-    if _is_built(directory, name, text):  # (another builder finished it meanwhile, or another venv built it)
+    # (another builder finished it meanwhile, or another venv built it)
+    if _is_built(directory, name, text, defines):
         torch.ops.load_library(str(directory / f"{name}.so"))
         return
     source = directory / "kernel.cpp"
@@ -302,13 +354,13 @@ def compile_extension(name: str, text: str, directory: Path) -> None:
     cpp_extension.load(
         name=name,
         sources=[str(source)],
-        extra_cflags=build_flags(),
+        extra_cflags=build_flags() + list(defines),
         extra_ldflags=["-fopenmp"],
         build_directory=str(directory),
         is_python_module=False,
         verbose=False,
     )
-    (directory / STAMP).write_text(fingerprint(text))
+    (directory / STAMP).write_text(fingerprint(text, defines))
 
 
 def _one_line(exc: Exception) -> str:
