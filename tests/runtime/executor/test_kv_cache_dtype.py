@@ -41,26 +41,38 @@ def test_an_unknown_value_is_refused_naming_the_setting(tiny_model, environ, fla
         load_config(tiny_model, environ=environ, kv_cache_dtype=flag)
 
 
+KV = "SENDNN_INFERENCE_KV_CACHE_DTYPE"
+SPYRE_REFUSAL = "(--kv-cache-dtype, SENDNN_INFERENCE_KV_CACHE_DTYPE, spec.kvCacheDtype): Spyre cards"
+
+
 @pytest.mark.parametrize(
-    ("args", "named"),
+    ("environ", "args", "named"),
     [
-        (["--kv-cache-dtype", "int8"], "--kv-cache-dtype='int8'"),
-        (["--dtype", "bfloat16", "--kv-cache-dtype", "float16"], "under a bfloat16 model"),
-        (["--task", "embed", "--kv-cache-dtype", "bfloat16"], "has no effect on a pooling model"),
+        ({}, ["--kv-cache-dtype", "int8"], "--kv-cache-dtype='int8'"),
+        ({KV: "int8"}, [], "SENDNN_INFERENCE_KV_CACHE_DTYPE='int8'"),
+        ({}, ["--dtype", "bfloat16", "--kv-cache-dtype", "float16"], "under a bfloat16 model"),
+        ({KV: "float16"}, ["--dtype", "bfloat16"], "under a bfloat16 model"),  # the environment's route
+        ({KV: "float16", "SENDNN_INFERENCE_DTYPE": "bfloat16"}, [], "under a bfloat16 model"),
+        ({"SENDNN_INFERENCE_DYNAMO_BACKEND": "sendnn"}, ["--kv-cache-dtype", "bfloat16"], SPYRE_REFUSAL),
+        ({"SENDNN_INFERENCE_DYNAMO_BACKEND": "sendnn", KV: "bfloat16"}, [], SPYRE_REFUSAL),
+        ({}, ["--task", "embed", "--kv-cache-dtype", "bfloat16"], "has no effect on a pooling model"),
+        ({KV: "bfloat16"}, ["--task", "embed"], "SENDNN_INFERENCE_KV_CACHE_DTYPE='bfloat16' has no effect"),
     ],
 )
-def test_the_cli_stops_with_one_line_and_exit_code_2(tiny_model, tmp_path, args, named):
-    """Before anything loads: a bad value, and a pairing the runtime refuses (the memory plan's check)."""
+def test_the_cli_stops_with_one_line_and_exit_code_2(tiny_model, tmp_path, environ, args, named):
+    """Before anything loads: a bad value, and a pairing the runtime refuses (the memory plan's check),
+    given by flag or by the environment alike; the refusal is stderr's last line and nothing is compiled."""
     cache = {"TORCH_SENDNN_CACHE_ENABLE": "1", "TORCH_SENDNN_CACHE_DIR": str(tmp_path)}
     out = subprocess.run(
         [sys.executable, "-m", "spyre_runtime.cli", "compile", str(tiny_model), *args],
         capture_output=True,
         text=True,
-        env={**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **cache},
+        env={**os.environ, "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor", **cache, **environ},
         timeout=120,
     )
     assert out.returncode == 2, out.stderr[-2000:]
-    assert named in out.stderr and "Traceback" not in out.stderr
+    assert named in out.stderr.strip().splitlines()[-1] and "Traceback" not in out.stderr
+    assert out.stdout == "" and not any(tmp_path.iterdir()), out.stdout
 
 
 def test_spyre_cards_keep_the_model_s_dtype(tiny_model):
