@@ -16,9 +16,9 @@
 // Work: first every KV head's keys of every block the piece reads are laid out once as [hd, block] float
 // tiles, so that scoring is FMAs of a broadcast query value with a vector of keys, with no horizontal sum.
 // Then an item is (KV head, a tile of kTile tokens): the group's heads of those tokens, as rows, against every
-// block up to the tile's last position, with an online softmax; kRows rows are scored, and weight the
-// values, at once, kVecs vectors each, so that their sums stay in registers; the values are read where they
-// lie. The threads pull items from a shared counter, those that read the most first. Every sum is float32;
+// block up to the tile's last position (the last block's columns only up to it), with an online softmax;
+// kRows rows are scored, and weight the values, at once, kVecs vectors each, so that their sums stay in
+// registers; the values are read where they lie. The threads pull items from a shared counter, those that read the most first. Every sum is float32;
 // K/V in bf16 or fp16 are widened on load.
 
 namespace {
@@ -50,22 +50,35 @@ void lay_out_keys(const PrefillProblem& p, const at::Tensor& key_cache, int64_t 
   }
 }
 
-// scores[r][0, width) = q[r] . keys for rows [0, kRows) (every tile column; the caller masks)
-void score_rows(const float* q, int64_t head_dim, const float* tile, int64_t width, float* scores) {
-  for (int64_t c0 = 0; c0 < width; c0 += kVecs * kLanes) {
-    Vec s[kRows][kVecs];
-    for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kVecs; ++c) s[r][c] = Vec(0.f);
-    for (int64_t d = 0; d < head_dim; ++d) {
-      Vec k[kVecs];
-      for (int c = 0; c < kVecs; ++c) k[c] = Vec::loadu(tile + d * width + c0 + c * kLanes);
-      for (int r = 0; r < kRows; ++r) {
-        const Vec qv(q[r * head_dim + d]);
-        for (int c = 0; c < kVecs; ++c) s[r][c] = at::vec::fmadd(qv, k[c], s[r][c]);
-      }
+// scores[r][c0, c0 + KN vectors) = q[r] . keys for rows [0, kRows)
+template <int KN>
+void score_columns(const float* q, int64_t head_dim, const float* tile, int64_t width, int64_t c0, float* scores) {
+  Vec s[kRows][KN];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < KN; ++c) s[r][c] = Vec(0.f);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    Vec k[KN];
+    for (int c = 0; c < KN; ++c) k[c] = Vec::loadu(tile + d * width + c0 + c * kLanes);
+    for (int r = 0; r < kRows; ++r) {
+      const Vec qv(q[r * head_dim + d]);
+      for (int c = 0; c < KN; ++c) s[r][c] = at::vec::fmadd(qv, k[c], s[r][c]);
     }
-    for (int r = 0; r < kRows; ++r)
-      for (int c = 0; c < kVecs; ++c) s[r][c].store(scores + r * width + c0 + c * kLanes);
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < KN; ++c) s[r][c].store(scores + r * width + c0 + c * kLanes);
+}
+
+// scores[r][0, columns) = q[r] . keys for rows [0, kRows), `columns` a multiple of kLanes: the tile's columns
+// up to the item's last position (the caller masks the rest of each row's)
+void score_rows(const float* q, int64_t head_dim, const float* tile, int64_t width, int64_t columns,
+                float* scores) {
+  for (int64_t c0 = 0; c0 < columns; c0 += kVecs * kLanes) {
+    switch (std::min<int64_t>(kVecs, (columns - c0) / kLanes)) {
+      case 1: score_columns<1>(q, head_dim, tile, width, c0, scores); break;
+      case 2: score_columns<2>(q, head_dim, tile, width, c0, scores); break;
+      case 3: score_columns<3>(q, head_dim, tile, width, c0, scores); break;
+      default: score_columns<4>(q, head_dim, tile, width, c0, scores); break;
+    }
   }
 }
 
@@ -73,9 +86,11 @@ void score_rows(const float* q, int64_t head_dim, const float* tile, int64_t wid
 template <typename T, int VN>
 void weigh_values(const T* values, int64_t v_slot, int64_t n, const float* weights, int64_t width, float* acc,
                   int64_t head_dim, int64_t v0) {
+  // the block's sums start at zero and are added to acc at the end: started from acc's values, GCC wrote
+  // every accumulator back to the stack at each token (a store per FMA; perf, 2026-11-29)
   Vec a[kRows][VN];
   for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < VN; ++c) a[r][c] = Vec::loadu(acc + r * head_dim + (v0 + c) * kLanes);
+    for (int c = 0; c < VN; ++c) a[r][c] = Vec(0.f);
   for (int64_t t = 0; t < n; ++t) {
     Vec v[VN];
     for (int c = 0; c < VN; ++c) v[c] = load_float(values + t * v_slot + (v0 + c) * kLanes);
@@ -84,8 +99,12 @@ void weigh_values(const T* values, int64_t v_slot, int64_t n, const float* weigh
       for (int c = 0; c < VN; ++c) a[r][c] = at::vec::fmadd(w, v[c], a[r][c]);
     }
   }
-  for (int r = 0; r < kRows; ++r)
-    for (int c = 0; c < VN; ++c) a[r][c].store(acc + r * head_dim + (v0 + c) * kLanes);
+  for (int r = 0; r < kRows; ++r) {
+    for (int c = 0; c < VN; ++c) {
+      float* out = acc + r * head_dim + (v0 + c) * kLanes;
+      (Vec::loadu(out) + a[r][c]).store(out);
+    }
+  }
 }
 
 // Folds one block's masked scores of a row into its running max and sum; leaves the weights in `scores`.
@@ -146,8 +165,10 @@ void prefill_item(const PrefillProblem& p, const Q* query, const T* vc, const fl
   const int64_t nb_total = (p.start + p.n + bs - 1) / bs;
   for (int64_t b = lo / bs; b <= last / bs; ++b) {
     const float* tile = tiles + (kvhead * (nb_total - p.first_block) + b - p.first_block) * d * w;
+    const int64_t n = std::min(bs, last + 1 - b * bs);  // slots past the tile's last position weigh 0
+    const int64_t columns = (n + kLanes - 1) / kLanes * kLanes;  // and are not scored
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
-      score_rows(s.query.data() + r0 * d, d, tile, w, s.scores.data() + r0 * w);
+      score_rows(s.query.data() + r0 * d, d, tile, w, columns, s.scores.data() + r0 * w);
     }
     for (int64_t r = 0; r < rows; ++r) {  // causal (and window) mask, then the online softmax
       const int64_t pos = p.start + t0 + r / g;
@@ -156,10 +177,9 @@ void prefill_item(const PrefillProblem& p, const Q* query, const T* vc, const fl
       const int64_t to = std::clamp<int64_t>(pos - b * bs + 1, 0, bs);
       const int64_t from = p.window > 0 ? std::clamp<int64_t>(pos - p.window + 1 - b * bs, 0, to) : 0;
       std::fill(sc, sc + from, -std::numeric_limits<float>::infinity());
-      std::fill(sc + to, sc + w, -std::numeric_limits<float>::infinity());
-      fold_block(sc, w, s.max[r], s.sum[r], s.acc.data() + r * d, d);
+      std::fill(sc + to, sc + columns, -std::numeric_limits<float>::infinity());
+      fold_block(sc, columns, s.max[r], s.sum[r], s.acc.data() + r * d, d);
     }
-    const int64_t n = std::min(bs, last + 1 - b * bs);  // slots past the tile's last position weigh 0
     const T* values = vc + p.table[b] * p.v_block + kvhead * p.v_head;
     for (int64_t r0 = 0; r0 < padded; r0 += kRows) {
       for (int64_t v0 = 0; v0 < d / kLanes; v0 += kVecs) {
