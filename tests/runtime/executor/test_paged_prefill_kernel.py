@@ -151,3 +151,28 @@ def test_bad_input_is_named(prefill):
         )
     with pytest.raises(RuntimeError, match=r"sinks must hold one logit per query head \(4\)"):
         prefill(torch.zeros(3, 4, 64), cache, cache, torch.tensor([1]), 0, 1.0, torch.zeros(3), 0)
+
+
+def test_the_first_prompt_piece_of_a_process_waits_for_the_kernel(tmp_path):
+    """A process whose first attention is a prompt piece runs it on the kernel (it waits for the build, as the
+    decode does), not on the ATen ops because nothing had loaded the kernel yet (found in review)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from spyre_runtime.executor import kv_cache\n"
+        "from spyre_runtime.executor.kernels import paged_attention as pa\n"
+        "gen = torch.Generator().manual_seed(0)\n"
+        "q = torch.randn(40, 9, 64, generator=gen)\n"
+        "k, v = (torch.randn(3, kv_cache.BLOCK_SIZE, 3, 64, generator=gen) for _ in 'kv')\n"
+        "args = (q, k, v, torch.tensor([[1, 2]]), torch.tensor([40]), torch.zeros(40, dtype=torch.long),\n"
+        "        torch.arange(40), 0.125)\n"
+        "with kv_cache.step_layouts():\n"
+        "    got = kv_cache.paged_prefill(*args)\n"
+        "direct = pa.prefill_kernel()(q, k, v, torch.tensor([1, 2]), 0, 0.125, None, 0)\n"
+        "print(bool(pa._op and pa._op[0] is not None), torch.equal(got, direct))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"], done.stdout + done.stderr

@@ -102,8 +102,9 @@ def kernel():
 
 def takes(query: torch.Tensor, cache: torch.Tensor) -> bool:
     """Whether the attention kernels read `cache` under `query`: a cache of DTYPES, and a query of its dtype
-    or a float32 query over a narrower cache (--kv-cache-dtype), where the loaded build holds that path."""
-    return (cache.dtype, query.dtype) in _covers
+    or a float32 query over a narrower cache (--kv-cache-dtype), where the loaded build holds that path. It
+    waits for the build first, as `kernel()` does (what the loaded build reads is known only then)."""
+    return kernel() is not None and (cache.dtype, query.dtype) in _covers
 
 
 def covered(caches: tuple, mixed: bool) -> set:
