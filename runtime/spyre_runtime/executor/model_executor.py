@@ -50,10 +50,16 @@ def _kernel_dtypes(config: RuntimeConfig, model) -> tuple[torch.dtype | None, to
         return None, None
     dtype = resolve_dtype(config.dtype, config.backend, config.model_dir)
     try:
-        kv = kv_cache_dtype_for(config.backend, str(dtype).removeprefix("torch."), config.kv_cache_dtype)
+        return dtype, _cache_dtype(config, dtype)
     except ContractError:
         return None, None
-    return dtype, TORCH_DTYPES[kv]
+
+
+def _cache_dtype(config: RuntimeConfig, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype under a model run in `dtype` (--kv-cache-dtype; kv_cache_dtype_for refuses a
+    pairing the runtime does not run)."""
+    model = str(dtype).removeprefix("torch.")
+    return TORCH_DTYPES[kv_cache_dtype_for(config.backend, model, config.kv_cache_dtype)]
 
 
 class ModelExecutor:
@@ -85,8 +91,7 @@ class ModelExecutor:
         # --kv-cache-dtype: the cache may be narrower than the model (kv_cache._store narrows, readers widen)
         kv_dtype = self.dtype
         if config.kv_cache_dtype != "auto":  # refused here too for callers that skip config.check_memory
-            model = str(self.dtype).removeprefix("torch.")
-            kv_dtype = TORCH_DTYPES[kv_cache_dtype_for(config.backend, model, config.kv_cache_dtype)]
+            kv_dtype = _cache_dtype(config, self.dtype)
         self.kv = KVCachePool(
             self.dims.num_layers, num_blocks, self.dims.kv_heads, self.dims.head_dim, dtype=kv_dtype
         )

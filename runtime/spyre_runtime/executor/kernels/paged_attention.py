@@ -47,7 +47,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from threading import Thread
 
 import torch
 from spyre_contract.environment import Env
@@ -134,7 +133,9 @@ def prefill_kernel():
     return _prefill[0] if kernel() is not None else None
 
 
-def start_build(model: torch.dtype | None = None, cache: torch.dtype | None = None) -> Thread | None:
+def start_build(
+    model: torch.dtype | None = None, cache: torch.dtype | None = None
+) -> threading.Thread | None:
     """Builds (or loads) the kernel in a background thread, so that a first build overlaps what the
     process does meanwhile; a forward that needs it first waits for it. None when already tried. `model`
     and `cache`: the dtypes this process runs, so that a first build compiles only their paths (a whole
@@ -143,7 +144,8 @@ def start_build(model: torch.dtype | None = None, cache: torch.dtype | None = No
         return None
     if model in DTYPES and cache in DTYPES and not _want:
         _want.append((model, cache))
-    if any(_is_built(_directory(name), name, source_text(), flags) for name, flags, _ in _builds()):
+    text = source_text()
+    if any(_is_built(_directory(name), name, text, flags) for name, flags, _ in _builds()):
         kernel()  # loads in milliseconds, and needs none of the imports below
         return None
     # the build's imports, on the caller's thread first: two threads importing torch._dynamo and
@@ -278,9 +280,11 @@ def _choose(text: str) -> tuple[str, list[str], set, bool]:
     for name, defines, pairs in builds:
         if load_built(_directory(name), name, text, defines):
             return name, defines, pairs, True
-    whole, folder = builds[0], _directory(builds[0][0])
-    legacy = (folder / f"{whole[0]}.so").is_file() and not os.access(folder, os.W_OK)
-    return (*(whole if legacy else builds[-1]), False)
+    name, defines, pairs = builds[0]
+    folder = _directory(name)
+    if (folder / f"{name}.so").is_file() and not os.access(folder, os.W_OK):
+        return name, defines, pairs, False
+    return (*builds[-1], False)
 
 
 def _load():
