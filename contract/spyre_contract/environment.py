@@ -228,6 +228,7 @@ class EnvironmentSettings:
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES
     step_budget_ms: int = CB_DEFAULT_STEP_BUDGET_MS
     step_cost_us: tuple[int, int, int] = CB_DEFAULT_STEP_COST_US
+    wave_start: bool = True
     max_batch_tkv_limit: int = 0  # rows x context of a decode step, at most (0: no limit)
     pausing_enabled: bool = True
     long_output_priority: bool = False
@@ -297,6 +298,7 @@ def read_environment(
         max_prefill_pieces=env.int("CB_PREFILL_PIECES", CB_DEFAULT_PREFILL_PIECES, minimum=1),
         step_budget_ms=env.int("CB_STEP_BUDGET_MS", CB_DEFAULT_STEP_BUDGET_MS, minimum=0),
         step_cost_us=_step_cost(env),
+        wave_start=env.bool("CB_WAVE_START", True),
         max_batch_tkv_limit=env.int(TKV_LIMIT_VAR, 0, minimum=0, full=True),
         pausing_enabled=env.bool("PAUSING_ENABLED", True),
         long_output_priority=env.bool("LONG_OUT_PRIO", False),

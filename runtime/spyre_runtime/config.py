@@ -129,6 +129,7 @@ class RuntimeConfig:
     max_prefill_pieces: int = CB_DEFAULT_PREFILL_PIECES  # prompts a mixed step prefills pieces of, at most
     step_budget_ms: int = 0  # waves kept whole (engine/sched/waves.py): a step's time budget (0: off)
     step_cost_us: tuple[int, int, int] = CB_DEFAULT_STEP_COST_US  # fixed, per chunk token, per decode row
+    wave_start: bool = True  # a wave's prompts start decoding together (engine/sched/wave_start.py)
     max_batch_tkv_limit: int = 0  # Spyre's volumetric limit, and pausing (engine/sched/volume.py); 0: none
     pausing_enabled: bool = True
     long_output_priority: bool = False

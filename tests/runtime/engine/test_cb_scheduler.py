@@ -23,6 +23,7 @@ def config(**kw) -> RuntimeConfig:
         "max_num_batched_tokens": 64,
         "use_cb": True,
         "mixed_prefill_tokens": 0,
+        "wave_start": False,  # the scheduler's own start of a decode (test_wave_start.py: a wave's)
     }
     return RuntimeConfig(model_dir=Path("unused"), served_model_name="t", **(base | kw))
 
@@ -259,7 +260,8 @@ def test_prefill_pieces_setting_bounds_the_prompts_of_one_mixed_step(tiny_model)
     assert cfg.prefill_pieces == 2
     s = ContinuousScheduler(dataclasses.replace(cfg, mixed_prefill_tokens=0))
     rows = drive(s, {0: [req("a", 8, 4), req("b", 8, 4), req("c", 8, 4)]}, 2)
-    assert [row[1:4] for row in rows] == [("prefill", ("a", "b"), 16), ("mixed", ("a", "b", "c"), 10)]
+    # a and b, prefilled, wait for c: by default a wave's prompts start decoding together
+    assert [row[1:4] for row in rows] == [("prefill", ("a", "b"), 16), ("prefill", ("c",), 8)]
     assert (
         load_config(tiny_model, environ=env | {"SENDNN_INFERENCE_CB_PREFILL_PIECES": "9"}).prefill_pieces == 4
     )

@@ -80,6 +80,7 @@ def config(**kw) -> RuntimeConfig:
         "max_num_batched_tokens": 128,
         "use_cb": True,
         "mixed_prefill_tokens": 0,
+        "wave_start": False,  # the scheduler's own start of a decode (test_wave_start.py: a wave's)
     }
     return RuntimeConfig(model_dir=Path("unused"), served_model_name="t", **(base | kw))
 

@@ -29,6 +29,7 @@ def config(**kw) -> RuntimeConfig:
         "use_cb": True,
         "mixed_prefill_tokens": 0,
         "step_cost_us": COST,
+        "wave_start": False,  # the scheduler's own start of a decode (test_wave_start.py: a wave's)
     }
     return RuntimeConfig(model_dir=Path("unused"), served_model_name="t", **(base | kw))
 
@@ -182,6 +183,7 @@ def test_the_policy_off_schedules_as_before():
         max_model_len=512,
         max_num_batched_tokens=128,
         mixed_prefill_tokens=0,
+        wave_start=False,
     )
     assert base.step_budget_ms == 0
     b, _ = drive(make_scheduler(base), arrivals(), 120)

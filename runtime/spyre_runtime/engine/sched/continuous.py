@@ -45,6 +45,7 @@ from spyre_runtime.engine.block_manager import BlockManager, window_for
 from spyre_runtime.engine.sched.admission import abort_waiting, check_admissible
 from spyre_runtime.engine.sched.interface import GenerateScheduler
 from spyre_runtime.engine.sched.volume import Row, admits, decode_order, fits_alone, step_fits
+from spyre_runtime.engine.sched.wave_start import WaveStart
 from spyre_runtime.engine.state_slots import StateSlots
 from spyre_runtime.request import Request, Status
 from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
@@ -54,7 +55,7 @@ def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
     return min(b for b in buckets if b >= n)
 
 
-class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
+class ContinuousScheduler(WaveStart, GenerateScheduler[ContinuousStep]):
     def __init__(self, config: RuntimeConfig) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
@@ -90,6 +91,9 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         self.pausing = config.pausing_enabled
         self.long_output_first = config.long_output_priority
         self.paused: list[Request] = []  # decoding requests that sit out steps, keeping their blocks
+        self.wave_start = config.wave_start  # a wave's prompts start decoding together (wave_start.py)
+        self.held: dict[Request, frozenset[str] | None] = {}  # prefilled, waiting for these ids (their wave)
+        self.admitted: dict[Request, None] = {}  # requests holding blocks, in admission order
         self.steps_paused: dict[str, int] = {}
         self.num_pause_events = 0
         self.num_resume_events = 0
@@ -125,7 +129,7 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         req = abort_waiting(self.waiting, request_id)
         if req is not None:
             return req
-        for req in self.prefilling + self.running + self.paused:
+        for req in [*self.prefilling, *self.running, *self.paused, *self.held]:
             if req.request_id == request_id:
                 self._release(req)
                 req.finish("abort")
@@ -138,14 +142,14 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.prefilling) + len(self.paused)
+        return len(self.running) + len(self.prefilling) + len(self.paused) + len(self.held)
 
     @property
     def num_paused(self) -> int:
         return len(self.paused)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling or self.paused)
+        return bool(self.waiting or self.running or self.prefilling or self.paused or self.held)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -191,15 +195,9 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
     def _admit(self, limit: int) -> None:
         """Admits waiting requests in order while sequence slots and blocks are free and fewer than `limit`
         are prefilling."""
-        while self.waiting and len(self.prefilling) < limit and self.num_running < self.max_num_seqs:
-            req = self.waiting[0]
-            if not self._volume_admits(req):
-                return
+        while self.waiting and len(self.prefilling) < limit and self._admissible(self.waiting[0]):
+            req = self.waiting.popleft()
             tokens = req.all_token_ids()
-            # room for the sequence and its first decode token, so admitting never forces a preemption
-            if not self.blocks.can_allocate([*tokens, 0], req.cache_salt):
-                return
-            self.waiting.popleft()
             allocation = self.blocks.allocate(req.request_id, tokens, req.cache_salt)
             req.num_computed_tokens = allocation.num_cached_tokens
             req.state_slot = self.slots.allocate(req.request_id)
@@ -210,6 +208,16 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
                 self.num_prefix_hits += allocation.num_cached_tokens
             req.status = Status.RUNNING
             self.prefilling.append(req)
+            self.admitted[req] = None
+
+    def _admissible(self, req: Request) -> bool:
+        """A sequence slot is free, the volumetric limit admits it, and the blocks hold the sequence and its
+        first decode token (so admitting never forces a preemption)."""
+        return (
+            self.num_running < self.max_num_seqs
+            and self._volume_admits(req)
+            and self.blocks.can_allocate([*req.all_token_ids(), 0], req.cache_salt)
+        )
 
     def _pieces(self, rows: int) -> tuple[PrefillChunk, ...]:
         """A mixed step's prompt pieces beside `rows` decode rows (waves.py's policy overrides this)."""
@@ -246,6 +254,7 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         )
 
     def _decode_step(self) -> ContinuousStep | None:
+        self._start_waves()
         self._pause_over_the_limit()
         for req in list(self.running):
             if req not in self.running:  # preempted while making room for an older request
@@ -283,7 +292,8 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         def row(r: Request) -> Row:
             return Row(r.num_tokens, r.sampling.max_tokens - r.num_output_tokens)
 
-        return admits(row(req), [row(r) for r in self.running + self.prefilling], self.tkv_limit)
+        rows = [row(r) for r in [*self.running, *self.prefilling, *self.held]]
+        return admits(row(req), rows, self.tkv_limit)
 
     def _pause_over_the_limit(self) -> None:
         """With pausing, the rows of the next decode step: the decoding and paused requests in
@@ -326,8 +336,11 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
         self.slots.free(req.request_id)
         req.state_slot = 0
         self.steps_paused.pop(req.request_id, None)
+        self.admitted.pop(req, None)
         if req in self.prefilling:
             self.prefilling.remove(req)
+        elif req in self.held:
+            del self.held[req]
         elif req in self.paused:
             self.paused.remove(req)
         else:
@@ -335,14 +348,15 @@ class ContinuousScheduler(GenerateScheduler[ContinuousStep]):
 
     def update(self, step: ContinuousStep) -> list[Request]:
         """Called after the engine appended this step's tokens. Returns the requests that finished."""
-        done = []
+        done, prefilled = [], []
         for chunk in step.chunks:
             req = chunk.request
             req.num_computed_tokens = chunk.start + len(chunk.token_ids)
             self.blocks.commit(req.request_id, req.num_computed_tokens)
             if chunk.is_last:
                 self.prefilling.remove(req)
-                self.running.append(req)
+                prefilled.append(req)
+        self._hold_for_wave(prefilled)
         for row in step.decode:
             row.request.num_computed_tokens = row.position + 1
         for req in step.requests:
