@@ -19,12 +19,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 CB_DEFAULT_MAX_MODEL_LEN = 512
 CB_DEFAULT_MAX_NUM_SEQS = 4
 CB_DEFAULT_CHUNK = 256
-# prompt tokens a mixed step carries beside decodes (SENDNN_INFERENCE_CB_MIXED_PREFILL_TOKENS; 0: the chunk).
-# bench/README.md run 20: 64 keeps ITL p99 lower (0.68x vLLM's, not 1.19x) but more than doubles TTFT
+# ..._CB_MIXED_PREFILL_TOKENS, 0: the chunk (bench/README.md run 20: 64 gave ITL p99 0.68x vLLM's, 2x TTFT)
 CB_DEFAULT_MIXED_PREFILL_TOKENS = 0
 CB_DEFAULT_PREFILL_PIECES = 4  # prompts one mixed step prefills pieces of, at most (..._CB_PREFILL_PIECES)
-# waves kept whole (SENDNN_INFERENCE_CB_STEP_BUDGET_MS, 0: off) and the step cost it plans with: fixed, per
-# chunk token, per decode row, in microseconds (bench/README.md run 20's profile, SmolLM2-135M fp32, a Xeon)
+# waves kept whole (..._CB_STEP_BUDGET_MS, 0: off) by a step cost: fixed, per token, per row µs (run 20, Xeon)
 CB_DEFAULT_STEP_BUDGET_MS = 0
 CB_DEFAULT_STEP_COST_US = (34000, 900, 2600)
 ENV_PREFIX = "SENDNN_INFERENCE_"

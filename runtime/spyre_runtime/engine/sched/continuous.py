@@ -44,7 +44,7 @@ from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
 from spyre_runtime.engine.block_manager import BlockManager, window_for
 from spyre_runtime.engine.sched.admission import abort_waiting, check_admissible
 from spyre_runtime.engine.sched.interface import GenerateScheduler
-from spyre_runtime.engine.sched.volume import Row, admits, decode_order, fits_alone, step_fits
+from spyre_runtime.engine.sched.volume import Volumetric, fits_alone
 from spyre_runtime.engine.sched.wave_start import WaveStart
 from spyre_runtime.engine.state_slots import StateSlots
 from spyre_runtime.request import Request, Status
@@ -55,7 +55,7 @@ def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
     return min(b for b in buckets if b >= n)
 
 
-class ContinuousScheduler(WaveStart, GenerateScheduler[ContinuousStep]):
+class ContinuousScheduler(WaveStart, Volumetric, GenerateScheduler[ContinuousStep]):
     def __init__(self, config: RuntimeConfig) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
@@ -278,50 +278,6 @@ class ContinuousScheduler(WaveStart, GenerateScheduler[ContinuousStep]):
             batch_size=smallest_bucket(self.batch_buckets, len(rows)),
             kv_len=smallest_bucket(self.kv_buckets, max(r.num_tokens for r in self.running)),
         )
-
-    def _volume_admits(self, req: Request) -> bool:
-        """Spyre's volumetric limit at admission: nothing starts while a request is paused; without
-        pausing, the forward check of every step the request would live through."""
-        if not self.tkv_limit:
-            return True
-        if self.paused:
-            return False
-        if self.pausing:
-            return True
-
-        def row(r: Request) -> Row:
-            return Row(r.num_tokens, r.sampling.max_tokens - r.num_output_tokens)
-
-        rows = [row(r) for r in [*self.running, *self.prefilling, *self.held]]
-        return admits(row(req), rows, self.tkv_limit)
-
-    def _pause_over_the_limit(self) -> None:
-        """With pausing, the rows of the next decode step: the decoding and paused requests in
-        `decode_order` while rows x context stay under the limit; the others sit this step out."""
-        if not (self.tkv_limit and self.pausing) or not (self.running or self.paused):
-            return
-        by_id = {r.request_id: r for r in self.running + self.paused}
-        was_paused = {r.request_id for r in self.paused}
-        order = decode_order(
-            [(rid, self.steps_paused.get(rid, 0), r.num_output_tokens) for rid, r in by_id.items()],
-            self.long_output_first,
-        )
-        decoding: list[Request] = []
-        paused: list[Request] = []
-        for rid in order:
-            req = by_id[rid]
-            if step_fits([r.num_tokens - 1 for r in (*decoding, req)], self.tkv_limit):
-                decoding.append(req)
-                self.steps_paused.pop(rid, None)
-            else:
-                paused.append(req)
-                self.steps_paused[rid] = self.steps_paused.get(rid, 0) + 1
-        now_paused = {r.request_id for r in paused}
-        self.num_pause_events += len(now_paused - was_paused)
-        self.num_resume_events += len(was_paused - now_paused)
-        self.running = [r for r in self.running if r.request_id not in now_paused]
-        self.running += [r for r in decoding if r.request_id in was_paused]
-        self.paused = paused
 
     def _preempt(self, req: Request) -> None:
         self._release(req)

@@ -1,4 +1,4 @@
-"""Spyre's volumetric limit, as sendnn-inference 2.x's scheduler applies it. Pure functions, no tensors.
+"""Spyre's volumetric limit, as sendnn-inference 2.x's scheduler applies it. No tensors.
 
 A Spyre card runs a decode step over a rectangular KV: every row is left-padded with dummy blocks to the
 widest row's block count, so the step's context (tkv) is the largest padded length, and the card refuses a
@@ -13,7 +13,7 @@ keep under it (`SENDNN_INFERENCE_PAUSING_ENABLED`):
   at its worst (every row running to its max_tokens): `admits`.
 
 A request that could not run even alone (prompt + max_tokens rounded up to a block past the limit) is
-refused before scheduling: `fits_alone`.
+refused before scheduling: `fits_alone`. `Volumetric` applies both in the continuous scheduler.
 """
 
 from __future__ import annotations
@@ -22,11 +22,15 @@ import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from spyre_contract.environment import TKV_LIMIT_VAR
 from spyre_contract.registry import Verdict
 
 from spyre_runtime.config import RuntimeConfig
+
+if TYPE_CHECKING:
+    from spyre_runtime.request import Request
 
 log = logging.getLogger(__name__)
 
@@ -101,3 +105,53 @@ def with_known_tkv_limit(config: RuntimeConfig, verdict: Verdict) -> RuntimeConf
         return config
     log.info("%s=%s from the known configuration (%s)", TKV_LIMIT_VAR, value, verdict.message)
     return dataclasses.replace(config, max_batch_tkv_limit=int(value))
+
+
+class Volumetric:
+    """The continuous scheduler's admission and pausing under the limit (its attributes: `tkv_limit`,
+    `pausing`, `long_output_first`, `running`, `prefilling`, `held`, `paused`, `steps_paused`, and the
+    pause and resume counters)."""
+
+    def _volume_admits(self, req: Request) -> bool:
+        """Spyre's volumetric limit at admission: nothing starts while a request is paused; without
+        pausing, the forward check of every step the request would live through."""
+        if not self.tkv_limit:
+            return True
+        if self.paused:
+            return False
+        if self.pausing:
+            return True
+
+        def row(r: Request) -> Row:
+            return Row(r.num_tokens, r.sampling.max_tokens - r.num_output_tokens)
+
+        rows = [row(r) for r in [*self.running, *self.prefilling, *self.held]]
+        return admits(row(req), rows, self.tkv_limit)
+
+    def _pause_over_the_limit(self) -> None:
+        """With pausing, the rows of the next decode step: the decoding and paused requests in
+        `decode_order` while rows x context stay under the limit; the others sit this step out."""
+        if not (self.tkv_limit and self.pausing) or not (self.running or self.paused):
+            return
+        by_id = {r.request_id: r for r in self.running + self.paused}
+        was_paused = {r.request_id for r in self.paused}
+        order = decode_order(
+            [(rid, self.steps_paused.get(rid, 0), r.num_output_tokens) for rid, r in by_id.items()],
+            self.long_output_first,
+        )
+        decoding: list[Request] = []
+        paused: list[Request] = []
+        for rid in order:
+            req = by_id[rid]
+            if step_fits([r.num_tokens - 1 for r in (*decoding, req)], self.tkv_limit):
+                decoding.append(req)
+                self.steps_paused.pop(rid, None)
+            else:
+                paused.append(req)
+                self.steps_paused[rid] = self.steps_paused.get(rid, 0) + 1
+        now_paused = {r.request_id for r in paused}
+        self.num_pause_events += len(now_paused - was_paused)
+        self.num_resume_events += len(was_paused - now_paused)
+        self.running = [r for r in self.running if r.request_id not in now_paused]
+        self.running += [r for r in decoding if r.request_id in was_paused]
+        self.paused = paused
