@@ -52,11 +52,15 @@ class LLMEngine:
         sampling: SamplingParams,
         request_id: str | None = None,
         images: ImageInput | None = None,
+        arrival_time: float | None = None,
     ) -> Request:
         """Raises ValueError (nothing is queued) when the request can never run. `images`: an image-text
-        model's images (entrypoints/chat/images.py)."""
+        model's images (entrypoints/chat/images.py). `arrival_time`: when it was submitted (monotonic; now
+        by default)."""
         sampling = dataclasses.replace(sampling, eos_token_ids=tuple(sorted(self.outputs.eos_ids)))
         req = Request(request_id or self.new_request_id(), list(prompt_token_ids), sampling, images=images)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
         check_admissible(self.scheduler, req)
         if sampling.guide is not None:
             req.guide = sampling.guide.new_guide()
@@ -162,7 +166,8 @@ class EngineThread:
     def submit(
         self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, images=None
     ) -> None:
-        self._commands.put(("add", (prompt_token_ids, sampling, request_id, images)))
+        # submitted now: the request arrived while the engine ran its step (a wave's start counts on it)
+        self._commands.put(("add", (prompt_token_ids, sampling, request_id, images, time.monotonic())))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -186,10 +191,10 @@ class EngineThread:
                 return
 
     def _add(
-        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, images=None
+        self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str, images, arrival: float
     ) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, sampling, request_id, images)
+            self.engine.add_request(prompt_token_ids, sampling, request_id, images, arrival_time=arrival)
         except ValueError as e:  # the server checks first; a request that still cannot run fails alone
             req = Request(request_id, list(prompt_token_ids), sampling)
             self.engine.fail(req, e)

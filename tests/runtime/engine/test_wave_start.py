@@ -88,6 +88,10 @@ def test_a_request_finished_by_its_first_token_leaves_at_once_and_an_abort_frees
     assert s.num_running == 1
 
 
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
 def sampling(rng: random.Random) -> SamplingParams:
     return SamplingParams(max_tokens=rng.randint(1, 80), temperature=0)
 
@@ -145,3 +149,45 @@ def test_the_setting_reaches_the_scheduler(tiny_model, value, on):
     assert (list(s.held), [r.request_id for r in s.running]) == (
         ([step.chunks[0].request], []) if on else ([], ["a"])
     )
+
+
+def test_a_prompt_prefilled_alone_does_not_wait_for_prompts_that_arrived_after_its_prefill():
+    """a is prefilled alone; 3 long prompts arrive after its prefill ended (the next wave): a decodes beside
+    their prefill as it would without the setting. Prompts that arrived while a was prefilling (the engine
+    adds them at the next step) are its wave."""
+    s = make_scheduler(config(max_num_seqs=8, wave_start=True))
+    a, late = req("a", 20, 6), [req(f"l{i}", 300, 2) for i in range(3)]
+    for r in late:
+        r.arrival_time = a.arrival_time + 3600  # after a's prefill ended
+    rows, _ = drive(s, {0: [a], 1: late}, 4)
+    assert [row[1] for row in rows] == [(), ("a",), ("a",), ("a",)]
+    s = make_scheduler(config(max_num_seqs=8, wave_start=True))
+    early = [req(f"l{i}", 300, 2) for i in range(3)]  # created (arrived) before a's prefill ended
+    for r in early:
+        r.arrival_time = a.arrival_time
+    a = req("a", 20, 6)
+    rows, _ = drive(s, {0: [a], 1: early}, 4)
+    assert [row[1] for row in rows] == [(), (), (), ()]  # a waits for its wave's 900 prompt tokens
+
+
+def test_a_held_request_is_preempted_as_the_newest_and_not_held_again_when_it_resumes():
+    """A 4-block pool (block 0 is scratch). r0 and r1 (61 tokens) decode; h and p (10 tokens) arrive together;
+    h is prefilled first and held for p. When r0 and r1 each need a second block, h (held, the newest
+    started) goes first and then r1, exactly as without the setting; resumed with its first token, h's
+    stream already runs, so it is not held again (p still waits)."""
+
+    def run(on: bool) -> tuple[list, dict]:
+        cfg = config(
+            max_num_seqs=4, num_kv_blocks=4, max_prefill_pieces=2, mixed_prefill_tokens=8, wave_start=on
+        )
+        reqs = [
+            Request(rid, [k + 2] * n, greedy(12))
+            for k, (rid, n) in enumerate(zip("rshp", (61, 61, 10, 10), strict=True))
+        ]
+        rows, _ = drive(make_scheduler(cfg), {0: reqs[:2], 2: reqs[2:]}, 16)
+        return rows, {r.request_id: r.num_preemptions for r in reqs}
+
+    (off, off_preempted), (on, on_preempted) = run(False), run(True)
+    assert on[3] == (3, ("r", "s"), ("h2",), 64, ())  # h's first token; held, it is not in step 4's rows
+    assert on_preempted == off_preempted == {"r": 0, "s": 1, "h": 1, "p": 0}
+    assert on[4:] == off[4:]  # from the preemption on, the same steps: h resumed decodes at once

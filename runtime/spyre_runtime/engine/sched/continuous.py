@@ -92,7 +92,7 @@ class ContinuousScheduler(WaveStart, Volumetric, GenerateScheduler[ContinuousSte
         self.long_output_first = config.long_output_priority
         self.paused: list[Request] = []  # decoding requests that sit out steps, keeping their blocks
         self.wave_start = config.wave_start  # a wave's prompts start decoding together (wave_start.py)
-        self.held: dict[Request, frozenset[str] | None] = {}  # prefilled, waiting for these ids (their wave)
+        self.held: dict[Request, float | frozenset[str]] = {}  # prefilled: its wave's ids (wave_start.py)
         self.admitted: dict[Request, None] = {}  # requests holding blocks, in admission order
         self.steps_paused: dict[str, int] = {}
         self.num_pause_events = 0
@@ -261,7 +261,7 @@ class ContinuousScheduler(WaveStart, Volumetric, GenerateScheduler[ContinuousSte
                 continue
             self.blocks.free_outside_window(req.request_id, req.num_tokens - 1)
             while not self.blocks.can_append(req.request_id, req.num_tokens):
-                victim = self.prefilling[-1] if self.prefilling else self.running[-1]
+                victim = self.prefilling[-1] if self.prefilling else self._newest_started()
                 self._preempt(victim)
                 if victim is req:
                     break

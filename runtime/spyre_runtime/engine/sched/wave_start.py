@@ -22,6 +22,7 @@ that its first token finished leaves at once. On by default (bench/README.md run
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -33,30 +34,38 @@ class WaveStart:
     `admitted`, `waiting`, `prefilling`, `running`, `max_num_seqs`, `num_running`, `_admissible`)."""
 
     def _hold_for_wave(self, prefilled: list[Request]) -> None:
-        """The prompts this step prefilled start decoding, or, with `wave_start`, those still unfinished are
-        held, their wave taken when the next step is scheduled (so prompts that arrived meanwhile count)."""
+        """The prompts this step prefilled start decoding, or, with `wave_start`, those that got their first
+        token are held, stamped with the time their prefill ended (their wave is taken at the next step)."""
+        now = time.monotonic()
         for req in prefilled:
-            if self.wave_start and not req.is_finished:
-                self.held[req] = None
-            else:
+            if self.wave_start and req.num_output_tokens == 1 and not req.is_finished:
+                self.held[req] = now
+            else:  # finished, or resumed after a preemption (its stream already runs): no wave to wait for
                 self.running.append(req)
 
     def _start_waves(self) -> None:
         """Held requests whose wave is prefilled start decoding. A request's wave is taken at the first step
-        after its prefill: the prompts prefilling then, and those waiting that the free sequence slots hold (a
-        longer queue is the next wave's). All of them start when no prompt is prefilling and none can be
-        admitted (never wait on what cannot start). The running list stays in admission order."""
+        after its prefill: the prompts prefilling then, and those waiting that the free sequence slots hold,
+        that arrived before its prefill ended (later ones are the next wave). All held requests start when
+        no prompt is prefilling and none can be admitted. The running list stays in admission order."""
         if not self.held:
             return
         pending = [*self.prefilling, *list(self.waiting)[: max(0, self.max_num_seqs - self.num_running)]]
         for req, wave in self.held.items():
-            if wave is None:
-                self.held[req] = frozenset(r.request_id for r in pending)
+            if isinstance(wave, float):  # its prefill ended at `wave`
+                self.held[req] = frozenset(r.request_id for r in pending if r.arrival_time <= wave)
         stuck = not self.prefilling and not (self.waiting and self._admissible(self.waiting[0]))
         pending_ids = {r.request_id for r in [*self.waiting, *self.prefilling]}
         start = [r for r, wave in self.held.items() if stuck or not wave & pending_ids]
         for req in start:
             del self.held[req]
-        if start:  # the newest is the first preempted
-            order = {r: i for i, r in enumerate(self.admitted)}
-            self.running = sorted([*self.running, *start], key=order.__getitem__)
+        if start:
+            self.running = sorted([*self.running, *start], key=self._admission_order().__getitem__)
+
+    def _admission_order(self) -> dict[Request, int]:
+        return {r: i for i, r in enumerate(self.admitted)}
+
+    def _newest_started(self) -> Request:
+        """The preemption victim among the requests past their prefill (decoding or held): the newest."""
+        order = self._admission_order()
+        return max([*self.running, *self.held], key=order.__getitem__)
