@@ -137,7 +137,7 @@ def test_every_request_finishes_under_pressure_and_waits_are_bounded(seed, piece
 
 @pytest.mark.parametrize(("value", "on"), [(None, True), ("0", False), ("off", False), ("1", True)])
 def test_the_setting_reaches_the_scheduler(tiny_model, value, on):
-    """SENDNN_INFERENCE_CB_WAVE_START, on by default (bench/README.md run 44)."""
+    """SENDNN_INFERENCE_CB_WAVE_START, on by default (bench/README.md runs 44 and 45)."""
     env = {"SENDNN_INFERENCE_USE_CB": "1"} | ({"SENDNN_INFERENCE_CB_WAVE_START": value} if value else {})
     s = make_scheduler(load_config(tiny_model, environ=env, max_num_seqs=4, max_num_batched_tokens=64))
     s.add(req("a", 60, 3))

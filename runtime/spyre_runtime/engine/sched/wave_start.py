@@ -11,13 +11,15 @@ token waits for the whole wave's prefill.
 
 With the setting on, a prompt whose prefill ends sends its first token at once, as before, and then sits out
 the decode steps (keeping its blocks and its sequence slot) until the other prompts of its wave are
-prefilled: those prefilling when its prefill ended, and those waiting that the free sequence slots held then
-(a longer queue is the next wave's). So the wave decodes from one step on and its streams stay in step, no
-first token waits for the rest of the wave, and no stream's second token comes later than if the wave had
-been prefilled in one step. A held request never waits on what cannot start: when no prompt is prefilling and
-none can be admitted (sequence slots, blocks, the volumetric limit), every held request starts. A request
-that its first token finished leaves at once. On by default (bench/README.md run 44, with a step of up to
-4 prompts, the runtime's default); off (0), a prompt decodes from the step after its prefill.
+prefilled: those that arrived before its prefill ended (by their arrival time: the engine adds a request at
+the start of a step) and are prefilling, or waiting within the free sequence slots, at the next step. Later
+arrivals and a longer queue are the next wave's. So the wave decodes from one step on and its streams stay
+in step, no first token waits for the rest of the wave, and no stream's second token comes later than if the
+wave had been prefilled in one step (but for the extra steps' fixed cost). A held request never waits on
+what cannot start: when no prompt is prefilling and none can be admitted (sequence slots, blocks, the
+volumetric limit), every held request starts. A request that its first token finished, or a stream resumed
+after a preemption, is never held. On by default (bench/README.md runs 44 and 45, with steps of up to 4
+prompts, the runtime's default); off (0), a prompt decodes from the step after its prefill.
 """
 
 from __future__ import annotations
