@@ -24,6 +24,7 @@ prompts, the runtime's default); off (0), a prompt decodes from the step after i
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import TYPE_CHECKING
 
@@ -52,10 +53,13 @@ class WaveStart:
         no prompt is prefilling and none can be admitted. The running list stays in admission order."""
         if not self.held:
             return
-        pending = [*self.prefilling, *list(self.waiting)[: max(0, self.max_num_seqs - self.num_running)]]
-        for req, wave in self.held.items():
-            if isinstance(wave, float):  # its prefill ended at `wave`
-                self.held[req] = frozenset(r.request_id for r in pending if r.arrival_time <= wave)
+        undecided = [req for req, wave in self.held.items() if isinstance(wave, float)]  # prefill end times
+        if undecided:
+            free = max(0, self.max_num_seqs - self.num_running)
+            pending = [*self.prefilling, *itertools.islice(self.waiting, free)]
+            for req in undecided:
+                ended = self.held[req]
+                self.held[req] = frozenset(r.request_id for r in pending if r.arrival_time <= ended)
         stuck = not self.prefilling and not (self.waiting and self._admissible(self.waiting[0]))
         pending_ids = {r.request_id for r in [*self.waiting, *self.prefilling]}
         start = [r for r, wave in self.held.items() if stuck or not wave & pending_ids]
