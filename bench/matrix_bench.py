@@ -6,7 +6,7 @@ a timed test: only the ratios of one run count (the machine is shared).
                                            [--client-streams 8,32]
                                            [--mixed-prefill-tokens 64] [--systems ours,vllm]
                                            [--step-budget-ms 150 [--step-cost-us 34000,900,2600]]
-                                           [--wave-start]
+                                           [--wave-start] [--ngram-spec-tokens 3]
                                            [--out bench/results-matrix.json] [--model DIR]
                                            [--backend inductor] [--vllm-eager] [--bandwidth-gib 1]
                                            [--cache-dir DIR] [--cold-kernel]
@@ -34,6 +34,8 @@ kept whole under a step-time budget of `--step-budget-ms` (default 0: off; SENDN
 by the step cost `--step-cost-us` (fixed, per chunk token, per decode row; SENDNN_INFERENCE_CB_STEP_COST_US,
 default run 20's profile). `--wave-start`: a wave's prompts start decoding together
 (SENDNN_INFERENCE_CB_WAVE_START=1; its first prompts send their first token as soon as they are prefilled).
+`--ngram-spec-tokens k`: n-gram speculation, up to k drafts a greedy request and step
+(SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS; default 0: off).
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ def ours_config(args) -> tuple[dict, tuple[str, ...]]:
         "SENDNN_INFERENCE_CB_STEP_BUDGET_MS": str(args.step_budget_ms),
         "SENDNN_INFERENCE_KV_CACHE_DTYPE": args.kv_cache_dtype,
         "SENDNN_INFERENCE_CB_WAVE_START": "1" if args.wave_start else "0",
+        "SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS": str(getattr(args, "ngram_spec_tokens", 0)),
     }
     if args.step_cost_us:
         env["SENDNN_INFERENCE_CB_STEP_COST_US"] = args.step_cost_us
@@ -287,6 +290,7 @@ def main() -> int:
     ap.add_argument("--prefill-pieces", type=int, default=8)
     ap.add_argument("--step-budget-ms", type=int, default=0, help="waves kept whole (0: off)")
     ap.add_argument("--wave-start", action="store_true", help="a wave's prompts start decoding together")
+    ap.add_argument("--ngram-spec-tokens", type=int, default=0, help="n-gram drafts a step (0: off)")
     ap.add_argument("--step-cost-us", default="", help="fixed,per-token,per-row (default: the runtime's)")
     ap.add_argument(
         "--chunk", type=int, default=2048, help="our --max-num-batched-tokens (vLLM's CPU server: 2048)"

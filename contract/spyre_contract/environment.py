@@ -19,11 +19,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 CB_DEFAULT_MAX_MODEL_LEN = 512
 CB_DEFAULT_MAX_NUM_SEQS = 4
 CB_DEFAULT_CHUNK = 256
-# ..._CB_MIXED_PREFILL_TOKENS, 0: the chunk (bench/README.md run 20: 64 gave ITL p99 0.68x vLLM's, 2x TTFT)
-CB_DEFAULT_MIXED_PREFILL_TOKENS = 0
+CB_DEFAULT_MIXED_PREFILL_TOKENS = 0  # 0: the chunk (bench/README.md run 20: 64 gave ITL p99 0.68x, 2x TTFT)
 CB_DEFAULT_PREFILL_PIECES = 4  # prompts one mixed step prefills pieces of, at most (..._CB_PREFILL_PIECES)
-# waves kept whole (..._CB_STEP_BUDGET_MS, 0: off) by a step cost: fixed, per token, per row µs (run 20, Xeon)
-CB_DEFAULT_STEP_BUDGET_MS = 0
+CB_DEFAULT_STEP_BUDGET_MS = 0  # waves kept whole by a step cost (0: off): fixed, per token, per row µs
 CB_DEFAULT_STEP_COST_US = (34000, 900, 2600)
 ENV_PREFIX = "SENDNN_INFERENCE_"
 ALIAS_PREFIX = "VLLM_SPYRE_"  # 1.x's prefix: sendnn-inference 2.x no longer reads it, so neither do we
@@ -227,6 +225,7 @@ class EnvironmentSettings:
     step_budget_ms: int = CB_DEFAULT_STEP_BUDGET_MS
     step_cost_us: tuple[int, int, int] = CB_DEFAULT_STEP_COST_US
     wave_start: bool = True
+    ngram_spec_tokens: int = 0  # drafts a decoding greedy request's n-gram lookup proposes a step (0: off)
     max_batch_tkv_limit: int = 0  # rows x context of a decode step, at most (0: no limit)
     pausing_enabled: bool = True
     long_output_priority: bool = False
@@ -297,6 +296,7 @@ def read_environment(
         step_budget_ms=env.int("CB_STEP_BUDGET_MS", CB_DEFAULT_STEP_BUDGET_MS, minimum=0),
         step_cost_us=_step_cost(env),
         wave_start=env.bool("CB_WAVE_START", True),
+        ngram_spec_tokens=env.int("CB_NGRAM_SPEC_TOKENS", 0, minimum=0),
         max_batch_tkv_limit=env.int(TKV_LIMIT_VAR, 0, minimum=0, full=True),
         pausing_enabled=env.bool("PAUSING_ENABLED", True),
         long_output_priority=env.bool("LONG_OUT_PRIO", False),

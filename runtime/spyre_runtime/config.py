@@ -130,6 +130,7 @@ class RuntimeConfig:
     step_budget_ms: int = 0  # waves kept whole (engine/sched/waves.py): a step's time budget (0: off)
     step_cost_us: tuple[int, int, int] = CB_DEFAULT_STEP_COST_US  # fixed, per chunk token, per decode row
     wave_start: bool = True  # a wave's prompts start decoding together (engine/sched/wave_start.py)
+    ngram_spec_tokens: int = 0  # n-gram drafts per request and step (engine/sched/speculation.py); 0: off
     max_batch_tkv_limit: int = 0  # Spyre's volumetric limit, and pausing (engine/sched/volume.py); 0: none
     pausing_enabled: bool = True
     long_output_priority: bool = False
@@ -254,7 +255,9 @@ def hybrid_settings(config: RuntimeConfig) -> RuntimeConfig:
     if spec is None:
         return config
     log.info("hybrid (Mamba) model: prefix caching is off (a sequence's Mamba state is not kept per block)")
-    return dataclasses.replace(config, enable_prefix_caching=False)
+    if config.ngram_spec_tokens:
+        log.info("hybrid (Mamba) model: n-gram speculation is off (its Mamba state cannot step back)")
+    return dataclasses.replace(config, enable_prefix_caching=False, ngram_spec_tokens=0)
 
 
 def hybrid_state_bytes(config: RuntimeConfig, dtype_bytes: int) -> int:

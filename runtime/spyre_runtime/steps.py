@@ -50,6 +50,7 @@ class DecodeRow:
     token_id: int
     position: int
     block_table: tuple[int, ...]
+    draft: bool = False  # an n-gram draft after its request's row (engine/sched/speculation.py)
 
 
 @dataclass(frozen=True)

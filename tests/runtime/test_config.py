@@ -150,6 +150,14 @@ def test_serve_says_static_batching_is_1x_s_mode_in_one_line(tiny_model):
             "SENDNN_INFERENCE_CB_WAVE_START='later' is not a boolean (use 1 or 0)",
         ),
         (
+            {"SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS": "-1"},
+            "SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS='-1' must be >= 0",
+        ),
+        (
+            {"SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS": "three"},
+            "SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS='three' is not an integer",
+        ),
+        (
             {"SENDNN_INFERENCE_CB_STEP_BUDGET_MS": "-5"},
             "SENDNN_INFERENCE_CB_STEP_BUDGET_MS='-5' must be >= 0",
         ),

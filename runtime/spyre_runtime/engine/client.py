@@ -49,6 +49,7 @@ class EngineClient:
         if self.kv_events is not None and not (config.use_cb and config.enable_prefix_caching):
             log.warning("--kv-events-config: no prefix cache (it needs continuous batching): no events")
         self._prefix_counts = (0, 0)  # the scheduler's prefix-cache queries and hits, as last counted
+        self._draft_counts = (0, 0)  # n-gram drafts proposed and kept, as last counted
 
     # ---- start-up (a background thread) -------------------------------------------------------------
 
@@ -205,6 +206,11 @@ class EngineClient:
         m.vllm.prefix_cache_queries.inc(queries - self._prefix_counts[0])
         m.vllm.prefix_cache_hits.inc(hits - self._prefix_counts[1])
         self._prefix_counts = (queries, hits)
+        if m.vllm.spec_draft_tokens is not None:
+            drafts, kept = sched.num_draft_tokens, self.engine.num_accepted_tokens
+            m.vllm.spec_draft_tokens.inc(drafts - self._draft_counts[0])
+            m.vllm.spec_accepted_tokens.inc(kept - self._draft_counts[1])
+            self._draft_counts = (drafts, kept)
         m.sendnn.observe(sched, step)
         if self.kv_events is not None:
             self.kv_events.publish(sched.take_kv_events())

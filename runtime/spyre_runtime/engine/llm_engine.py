@@ -18,6 +18,7 @@ from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.outputs import OutputProcessor, RequestOutput, eos_token_ids, load_tokenizer
 from spyre_runtime.engine.sched.admission import check_admissible
 from spyre_runtime.engine.sched.factory import make_scheduler
+from spyre_runtime.engine.sched.speculation import accepted
 from spyre_runtime.executor.model_executor import ModelExecutor
 from spyre_runtime.request import ImageInput, Request
 from spyre_runtime.sampling.params import SamplingParams, TokenLogprob
@@ -36,6 +37,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.on_step: Callable[[object, float], None] | None = None  # (step, seconds) hook for metrics
+        self.num_accepted_tokens = 0  # n-gram drafts the requests kept
 
     @property
     def vocab_size(self) -> int:
@@ -115,10 +117,14 @@ class LLMEngine:
                 req.scheduled_time = t0
         sampled = self.executor.execute(step)
         now = time.monotonic()
-        live = [r for r in step.requests if not r.is_finished]
-        for req, token, logprob in zip(step.requests, sampled.token_ids, sampled.logprobs, strict=True):
+        live = list(dict.fromkeys(r for r in step.requests if not r.is_finished))  # a request's drafts: rows
+        rows = getattr(step, "decode", ())
+        for i in accepted(step.requests, rows, sampled.token_ids):
+            req = step.requests[i]
+            if i < len(rows) and rows[i].draft and not req.is_finished:
+                self.num_accepted_tokens += 1  # n-gram drafts kept (engine/sched/speculation.py)
             try:
-                self.outputs.append(req, token, logprob, now)
+                self.outputs.append(req, sampled.token_ids[i], sampled.logprobs[i], now)
             except Exception as e:
                 self.fail(req, e)
         outputs = [self.outputs.output(r) for r in live]

@@ -44,6 +44,7 @@ from spyre_runtime.config import CHUNK_ALIGN, RuntimeConfig
 from spyre_runtime.engine.block_manager import BlockManager, window_for
 from spyre_runtime.engine.sched.admission import abort_waiting, check_admissible
 from spyre_runtime.engine.sched.interface import GenerateScheduler
+from spyre_runtime.engine.sched.speculation import Speculation
 from spyre_runtime.engine.sched.volume import Volumetric, fits_alone
 from spyre_runtime.engine.sched.wave_start import WaveStart
 from spyre_runtime.engine.state_slots import StateSlots
@@ -55,7 +56,7 @@ def smallest_bucket(buckets: tuple[int, ...], n: int) -> int:
     return min(b for b in buckets if b >= n)
 
 
-class ContinuousScheduler(WaveStart, Volumetric, GenerateScheduler[ContinuousStep]):
+class ContinuousScheduler(WaveStart, Volumetric, Speculation, GenerateScheduler[ContinuousStep]):
     def __init__(self, config: RuntimeConfig) -> None:
         self.max_num_seqs = config.max_num_seqs
         self.max_model_len = config.max_model_len
@@ -94,6 +95,8 @@ class ContinuousScheduler(WaveStart, Volumetric, GenerateScheduler[ContinuousSte
         self.wave_start = config.wave_start  # a wave's prompts start decoding together (wave_start.py)
         self.held: dict[Request, float | frozenset[str]] = {}  # prefilled: its wave's ids (wave_start.py)
         self.admitted: dict[Request, None] = {}  # requests holding blocks, in admission order
+        self.spec_tokens = config.ngram_spec_tokens  # a request's drafts a step (speculation.py; 0: off)
+        self.num_draft_tokens = 0
         self.steps_paused: dict[str, int] = {}
         self.num_pause_events = 0
         self.num_resume_events = 0
@@ -269,14 +272,16 @@ class ContinuousScheduler(WaveStart, Volumetric, GenerateScheduler[ContinuousSte
                 self.blocks.append(req.request_id, req.num_tokens)
         if not self.running:
             return None
-        rows = tuple(
-            DecodeRow(r, r.output_token_ids[-1], r.num_tokens - 1, self.blocks.block_table(r.request_id))
-            for r in self.running
+        rows = self._speculate(
+            tuple(
+                DecodeRow(r, r.output_token_ids[-1], r.num_tokens - 1, self.blocks.block_table(r.request_id))
+                for r in self.running
+            )
         )
         return ContinuousStep(
             decode=rows,
             batch_size=smallest_bucket(self.batch_buckets, len(rows)),
-            kv_len=smallest_bucket(self.kv_buckets, max(r.num_tokens for r in self.running)),
+            kv_len=smallest_bucket(self.kv_buckets, max(row.position + 1 for row in rows)),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -313,8 +318,8 @@ class ContinuousScheduler(WaveStart, Volumetric, GenerateScheduler[ContinuousSte
                 self.prefilling.remove(req)
                 prefilled.append(req)
         self._hold_for_wave(prefilled)
-        for row in step.decode:
-            row.request.num_computed_tokens = row.position + 1
+        for row in step.decode:  # every token but the last has its KV (a rejected draft's is written again)
+            row.request.num_computed_tokens = row.request.num_tokens - 1
         for req in step.requests:
             if req.is_finished and req in self.running:
                 self._release(req)

@@ -9,7 +9,7 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class Metrics:
-    def __init__(self, model_name: str = "", generate: bool = True) -> None:
+    def __init__(self, model_name: str = "", generate: bool = True, speculation: bool = False) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("spyre_requests", "Finished requests by outcome", ["outcome"], registry=r)
@@ -36,7 +36,7 @@ class Metrics:
         self.warmup_seconds = Gauge(
             "spyre_warmup_seconds", "Time spent compiling and warming shapes", registry=r
         )
-        self.vllm = VllmMetrics(r, model_name, generate)
+        self.vllm = VllmMetrics(r, model_name, generate, speculation)
         self.sendnn = SendnnMetrics(r, model_name) if generate else None
 
 
@@ -59,7 +59,9 @@ class VllmMetrics:
     A pooling server (`generate=False`) has the subset that applies to it; each of its inputs is one
     request, as in vLLM."""
 
-    def __init__(self, r: CollectorRegistry, model_name: str, generate: bool = True) -> None:
+    def __init__(
+        self, r: CollectorRegistry, model_name: str, generate: bool = True, speculation: bool = False
+    ) -> None:
         self.registry = r
         self._names, self._values = ["model_name", "engine"], [model_name, ENGINE]
         self.num_requests_waiting = self._gauge("vllm:num_requests_waiting", "Requests queued, not scheduled")
@@ -75,8 +77,13 @@ class VllmMetrics:
         self.e2e = self._histogram(
             "vllm:e2e_request_latency_seconds", "Arrival to finish", REQUEST_LATENCY_BUCKETS
         )
+        self.spec_draft_tokens = self.spec_accepted_tokens = None  # vLLM's, with speculation only
         if generate:
             self._generate_metrics()
+        if generate and speculation:  # SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS
+            spec = "vllm:spec_decode_num_"
+            self.spec_draft_tokens = self._counter(spec + "draft_tokens", "Draft tokens proposed")
+            self.spec_accepted_tokens = self._counter(spec + "accepted_tokens", "Draft tokens kept")
 
     def _generate_metrics(self) -> None:
         self.kv_cache_usage = self._gauge(

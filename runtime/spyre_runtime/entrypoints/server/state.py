@@ -38,7 +38,8 @@ class ServingState(ABC):
 
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        self.metrics = Metrics(config.served_model_name, generate=not is_pooling_task(config.task))
+        generate, speculation = not is_pooling_task(config.task), config.ngram_spec_tokens > 0
+        self.metrics = Metrics(config.served_model_name, generate, speculation)
         self.tracer = tracer_from_env(config.served_model_name)  # None: off (before the port is bound)
         self.loop: asyncio.AbstractEventLoop | None = None
         self.is_ready = False
