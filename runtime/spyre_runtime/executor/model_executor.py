@@ -223,8 +223,11 @@ class ModelExecutor:
             logits = self._run(*args, spans=self.inputs.spans(step))
         else:
             logits = self._run(*self.inputs.batch_decode(step), live_rows=len(step.decode))
-        # a chunk that does not end its prompt has no request: nothing is sampled for it
-        return sample(logits, step.requests)
+        # a chunk that does not end its prompt has no request: nothing is sampled for it; a row before an
+        # n-gram draft of its request draws with that draft (speculative sampling)
+        after = (*step.decode[1:], None)
+        drafts = [row.token_id if row is not None and row.draft else None for row in after]
+        return sample(logits, step.requests, drafts)
 
     def execute(self, step: StaticStep | ContinuousStep) -> SamplerOutput:
         """Runs one step; returns one sampled token (and its logprobs, when asked) per request of

@@ -34,9 +34,11 @@ class SamplerOutput:
         return len(self.token_ids)
 
 
-def sample(logits: torch.Tensor, rows: Sequence) -> SamplerOutput:
+def sample(logits: torch.Tensor, rows: Sequence, drafts: Sequence[int | None] = ()) -> SamplerOutput:
     """logits: [B, V] raw, one row per request in `rows` (objects with `sampling`, `generator`,
-    `prompt_token_ids`, `output_token_ids`, `guide`). Returns one token per row."""
+    `prompt_token_ids`, `output_token_ids`, `guide`). Returns one token per row. `drafts[i]`: the n-gram
+    draft the next row checks (engine/sched/speculation.py), which a sampled row i draws as speculative
+    sampling does for a certain draft: the draft with its probability, else a token of the others."""
     num_rows = len(rows)
     if num_rows == 0:
         return SamplerOutput([], [])
@@ -49,7 +51,7 @@ def sample(logits: torch.Tensor, rows: Sequence) -> SamplerOutput:
     else:
         logits = logits.float().clone()
         apply_logit_processors(logits, rows, params)
-        tokens = _draw(logits, rows, params)
+        tokens = _draw(logits, rows, params, drafts)
     token_list = tokens.tolist()
     logprobs: list[TokenLogprob | None] = [None] * num_rows
     if lp_rows:
@@ -125,7 +127,9 @@ def _apply_penalties(logits: torch.Tensor, idx: list[int], rows: Sequence) -> No
     logits[idx] = sub
 
 
-def _draw(logits: torch.Tensor, rows: Sequence, params: list[SamplingParams]) -> torch.Tensor:
+def _draw(
+    logits: torch.Tensor, rows: Sequence, params: list[SamplingParams], drafts: Sequence[int | None] = ()
+) -> torch.Tensor:
     """logits [B, V] after the processors -> [B] token ids."""
     random = [i for i, p in enumerate(params) if not p.is_greedy]
     if len(random) < len(params):
@@ -150,11 +154,32 @@ def _draw(logits: torch.Tensor, rows: Sequence, params: list[SamplingParams]) ->
         generator = getattr(rows[i], "generator", None)
         if generator is not None:
             uniform[j] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
+    checked = [(j, drafts[i]) for j, i in enumerate(random) if i < len(drafts) and drafts[i] is not None]
+    kept = _keep_drafts(probs, uniform, checked) if checked else {}
     cdf = probs.double().cumsum(dim=-1)
     target = uniform[:, None] * cdf[:, -1:]
     picked = torch.searchsorted(cdf, target, right=True).clamp(max=probs.shape[1] - 1)[:, 0]
+    for j, draft in kept.items():
+        picked[j] = draft
     tokens[random] = picked
     return tokens
+
+
+def _keep_drafts(probs: torch.Tensor, uniform: torch.Tensor, checked: list[tuple[int, int]]) -> dict:
+    """Speculative sampling with a certain draft d (an n-gram's): row j keeps d when its uniform u < p(d);
+    otherwise it draws from p without d, with (u - p(d)) / (1 - p(d)), uniform again. So every row draws
+    from p exactly. In place: each checked row's d is zeroed and its uniform rescaled; -> {row: d kept}."""
+    kept = {}
+    for j, draft in checked:
+        mass = float(probs[j].sum())
+        p = float(probs[j, draft]) / mass if mass > 0 else 0.0
+        u = float(uniform[j])
+        if u < p:
+            kept[j] = draft
+        elif p < 1:
+            uniform[j] = (u - p) / (1 - p)
+            probs[j, draft] = 0.0
+    return kept
 
 
 def _top_k(logits: torch.Tensor, top_k: torch.Tensor) -> None:

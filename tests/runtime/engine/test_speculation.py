@@ -6,11 +6,13 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 from spyre_runtime.config import load_config
 from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.engine.sched.speculation import accepted, propose, speculable
 from spyre_runtime.request import Request
 from spyre_runtime.sampling.params import SamplingParams
+from spyre_runtime.sampling.sampler import sample
 from spyre_runtime.steps import DecodeRow
 from spyre_runtime.testing.models import prepare_smollm2
 from transformers import AutoTokenizer
@@ -18,7 +20,8 @@ from transformers import AutoTokenizer
 from tests.httpclient import HTTP
 from tests.runtime.engine.test_cb_scheduler import config
 from tests.runtime.serverproc import ServerProcess
-from tests.runtime.vllm_reference import sample, vllm_families
+from tests.runtime.vllm_reference import sample as metric
+from tests.runtime.vllm_reference import vllm_families
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
 
@@ -80,14 +83,15 @@ def test_a_draft_is_kept_while_every_draft_before_it_matched():
     ("change", "expected"),
     [
         ({}, True),
-        ({"temperature": 0.7}, False),
+        ({"temperature": 0.7}, True),  # drawn with its drafts (the sampler's speculative draw)
+        ({"temperature": 0.7, "seed": 1}, False),  # its own generator's draws stay the same
         ({"logprobs": 2}, False),
         ({"repetition_penalty": 1.2}, False),
         ({"logit_bias": {5: 1.0}}, False),
         ({"min_tokens": 3}, False),  # its EOS is still banned for the next rows
     ],
 )
-def test_only_a_request_whose_next_token_is_the_argmax_speculates(change, expected):
+def test_only_a_request_whose_next_token_depends_on_the_logits_alone_speculates(change, expected):
     params = SamplingParams(**({"max_tokens": 10, "temperature": 0} | change))
     req = Request("r", [1, 2, 3], params)
     req.output_token_ids.append(4)
@@ -204,6 +208,11 @@ def test_smollm2_keeps_most_drafts_of_a_repeating_continuation():
     kept, on_steps, off_steps = check_same_tokens_fewer_steps(off, on)
     assert kept >= 32  # of 62 tokens after the first ones
     assert on_steps <= off_steps - 16
+    # sampled (temperature 0.3, no seed): the sampler draws each row with the draft the next row checks
+    sampled = [SamplingParams(max_tokens=32, temperature=0.3, ignore_eos=True)]
+    reqs, steps, engine = run_engine(model, 3, ids, sampled, buckets="2,8")
+    assert [len(r.output_token_ids) for r in reqs] == [32, 32] and steps < off_steps
+    assert 0 < engine.num_accepted_tokens <= engine.scheduler.num_draft_tokens
 
 
 def test_a_server_counts_its_drafts_as_vllm_does(tiny_model, tmp_path):
@@ -226,10 +235,31 @@ def test_a_server_counts_its_drafts_as_vllm_does(tiny_model, tmp_path):
     for name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"):
         kind, labels, _ = families[name]
         assert kind == "counter" and labels == {"model_name", "engine"}
-    drafts = sample(text, "vllm:spec_decode_num_draft_tokens_total", model_name="tiny")
-    kept = sample(text, "vllm:spec_decode_num_accepted_tokens_total", model_name="tiny")
+    drafts = metric(text, "vllm:spec_decode_num_draft_tokens_total", model_name="tiny")
+    kept = metric(text, "vllm:spec_decode_num_accepted_tokens_total", model_name="tiny")
     assert drafts > 0 and 0 <= kept <= drafts
     env["SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS"] = "0"
     with ServerProcess(tiny_model, env, tmp_path / "off.log", extra_args=args).serving() as srv:
         text = HTTP.get(srv.base + "/metrics", timeout=10).text
     assert not any(name.startswith("vllm:spec_decode") for name in vllm_families(text))
+
+
+@pytest.mark.parametrize(
+    ("draft", "top_k"),
+    [(1, 0), (0, 0), (3, 0), (3, 2)],  # likely, most likely, unlikely, and cut by top_k (probability 0)
+)
+def test_a_row_with_a_draft_draws_from_the_same_distribution(draft, top_k):
+    """Speculative sampling with a certain draft: over 20,000 rows the tokens' frequencies are the
+    distribution's (softmax of the logits at temperature 1, after top_k), within 1.5 percentage points,
+    and the draft is kept exactly when it is drawn."""
+    torch.manual_seed(0)
+    n = 20000
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None].repeat(n, 1)
+    rows = [Request(f"r{i}", [1], SamplingParams(temperature=1.0, top_k=top_k)) for i in range(n)]
+    out = sample(logits, rows, [draft] * n)
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=4).double() / n
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.05]) if not top_k else torch.tensor([0.625, 0.375, 0.0, 0.0])
+    assert torch.allclose(freq, expected.double(), atol=0.015), freq
+    plain = sample(logits, rows)  # no drafts: the same distribution
+    plain_freq = torch.bincount(torch.tensor(plain.token_ids), minlength=4).double() / n
+    assert torch.allclose(plain_freq, expected.double(), atol=0.015)

@@ -57,10 +57,11 @@ def propose(tokens: Sequence[int], k: int, n_max: int = NGRAM_MAX, n_min: int = 
 
 
 def speculable(req: Request) -> bool:
-    """A greedy request whose next token depends on nothing but the logits."""
+    """A request whose next token depends on nothing but the logits: greedy, or sampled from torch's
+    generator (a seeded request keeps its own sequence of draws, the same with speculation or without)."""
     p = req.sampling
     return (
-        p.is_greedy
+        (p.is_greedy or req.generator is None)
         and p.logprobs is None
         and not p.logit_bias
         and not p.has_penalties
