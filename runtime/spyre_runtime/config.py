@@ -242,6 +242,9 @@ def load_config(
         cache_dir=Path(settings.cache_dir) if settings.cache_dir else None,
         perf_metric_logging_dir=Path(settings.perf_metric_logging_dir),
     )
+    if config.ngram_spec_tokens and not config.use_cb:
+        log.info("n-gram speculation is off: it takes continuous batching (SENDNN_INFERENCE_USE_CB=1)")
+        config = dataclasses.replace(config, ngram_spec_tokens=0)
     return hybrid_settings(config)
 
 

@@ -205,6 +205,13 @@ class BlockManager:
             table.append(self._take_free())
         return tuple(table)
 
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Releases the sequence's blocks beyond those `num_tokens` tokens need (a rejected draft's: never
+        hashed, never shared)."""
+        table = self.tables[seq_id]
+        while len(table) > max(1, blocks_for_size(num_tokens, self.block_size)):
+            self._release(table.pop())
+
     def free(self, seq_id: str) -> None:
         """Releases the sequence's blocks; shared prompt blocks stay cached until evicted."""
         self._pending.pop(seq_id, None)

@@ -33,6 +33,8 @@ class LLMEngine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model_dir)
         self.executor = executor if executor is not None else ModelExecutor(config)
         self.scheduler = make_scheduler(config)  # sched/: static or continuous batching
+        if getattr(self.executor, "mamba", None) is not None:  # Mamba state cannot step back (speculation.py)
+            self.scheduler.spec_tokens = 0
         self.outputs = OutputProcessor(self.tokenizer, eos_token_ids(config.model_dir, self.tokenizer))
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()

@@ -4,6 +4,7 @@ request's progress as a `RequestOutput` carrying only what is new since the prev
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -56,7 +57,10 @@ class RequestTimings:
 
     @property
     def itl_seconds(self) -> list[float]:
-        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+        """The gaps between the steps that gave tokens (kept n-gram drafts come in their row's step, as one
+        iteration's tokens do in vLLM's)."""
+        times = sorted(set(self.token_times))
+        return [b - a for a, b in itertools.pairwise(times)]
 
 
 def load_tokenizer(model_dir: Path):

@@ -263,3 +263,48 @@ def test_a_row_with_a_draft_draws_from_the_same_distribution(draft, top_k):
     plain = sample(logits, rows)  # no drafts: the same distribution
     plain_freq = torch.bincount(torch.tensor(plain.token_ids), minlength=4).double() / n
     assert torch.allclose(plain_freq, expected.double(), atol=0.015)
+
+
+def test_a_rejected_drafts_block_goes_back_so_no_newer_request_is_preempted():
+    """Five blocks: a's drafts take the last free block, all are rejected and a stops on its third token;
+    b, newer, needs a third block a step later. Without giving the draft's block back, b was preempted."""
+    sched = scheduler(
+        3, max_num_seqs=2, decode_batch_buckets=(2, 8), num_kv_blocks=5, max_num_batched_tokens=256
+    )
+    a = Request(
+        "a", [5, 6, 7, 8, 9, 10, *range(1000, 1053), 5, 6], SamplingParams(max_tokens=20, temperature=0)
+    )
+    b = Request("b", list(range(2000, 2127)), SamplingParams(max_tokens=20, temperature=0))
+    sched.add(a)
+    sched.add(b)
+    firsts, later, drafted = {"a": 7, "b": 3000}, iter(range(4000, 5000)), 0
+    while (step := sched.schedule()) is not None:
+        drafted += sum(row.draft for row in step.decode)
+        for i, req in enumerate(step.requests):
+            if i < len(step.decode) and step.decode[i].draft:
+                continue  # the model disagrees with every draft
+            req.output_token_ids.append(firsts.pop(req.request_id, None) or next(later))
+            if req is a and req.num_output_tokens == 3:
+                req.finish("stop")
+            elif req.num_output_tokens == 20:
+                req.finish("length")
+        sched.update(step)
+        assert all(
+            len(t) <= -(-r.num_tokens // 64)
+            for r in sched.running
+            for t in [sched.blocks.tables[r.request_id]]
+        )
+    assert drafted > 0 and sched.num_preemptions == 0 and b.num_output_tokens == 20
+
+
+def test_static_batching_turns_speculation_off(tiny_model):
+    env = {"SENDNN_INFERENCE_USE_CB": "0", "SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS": "3"}
+    assert load_config(tiny_model, environ=env).ngram_spec_tokens == 0
+
+
+def test_the_gaps_between_tokens_are_between_steps():
+    """Kept drafts come in their row's step: one gap a step, as vLLM records one a request and iteration."""
+    from spyre_runtime.engine.outputs import RequestTimings
+
+    timings = RequestTimings(0.0, 0.1, 0.2, 1.0, (0.2, 0.25, 0.25, 0.25, 0.4, 0.4))
+    assert [round(g, 6) for g in timings.itl_seconds] == [0.05, 0.15]

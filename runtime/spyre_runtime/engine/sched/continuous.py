@@ -324,4 +324,6 @@ class ContinuousScheduler(WaveStart, Volumetric, Speculation, GenerateScheduler[
             if req.is_finished and req in self.running:
                 self._release(req)
                 done.append(req)
+            elif req in self.running:  # a rejected draft's blocks go back (speculation.py)
+                self.blocks.truncate(req.request_id, req.num_tokens)
         return done

@@ -38,7 +38,8 @@ class ServingState(ABC):
 
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
-        generate, speculation = not is_pooling_task(config.task), config.ngram_spec_tokens > 0
+        generate = not is_pooling_task(config.task)
+        speculation = config.use_cb and config.ngram_spec_tokens > 0 and not config.max_batch_tkv_limit
         self.metrics = Metrics(config.served_model_name, generate, speculation)
         self.tracer = tracer_from_env(config.served_model_name)  # None: off (before the port is bound)
         self.loop: asyncio.AbstractEventLoop | None = None
