@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from tests.httpclient import HTTP
 from tests.runtime.engine.test_cb_scheduler import config
+from tests.runtime.entrypoints.test_metrics import CB_ARGS, CB_ENV
 from tests.runtime.serverproc import ServerProcess
 from tests.runtime.vllm_reference import sample as metric
 from tests.runtime.vllm_reference import vllm_families
@@ -218,15 +219,12 @@ def test_smollm2_keeps_most_drafts_of_a_repeating_continuation():
 def test_a_server_counts_its_drafts_as_vllm_does(tiny_model, tmp_path):
     """`vllm:spec_decode_num_draft_tokens` and `..._accepted_tokens` (vLLM's names and labels) count a
     greedy request's drafts; a server without speculation has neither family."""
-    env = {
-        "SENDNN_INFERENCE_DYNAMO_BACKEND": "eager",
-        "SENDNN_INFERENCE_USE_CB": "1",
+    env = CB_ENV | {
         "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": "2,8",
         "SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS": "3",
     }
-    args = ("--max-model-len", "256", "--max-num-seqs", "2", "--max-num-batched-tokens", "64")
     body = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    with ServerProcess(tiny_model, env, tmp_path / "spec.log", extra_args=args).serving() as srv:
+    with ServerProcess(tiny_model, env, tmp_path / "spec.log", extra_args=CB_ARGS).serving() as srv:
         for prompt in PROMPTS:  # the tiny model repeats little: some of its 2-grams come back in 40 tokens
             out = HTTP.post(srv.base + "/v1/completions", json=body | {"prompt": prompt}, timeout=120).json()
             assert out["usage"]["completion_tokens"] == 40
@@ -239,7 +237,7 @@ def test_a_server_counts_its_drafts_as_vllm_does(tiny_model, tmp_path):
     kept = metric(text, "vllm:spec_decode_num_accepted_tokens_total", model_name="tiny")
     assert drafts > 0 and 0 <= kept <= drafts
     env["SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS"] = "0"
-    with ServerProcess(tiny_model, env, tmp_path / "off.log", extra_args=args).serving() as srv:
+    with ServerProcess(tiny_model, env, tmp_path / "off.log", extra_args=CB_ARGS).serving() as srv:
         text = HTTP.get(srv.base + "/metrics", timeout=10).text
     assert not any(name.startswith("vllm:spec_decode") for name in vllm_families(text))
 
