@@ -225,7 +225,7 @@ class EnvironmentSettings:
     step_budget_ms: int = CB_DEFAULT_STEP_BUDGET_MS
     step_cost_us: tuple[int, int, int] = CB_DEFAULT_STEP_COST_US
     wave_start: bool = True
-    ngram_spec_tokens: int = 0  # drafts a decoding greedy request's n-gram lookup proposes a step (0: off)
+    ngram_spec_tokens: int = 0  # drafts a decoding request's n-gram lookup proposes a step (0: off)
     max_batch_tkv_limit: int = 0  # rows x context of a decode step, at most (0: no limit)
     pausing_enabled: bool = True
     long_output_priority: bool = False

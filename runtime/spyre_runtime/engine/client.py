@@ -207,7 +207,7 @@ class EngineClient:
         m.vllm.prefix_cache_hits.inc(hits - self._prefix_counts[1])
         self._prefix_counts = (queries, hits)
         if m.vllm.spec_draft_tokens is not None:
-            drafts, kept = getattr(sched, "num_draft_tokens", 0), self.engine.num_accepted_tokens
+            drafts, kept = sched.num_draft_tokens, self.engine.num_accepted_tokens
             m.vllm.spec_draft_tokens.inc(drafts - self._draft_counts[0])
             m.vllm.spec_accepted_tokens.inc(kept - self._draft_counts[1])
             self._draft_counts = (drafts, kept)

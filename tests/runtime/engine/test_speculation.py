@@ -306,3 +306,16 @@ def test_the_gaps_between_tokens_are_between_steps():
 
     timings = RequestTimings(0.0, 0.1, 0.2, 1.0, (0.2, 0.25, 0.25, 0.25, 0.4, 0.4))
     assert [round(g, 6) for g in timings.itl_seconds] == [0.05, 0.15]
+
+
+def test_a_client_that_hangs_up_mid_speculation_frees_every_block():
+    """An abort (the server's, when a client disconnects) of a request whose step carried drafts frees its
+    grown block table at once, and so does the other's."""
+    sched = scheduler(3, max_num_seqs=2, decode_batch_buckets=(2, 8))
+    free_before = sched.blocks.num_free_blocks
+    reqs, step = decode_after_prefill(sched, [[5, 6, 7, 5, 6], [8, 9, 1, 2, 3]])
+    assert any(row.draft for row in step.decode)
+    aborted = sched.abort("r0")
+    assert aborted is reqs[0] and aborted.finish_reason == "abort"
+    sched.abort("r1")
+    assert sched.blocks.num_free_blocks == free_before and not sched.has_work()

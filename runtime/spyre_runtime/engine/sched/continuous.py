@@ -324,6 +324,7 @@ class ContinuousScheduler(WaveStart, Volumetric, Speculation, GenerateScheduler[
             if req.is_finished and req in self.running:
                 self._release(req)
                 done.append(req)
-            elif req in self.running:  # a rejected draft's blocks go back (speculation.py)
+        for req in {row.request for row in step.decode if row.draft}:  # rejected drafts' blocks go back
+            if req in self.running:
                 self.blocks.truncate(req.request_id, req.num_tokens)
         return done

@@ -1,5 +1,5 @@
-"""N-gram speculation (SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS=k, 0: off, the default): a decoding greedy
-request whose last tokens occurred earlier in its prompt or output proposes the (up to) k tokens that followed
+"""N-gram speculation (SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS=k, 0: off, the default): a decoding request
+whose last tokens occurred earlier in its prompt or output proposes the (up to) k tokens that followed
 them there (prompt lookup, vLLM's `ngram` method), and the step checks them all at once.
 
 The drafts ride as extra decode rows of the request, right after its own row: draft j at position p + j, with
@@ -9,11 +9,13 @@ be dummies cost little; the drafts only fill the rows the largest decode bucket 
 drafts need blocks that are free now (a draft never preempts), and a step of a full batch carries none.
 
 The engine keeps each draft row's sampled token while every draft before it equalled the token sampled one
-row earlier (`accepted`): the request gains 1 to k + 1 tokens a step, the same tokens as without speculation
-(greedy), up to the float rounding of GEMMs run at another row count. The KV slots of rejected drafts are
-written again by later tokens. Only greedy requests without logprobs, penalties, logit bias, a grammar or a
-pending min_tokens speculate (each of those needs the tokens before a row to be final); a model with Mamba
-layers (their state cannot step back) and Spyre's volumetric limit (rows x context) turn it off.
+row earlier (`accepted`): the request gains 1 to k + 1 tokens a step. A greedy request gets the same tokens as
+without speculation, up to the float rounding of GEMMs run at another row count; a sampled one draws each row
+with the draft the next row checks (sampling/sampler.py, speculative sampling), so its distribution is the
+same. A rejected draft's KV slots are written again by later tokens, its extra blocks go back after the step.
+Requests with logprobs, penalties, logit bias, a grammar, a seed or a pending min_tokens do not speculate
+(each needs the tokens before a row to be final, or its own draws); static batching, a model with Mamba layers
+(its state cannot step back) and Spyre's volumetric limit (rows x context) turn it off.
 """
 
 from __future__ import annotations
@@ -72,10 +74,10 @@ def speculable(req: Request) -> bool:
 
 class Speculation:
     """The continuous scheduler's drafts (its attributes: `spec_tokens`, `tkv_limit`, `batch_buckets`,
-    `max_model_len`, `blocks`; counters `num_draft_tokens`, `num_accepted_tokens`)."""
+    `max_model_len`, `blocks`; its counter `num_draft_tokens`; the engine counts the kept ones)."""
 
     def _speculate(self, rows: tuple[DecodeRow, ...]) -> tuple[DecodeRow, ...]:
-        """`rows` (one a running request) with each speculable request's drafts after its row, within the
+        """`rows` (one per running request) with each speculable request's drafts after its row, within the
         rows the largest decode bucket leaves free."""
         free = max(self.batch_buckets) - len(rows)
         if not self.spec_tokens or self.tkv_limit or free <= 0:

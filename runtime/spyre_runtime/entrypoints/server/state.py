@@ -39,7 +39,7 @@ class ServingState(ABC):
     def __init__(self, config: RuntimeConfig) -> None:
         self.config = config
         generate = not is_pooling_task(config.task)
-        speculation = config.use_cb and config.ngram_spec_tokens > 0 and not config.max_batch_tkv_limit
+        speculation = config.ngram_spec_tokens > 0 and not config.max_batch_tkv_limit  # load_config: CB
         self.metrics = Metrics(config.served_model_name, generate, speculation)
         self.tracer = tracer_from_env(config.served_model_name)  # None: off (before the port is bound)
         self.loop: asyncio.AbstractEventLoop | None = None
