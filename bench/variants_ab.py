@@ -9,9 +9,9 @@ report, not a timed test (bench/README.md run 46).
 A variant named `vllm...` is vLLM (`spec`: its `ngram` speculative method with that many tokens, prompt
 lookup 2 to 4); any other is ours with the bench's configuration (matrix_bench.ours_config: 32 sequences,
 max-model-len 1024, 2,048-token chunks; `pieces`, default 4; `wave`, default 1; `spec`, our
-SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS, default 0). Phases: `cN`, our seeded client at N streams (4 requests a
-stream; `c1`, 4 requests one at a time); `vN`, vLLM's client (`vllm bench serve`) at N streams, 6 prompts a
-stream.
+SENDNN_INFERENCE_CB_NGRAM_SPEC_TOKENS, default 0; `env`, variables added to the server's). Phases: `cN`,
+our seeded client at N streams (4 requests a stream; `c1`, 4 requests one at a time); `vN`, vLLM's client
+(`vllm bench serve`) at N streams, 6 prompts a stream.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def argv_env(name: str, variant: dict, port: int, dtype: str, python: Path, cach
         ngram_spec_tokens=variant.get("spec", 0),
     )
     env, flags = matrix_bench.ours_config(config)
-    env["TORCHINDUCTOR_CACHE_DIR"] = str(caches / f"ind-{name}")
+    env |= {"TORCHINDUCTOR_CACHE_DIR": str(caches / f"ind-{name}"), **variant.get("env", {})}
     return matrix_bench.ours_argv(port, dtype, flags), env
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from spyre_runtime.request import Request
 from spyre_runtime.sampling.params import SamplingParams
-from spyre_runtime.sampling.sampler import _top_p, apply_logit_processors, sample
+from spyre_runtime.sampling.sampler import CDF_BLOCK, _top_p, apply_logit_processors, inverse_cdf, sample
 
 
 def req(i=0, prompt=(1, 2, 3), output=(), **kw):
@@ -57,6 +57,24 @@ def test_draws_follow_the_softmax():
         counts[sample(logits, [row]).token_ids[0]] += 1
     expected = torch.softmax(logits[0], -1) * 4000
     assert torch.all((counts - expected).abs() < 5 * expected.sqrt() + 5), (counts, expected)
+
+
+@pytest.mark.parametrize("vocab", [49152, 1000, CDF_BLOCK, 7, 3 * CDF_BLOCK + 1])
+def test_the_two_level_inverse_cdf_picks_what_one_cumulative_sum_picks(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(64, vocab, generator=gen) * 4, dim=-1)
+    probs[16:32] *= torch.rand(16, vocab, generator=gen) < 0.02  # sparse rows, as after top_k / top_p
+    probs[16:32, 0] += 1e-3  # every row keeps some mass
+    probs[32, :-1] = 0.0  # the mass in the last token only
+    probs[33, 1:] = 0.0  # in the first only
+    uniform = torch.rand(64, generator=gen, dtype=torch.float64)
+    uniform[40:48] = 1 - 2**-53  # the largest uniform below 1
+    uniform[48:52] = 0.0
+    cdf = probs.double().cumsum(dim=-1)
+    expected = torch.searchsorted(cdf, uniform[:, None] * cdf[:, -1:], right=True).clamp(max=vocab - 1)[:, 0]
+    picked = inverse_cdf(probs, uniform)
+    assert picked.tolist() == expected.tolist()
+    assert bool((probs.gather(1, picked[:, None]) > 0).all())
 
 
 def test_top_k_top_p_min_p_restrict_each_row_to_its_own_support():
