@@ -151,7 +151,9 @@ def ours_argv(port: int, dtype: str, flags: tuple[str, ...]) -> list[str]:
     return vllm_bench.ours_argv(port, dtype, flags)
 
 
-def vllm_client(python: Path, base: str, log_dir: Path, concurrency: int = 8, prompts: int = 48) -> dict:
+def vllm_client(
+    python: Path, base: str, log_dir: Path, concurrency: int = 8, prompts: int = 48, seed: int = 0
+) -> dict:
     argv = [
         str(python),
         "-c",
@@ -176,7 +178,7 @@ def vllm_client(python: Path, base: str, log_dir: Path, concurrency: int = 8, pr
         str(concurrency),
         "--ignore-eos",
         "--seed",
-        "0",
+        str(seed),
         "--percentile-metrics",
         "ttft,tpot,itl",
         "--metric-percentiles",

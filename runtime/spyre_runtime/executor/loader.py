@@ -48,8 +48,8 @@ def cgroup_cpu_limit() -> int | None:
 # (a sampled step's copies of the logits, megabytes each) stay in the heap after they are freed, instead of
 # going back to the kernel and being faulted in, zeroed, again the next step (bench/README.md run 47: 4.8
 # million minor faults in one 32-stream run of vLLM's client, 12 thousand with these)
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-KEEP_FREED_MEMORY = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30), (M_TOP_PAD, 64 << 20))
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+KEEP_FREED_MEMORY = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30))
 
 
 def configure_allocator(environ=os.environ) -> bool:
