@@ -24,6 +24,13 @@ def test_greedy_is_argmax():
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 1.0, 0.0]])
     out = sample(logits, [req(0, temperature=0), req(1, temperature=0)])
     assert out.token_ids == [1, 0] and out.logprobs == [None, None]
+    # 16-bit logits are compared in float32: the same first maximum, ties included
+    wide = logits_of(8, vocab=49152).to(torch.bfloat16)
+    wide[3, [7, 40000]] = wide[3].max() + 1
+    rows = [req(i, temperature=0) for i in range(8)]
+    for dtype in (torch.bfloat16, torch.float16):
+        assert sample(wide.to(dtype), rows).token_ids == wide.to(dtype).argmax(-1).tolist()
+    assert sample(wide, rows).token_ids[3] == 7
 
 
 def test_tiny_temperatures_are_greedy_or_raised_as_vllm_does():

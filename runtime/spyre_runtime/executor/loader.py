@@ -1,12 +1,10 @@
-"""Loading, the general part: the process's thread pool and allocator, the decoder's dtype and dimensions,
-and what is done to its weights once before anything compiles: the linear weights packed for oneDNN and the
-rotary-frequency cache filled. Loading the weights themselves goes by the model's family
-(families/rooms.py)."""
+"""Loading, the general part: the process's thread pool, the decoder's dtype and dimensions, and what is done
+to its weights once before anything compiles: the linear weights packed for oneDNN and the rotary-frequency
+cache filled. Loading the weights themselves goes by the model's family (families/rooms.py)."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import json
 import logging
@@ -44,28 +42,8 @@ def cgroup_cpu_limit() -> int | None:
     return None
 
 
-# glibc's mallopt parameters (malloc.h) and what a serving process sets them to: a step's transient tensors
-# (a sampled step's copies of the logits, megabytes each) stay in the heap after they are freed, instead of
-# going back to the kernel and being faulted in, zeroed, again the next step (bench/README.md run 47: 4.8
-# million minor faults in one 32-stream run of vLLM's client, 12 thousand with these)
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-KEEP_FREED_MEMORY = ((M_MMAP_THRESHOLD, 32 << 20), (M_TRIM_THRESHOLD, 1 << 30))
-
-
-def configure_allocator(environ=os.environ) -> bool:
-    """Makes glibc's malloc keep freed memory for the next step (KEEP_FREED_MEMORY). Left to the user when
-    GLIBC_TUNABLES sets any glibc.malloc tunable; a C library without mallopt is left as it is.
-    -> whether it was set."""
-    if "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""):
-        return False
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    return mallopt is not None and all(mallopt(param, value) == 1 for param, value in KEEP_FREED_MEMORY)
-
-
 def configure_threads(config: RuntimeConfig) -> int:
-    """Sizes torch's thread pool from SENDNN_INFERENCE_NUM_CPUS, else the cgroup quota, else the CPU count;
-    tunes the allocator first (configure_allocator)."""
-    configure_allocator()
+    """Sizes torch's thread pool from SENDNN_INFERENCE_NUM_CPUS, else the cgroup quota, else the CPU count."""
     if not config.update_thread_config:
         return torch.get_num_threads()
     cpus = config.num_cpus or cgroup_cpu_limit() or len(os.sched_getaffinity(0))
