@@ -82,6 +82,10 @@ def test_the_two_level_inverse_cdf_picks_what_one_cumulative_sum_picks(vocab):
     picked = inverse_cdf(probs, uniform)
     assert picked.tolist() == expected.tolist()
     assert bool((probs.gather(1, picked[:, None]) > 0).all())
+    # a row without mass (the softmax of a row whose every token is masked) gets the last token, as one
+    # cumulative sum clamped to the vocabulary gave
+    probs[5] = float("nan")
+    assert inverse_cdf(probs, uniform)[5] == vocab - 1
 
 
 def test_top_k_top_p_min_p_restrict_each_row_to_its_own_support():

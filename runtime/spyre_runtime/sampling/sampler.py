@@ -173,7 +173,7 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     first token whose cumulative mass exceeds u × the row's mass. In two levels, so no float64 copy of the
     rows is made: each block of CDF_BLOCK tokens' mass (summed in float64), the block the target falls in,
     then that block's own cumulative sums. Rounding never picks a token without mass: the block and the
-    token are capped at the last ones with mass."""
+    token are capped at the last ones with mass. A row of NaN (every token masked) gets the last token."""
     rows, vocab = probs.shape
     nblocks = -(-vocab // CDF_BLOCK)
     if nblocks * CDF_BLOCK != vocab:
@@ -183,12 +183,13 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     total = ends[:, -1:].contiguous()
     target = uniform[:, None] * total
     block = torch.minimum(torch.searchsorted(ends, target, right=True), torch.searchsorted(ends, total))
+    block = block.clamp(max=nblocks - 1)  # a row without mass (NaN: every token masked) sorts past the end
     before = torch.where(block > 0, ends.gather(1, (block - 1).clamp(min=0)), 0.0)
     index = block[:, :, None].expand(rows, 1, CDF_BLOCK)
     within = blocks.gather(1, index)[:, 0].double().cumsum(dim=-1)  # [R, CDF_BLOCK]
     last = torch.searchsorted(within, within[:, -1:].contiguous())
     offset = torch.minimum(torch.searchsorted(within, target - before, right=True), last)
-    return (block * CDF_BLOCK + offset)[:, 0]
+    return (block * CDF_BLOCK + offset).clamp(max=vocab - 1)[:, 0]  # such a row: the last token, as before
 
 
 def _keep_drafts(probs: torch.Tensor, uniform: torch.Tensor, checked: list[tuple[int, int]]) -> dict:
