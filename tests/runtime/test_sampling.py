@@ -2,12 +2,20 @@
 independent of their batch, the top_p fallback, logprobs, and the parameter rules."""
 
 import math
+import threading
 
 import pytest
 import torch
 from spyre_runtime.request import Request
 from spyre_runtime.sampling.params import SamplingParams
-from spyre_runtime.sampling.sampler import CDF_BLOCK, _top_p, apply_logit_processors, inverse_cdf, sample
+from spyre_runtime.sampling.sampler import (
+    CDF_BLOCK,
+    _scratch_copy,
+    _top_p,
+    apply_logit_processors,
+    inverse_cdf,
+    sample,
+)
 
 
 def req(i=0, prompt=(1, 2, 3), output=(), **kw):
@@ -54,6 +62,34 @@ def test_a_seeded_row_draws_the_same_tokens_whatever_its_batch():
     mixed = draws([req(0, seed=7), req(1, seed=9, top_k=3), req(2), req(3, top_p=0.5)], 0)
     other = draws([req(0, seed=8)] + [req(i, temperature=0) for i in (1, 2, 3)], 0)
     assert alone == mixed and alone != other
+
+
+def test_steps_share_the_samplers_memory_and_nothing_of_one_step_reaches_the_next():
+    """The float32 rows live in memory kept between steps (no fresh 6 MB per step for glibc to hand back and
+    fault in again): the same buffer while the rows fit, a larger one when they do not. A seeded row draws
+    the same tokens after larger, smaller and 16-bit steps as in a fresh thread, and the caller's logits are
+    left as they were."""
+    first = _scratch_copy(logits_of(8))
+    assert _scratch_copy(logits_of(3, seed=1)).data_ptr() == first.data_ptr()  # fits: the same memory
+    grown = _scratch_copy(logits_of(16, seed=2))
+    assert grown.shape == (16, 1000) and torch.equal(grown, logits_of(16, seed=2))
+    assert _scratch_copy(logits_of(8, seed=3)).data_ptr() == grown.data_ptr()
+    assert _scratch_copy(logits_of(2, vocab=7)).shape == (2, 7)  # another vocabulary: its own memory
+
+    logits = logits_of(4, seed=5)
+    before = logits.clone()
+
+    def draws() -> list[list[int]]:  # new requests each time: their generators start from their seeds
+        rows = [req(0, seed=7), req(1, temperature=0), req(2, seed=3, top_p=0.8), req(3, seed=4, min_p=0.1)]
+        return [sample(logits, rows).token_ids for _ in range(5)]
+
+    fresh: list = []
+    worker = threading.Thread(target=lambda: fresh.extend(draws()))  # a thread with nothing kept yet
+    worker.start()
+    worker.join()
+    sample(logits_of(32, seed=6), [req(i, temperature=1.5) for i in range(32)])  # a larger step first
+    sample(logits_of(2, seed=8).to(torch.bfloat16), [req(i) for i in range(2)])  # a smaller, 16-bit one
+    assert draws() == fresh and torch.equal(logits, before)
 
 
 def test_draws_follow_the_softmax():
