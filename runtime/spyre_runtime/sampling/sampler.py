@@ -77,7 +77,7 @@ def _scratch_copy(logits: torch.Tensor) -> torch.Tensor:
     rows, vocab = logits.shape
     kept = getattr(_SCRATCH, "rows", None)
     if kept is None or kept.shape[1] != vocab or kept.shape[0] < rows:
-        kept = _SCRATCH.rows = torch.empty(max(rows, 0 if kept is None else kept.shape[0]), vocab)
+        kept = _SCRATCH.rows = torch.empty(rows, vocab)
     return kept[:rows].copy_(logits)
 
 
