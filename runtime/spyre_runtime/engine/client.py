@@ -19,6 +19,7 @@ from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.engine.builder import KV_BLOCK_SIZE, build_engine
 from spyre_runtime.engine.kv_events import publisher_for
 from spyre_runtime.engine.llm_engine import EngineThread, LLMEngine, RequestOutput
+from spyre_runtime.request import Request
 from spyre_runtime.sampling.params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,22 @@ class EngineDied:
         self.message = f"the engine failed ({type(error).__name__}: {error}); the server is restarting"
 
 
+def describe_in_flight(
+    submitted: dict[str, float], requests: dict[str, Request], now: float, limit: int = 8
+) -> str:
+    """The oldest `limit` in-flight requests as "id (age, where)": waiting or running with its tokens so
+    far, finished (its final output is on its way to the HTTP request), or not in the engine (the engine
+    thread has not taken it yet: it is in a step, or it lost the request)."""
+    parts = []
+    for eid, since in sorted(submitted.items(), key=lambda item: item[1])[:limit]:
+        req = requests.get(eid)
+        where = "not in the engine" if req is None else f"{req.status.value}, {req.num_output_tokens} tokens"
+        parts.append(f"{eid} ({now - since:.1f} s, {where})")
+    if len(submitted) > limit:
+        parts.append(f"{len(submitted) - limit} more")
+    return "; ".join(parts)
+
+
 class EngineClient:
     def __init__(self, config: RuntimeConfig, metrics) -> None:
         self.config = config
@@ -40,6 +57,7 @@ class EngineClient:
         self.worker: EngineThread | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self.streams: dict[str, asyncio.Queue] = {}  # engine request id -> its HTTP request's queue
+        self._submitted: dict[str, float] = {}  # engine request id -> when it was submitted (monotonic)
         self.error: BaseException | None = None  # why the engine loop died
         self.on_fatal: Callable[[], None] = lambda: None  # ends the process (set by the server)
         self.startup_timings: dict[str, float] = {}
@@ -134,10 +152,17 @@ class EngineClient:
     ) -> None:
         """Engine request `eid`; its outputs go to `queue`."""
         self.streams[eid] = queue
+        self._submitted[eid] = time.monotonic()
         self.worker.submit(prompt, params, eid, images)
 
     def forget(self, eid: str) -> None:
         self.streams.pop(eid, None)
+        self._submitted.pop(eid, None)
+
+    def in_flight_report(self) -> str:
+        """Where each in-flight request is, for a drain's log (the engine's table is read, not changed)."""
+        requests = self.engine.requests if self.engine is not None else {}
+        return describe_in_flight(dict(self._submitted), requests, time.monotonic())
 
     def abort(self, eid: str) -> None:
         self.worker.abort(eid)

@@ -2,6 +2,7 @@
 
 import pytest
 from spyre_runtime.config import load_config
+from spyre_runtime.engine.client import describe_in_flight
 from spyre_runtime.engine.llm_engine import LLMEngine
 from spyre_runtime.sampling.params import SamplingParams
 
@@ -54,3 +55,23 @@ def test_prompt_logprobs_match_the_served_logprob_of_the_same_token(engine):
     assert served.output_token_ids == [43]
     assert scored.prompt_logprobs[-1].logprob == pytest.approx(served.logprobs[0].logprob, abs=1e-4)
     assert len(scored.prompt_logprobs[1].top) == 2
+
+
+def test_a_drain_names_where_each_in_flight_request_is(engine):
+    """The log line of a drain (engine/client.describe_in_flight): each request's age, and whether it waits,
+    runs (with its tokens so far), has finished (its batch still runs), or is not in the engine at all; the
+    oldest first."""
+    long = engine.add_request([1, 2], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    short = engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    for _ in range(3):  # the prefill's token and two more: the short one is done, its batch runs on
+        engine.step()
+    waiting = engine.add_request([8, 9], SamplingParams(max_tokens=4))  # static batching: waits
+    submitted = {"lost": 90.0, long.request_id: 50.0, short.request_id: 60.0, waiting.request_id: 99.5}
+    report = describe_in_flight(submitted, engine.requests, now=100.0)
+    assert report == (
+        f"{long.request_id} (50.0 s, running, 3 tokens); {short.request_id} (40.0 s, finished, 3 tokens); "
+        f"lost (10.0 s, not in the engine); {waiting.request_id} (0.5 s, waiting, 0 tokens)"
+    )
+    assert describe_in_flight(submitted, engine.requests, 100.0, limit=1) == f"{report.split(';')[0]}; 3 more"
+    run_to_end(engine)
+    assert describe_in_flight({}, engine.requests, 100.0) == "" and engine.requests == {}

@@ -1,6 +1,7 @@
 """The OpenAI-compatible server, driven with the official `openai` client and raw HTTP for bad input."""
 
 import json
+import re
 import signal
 import threading
 import time
@@ -308,5 +309,8 @@ def test_sigterm_drains_in_flight_then_exits_0(tiny_model, tmp_path):
         t.join(timeout=60)
         assert got["res"].usage.completion_tokens == 256
         assert srv.proc.wait(timeout=30) == 0
+        # the log names the request the drain waited for, and where it was (engine/client.describe_in_flight)
+        drained = r"SIGTERM: draining 1 in-flight requests: cmpl-\w+-0 \([\d.]+ s, running, \d+ tokens\)"
+        assert re.search(drained, (tmp_path / "s.log").read_text())
     finally:
         srv.stop()

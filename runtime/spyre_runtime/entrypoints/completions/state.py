@@ -54,6 +54,9 @@ class GenerateState(ServingState):
     def num_in_flight(self) -> int:
         return len(self.client.streams)
 
+    def in_flight_report(self) -> str:
+        return self.client.in_flight_report()
+
     def warming(self) -> dict | None:
         return self.client.warming()
 

@@ -35,7 +35,7 @@ class DrainingServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         if sig != signal.SIGTERM or not self.state.config.override_signals_handler or self.state.is_draining:
             return super().handle_exit(sig, frame)
-        log.info("SIGTERM: draining %d in-flight requests", self.state.num_in_flight())
+        log.info("SIGTERM: draining %d in-flight requests%s", self.state.num_in_flight(), self._where())
         self.state.is_draining = True
         loop = self.state.loop
         if loop is not None:
@@ -48,8 +48,13 @@ class DrainingServer(uvicorn.Server):
         while self.state.num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_SECONDS)
         if self.state.num_in_flight():
-            log.warning("grace period over with %d requests in flight", self.state.num_in_flight())
+            n = self.state.num_in_flight()
+            log.warning("grace period over with %d requests in flight%s", n, self._where())
         self.should_exit = True
+
+    def _where(self) -> str:
+        report = self.state.in_flight_report()
+        return f": {report}" if report else ""
 
 
 def serve_http(app: FastAPI, state: ServingState, tls: dict | None = None) -> None:

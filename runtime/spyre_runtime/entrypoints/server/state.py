@@ -63,6 +63,10 @@ class ServingState(ABC):
     def num_in_flight(self) -> int:
         """Requests admitted and not yet answered: a drain waits for them."""
 
+    def in_flight_report(self) -> str:
+        """Where the in-flight requests are, for the log of a drain ("" when the engine does not say)."""
+        return ""
+
     @abstractmethod
     def warming(self) -> dict | None:
         """Graphs (or shapes) compiled and warmed so far, once the model is loading; else None."""
