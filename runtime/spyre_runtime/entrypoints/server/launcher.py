@@ -47,9 +47,8 @@ class DrainingServer(uvicorn.Server):
         deadline = time.monotonic() + self.state.config.shutdown_grace_seconds
         while self.state.num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(DRAIN_POLL_SECONDS)
-        if self.state.num_in_flight():
-            n = self.state.num_in_flight()
-            log.warning("grace period over with %d requests in flight%s", n, self._where())
+        if left := self.state.num_in_flight():
+            log.warning("grace period over with %d requests in flight%s", left, self._where())
         self.should_exit = True
 
     def _where(self) -> str:
