@@ -197,7 +197,9 @@ def test_warm_start_compiles_nothing_and_gives_identical_outputs(tiny_model, tmp
             json.dumps({"prompt": p, "max_tokens": 8, "ignore_eos": True}) for p in ["Hello there", "1 2 3"]
         )
     )
-    env = runtime_env(cache, 8)
+    tmp = tmp_path / "tmp"  # the processes' temporary folder: their private inductor caches go there
+    tmp.mkdir()
+    env = runtime_env(cache, 8, TMPDIR=str(tmp))
     cold = spyre("generate", str(tiny_model), "--prompts", str(prompts), env=env)
     assert cold.returncode == 0, cold.stderr[-3000:]
     assert "Graph cache miss" in cold.stderr and "Published graph cache entry" in cold.stderr
@@ -211,6 +213,10 @@ def test_warm_start_compiles_nothing_and_gives_identical_outputs(tiny_model, tmp
     assert warm.returncode == 0, warm.stderr[-3000:]
     assert "Graph cache hit" in warm.stderr and "; 0 graphs compiled" in warm.stderr
     assert warm.stdout == cold.stdout and len(warm.stdout.splitlines()) == 2
+    # each process made a private inductor cache (filled from the entry when warm) and removed it at exit
+    # (inductor's own default cache, where the vector-ISA probes stay, shows the folder was theirs)
+    assert list(tmp.glob("torchinductor_*"))
+    assert not list(tmp.glob("spyre-inductor-*")), sorted(p.name for p in tmp.iterdir())
     (key,) = json.loads((cache / "catalog.json").read_text())["entries"]
     assert key.startswith("inductor-")
     # strict mode with another configuration (other shapes -> other key): fails fast, naming the key
