@@ -234,7 +234,9 @@ def test_warm_start_compiles_nothing_and_gives_identical_outputs(tiny_model, tmp
 
 def test_killed_compiler_leaves_nothing_and_concurrent_compilers_compile_once(tiny_model, tmp_path):
     cache = tmp_path / "cache"
-    env = runtime_env(cache, 12)
+    tmp = tmp_path / "tmp"  # the processes' temporary folder, as in the warm-start test
+    tmp.mkdir()
+    env = runtime_env(cache, 12, TMPDIR=str(tmp))
     log_path = tmp_path / "killed.log"
     with log_path.open("wb") as log:
         victim = subprocess.Popen(
@@ -281,3 +283,5 @@ def test_killed_compiler_leaves_nothing_and_concurrent_compilers_compile_once(ti
     assert [s["cache"] for s in summaries] == ["hit", "miss"]
     assert summaries[0]["graphs_compiled"] == 0 and summaries[1]["graphs_compiled"] >= 2
     assert summaries[0]["key"] == summaries[1]["key"]
+    # the two that exited removed their private inductor caches; only the killed one's is left
+    assert len(list(tmp.glob("spyre-inductor-*"))) == 1
