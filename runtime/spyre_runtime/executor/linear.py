@@ -14,10 +14,12 @@ that is opaque to the compiler: the compiled graph (cached or not) holds plain w
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
 not bit for bit.
 
-A step of one live row (one stream decoding) runs the extension's one-row linear on the plain float32
-weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`): at one row the layer is a
-matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s where oneDNN's packed GEMM
-reads 10-22 (bench/README.md run 28). Within `paged_attention.disabled()` oneDNN runs it (the oracle).
+A span of at most ROW_LINEAR_ROWS live rows (one to four streams decoding) runs the extension's row linear on
+the plain float32 weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`): at one row the layer
+is a matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s where oneDNN's packed
+GEMM reads 10-22 (bench/README.md run 28); at 2, 3 and 4 rows it took 0.74-0.77, 0.87-0.91 and 0.92-0.96 of
+oneDNN's time, and from 5 rows about as long (run 50). Within `paged_attention.disabled()` oneDNN runs every
+row (the oracle).
 
 The op's decisions (which weight, which rows, which GEMM) are made in Python until the extension is
 loaded, then in its C++ kernel (kernels/packed_linear.cpp), which linear.py gives the packed weights and the
@@ -53,6 +55,7 @@ _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the 
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 Spans = tuple[tuple[int, int], tuple[int, int]]
+ROW_LINEAR_ROWS = 4  # a span of at most this many live rows is the row linear's (kRowLinearRows in C++)
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
 
@@ -143,11 +146,16 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     m = x.numel() // x.shape[-1]
     spans = _live_spans(m)
     live = sum(end - start for start, end in spans)
-    row = paged_attention.row_kernel() if live == 1 and weight.dtype == torch.float32 else None
-    if live == m and row is None:
+    few = weight.dtype == torch.float32 and any(0 < end - start <= ROW_LINEAR_ROWS for start, end in spans)
+    row = paged_attention.row_kernel() if few else None  # looked up (the extension loaded) only when used
+
+    def by_rows(n: int) -> bool:
+        return row is not None and n <= ROW_LINEAR_ROWS
+
+    if live == m and not by_rows(m):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = x.reshape(m, x.shape[-1])
-    if live == m:  # one row, all of it live
+    if live == m:  # a few rows, all of them live
         return row(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
     # only the dead rows are zeroed: a mixed step's output is hundreds of rows, zeroing all of it at each
     # of a step's ~200 GEMMs cost more than the dead rows it spares
@@ -159,7 +167,7 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             rows = flat[start:end]
             out[start:end] = (
                 row(rows, weight, bias)
-                if row is not None
+                if by_rows(end - start)
                 else torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
             )
         done = max(done, end)

@@ -1,6 +1,7 @@
-"""The one-row float32 linear of the runtime's C++ extension (kernels/linear_row.cpp): equal to F.linear on a
-table of shapes (rows not a multiple of its four, columns not of the vector width, with and without bias),
-run by the packed linear layers for a step of one live row and by nothing else, and clear about bad input."""
+"""The few-row float32 linear of the runtime's C++ extension (kernels/linear_row.cpp): equal to F.linear on a
+table of shapes (rows of x and of the weight not multiples of its tiles, columns not of the vector width, with
+and without bias), run by the packed linear layers for spans of at most linear.ROW_LINEAR_ROWS live rows and
+by nothing else, and clear about bad input."""
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ def linear_row():
 
 
 def ran_linear_row(fn) -> tuple[torch.Tensor, bool]:
-    """fn()'s result, and whether the one-row linear ran in it."""
+    """fn()'s result, and whether the few-row linear ran in it."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         out = fn()
     return out, any(e.name == "spyre_kernels::linear_row" for e in prof.events())
@@ -24,9 +25,10 @@ def ran_linear_row(fn) -> tuple[torch.Tensor, bool]:
 @pytest.mark.parametrize("n_out", [1, 3, 4, 7, 960])
 @pytest.mark.parametrize("k_len", [1, 5, 8, 33, 576])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias):
+@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows):
     gen = torch.Generator().manual_seed(n_out * 1000 + k_len)
-    x, weight = torch.randn(1, k_len, generator=gen), torch.randn(n_out, k_len, generator=gen)
+    x, weight = torch.randn(rows, k_len, generator=gen), torch.randn(n_out, k_len, generator=gen)
     bias = torch.randn(n_out, generator=gen) if with_bias else None
     # against float64, within float32's rounding of a sum of k_len products (each sum's order is the kernel's)
     exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
@@ -39,8 +41,8 @@ def test_bad_input_is_named(linear_row):
     weight = torch.randn(8, 16)
     with pytest.raises(RuntimeError, match="float32 only"):
         linear_row(torch.randn(1, 16, dtype=torch.bfloat16), weight, None)
-    with pytest.raises(RuntimeError, match="one row of 16"):
-        linear_row(torch.randn(2, 16), weight, None)
+    with pytest.raises(RuntimeError, match="rows of 16 values"):
+        linear_row(torch.randn(2, 15), weight, None)
     with pytest.raises(RuntimeError, match=r"bias must be a contiguous float32 \[8\]"):
         linear_row(torch.randn(1, 16), weight, torch.randn(7))
     with pytest.raises(RuntimeError, match="2-d"):
@@ -56,16 +58,17 @@ def packed_layer():
     return layer
 
 
-def test_a_step_of_one_live_row_runs_the_one_row_linear_and_zeroes_the_dummies(linear_row, packed_layer):
+@pytest.mark.parametrize("live", range(1, linear.ROW_LINEAR_ROWS + 1))
+def test_a_step_of_a_few_live_rows_runs_the_row_linear_and_zeroes_the_dummies(linear_row, packed_layer, live):
     x = torch.randn(8, 48)
-    expected = torch.nn.functional.linear(x[:1], packed_layer[0].weight, packed_layer[0].bias)
-    with torch.no_grad(), linear.live_rows(1):
+    expected = torch.nn.functional.linear(x[:live], packed_layer[0].weight, packed_layer[0].bias)
+    with torch.no_grad(), linear.live_rows(live):
         out, ran = ran_linear_row(lambda: packed_layer(x))
     assert ran and out.shape == (8, 40)
-    torch.testing.assert_close(out[:1], expected)
-    assert not out[1:].any()
-    with torch.no_grad():  # a graph of one row, every row live
-        out, ran = ran_linear_row(lambda: packed_layer(x[:1]))
+    torch.testing.assert_close(out[:live], expected)
+    assert not out[live:].any()
+    with torch.no_grad():  # a graph of that many rows, every row live
+        out, ran = ran_linear_row(lambda: packed_layer(x[:live]))
     assert ran
     torch.testing.assert_close(out, expected)
 
@@ -73,11 +76,12 @@ def test_a_step_of_one_live_row_runs_the_one_row_linear_and_zeroes_the_dummies(l
 def test_more_rows_or_the_oracle_path_run_onednn(linear_row, packed_layer):
     x = torch.randn(8, 48)
     with torch.no_grad():
-        with linear.live_rows(2):
-            _, ran_two = ran_linear_row(lambda: packed_layer(x))
+        with linear.live_rows(linear.ROW_LINEAR_ROWS + 1):
+            _, ran_more = ran_linear_row(lambda: packed_layer(x))
+        _, ran_all = ran_linear_row(lambda: packed_layer(x))  # 8 rows, all live
         with paged_attention.disabled(), linear.live_rows(1):
             out, ran_oracle = ran_linear_row(lambda: packed_layer(x))
-    assert not ran_two and not ran_oracle
+    assert not ran_more and not ran_all and not ran_oracle
     torch.testing.assert_close(
         out[:1], torch.nn.functional.linear(x[:1], packed_layer[0].weight, packed_layer[0].bias)
     )
@@ -92,11 +96,12 @@ def test_more_rows_or_the_oracle_path_run_onednn(linear_row, packed_layer):
         ((0, 8), (8, 8)),
         ((1, 2), (2, 6)),
         ((0, 1), (7, 8)),
+        ((0, 5), (6, 8)),
     ],
 )
 def test_live_spans_multiply_their_rows_only_in_both_kernels(linear_row, packed_layer, spans):
     """A mixed step's live rows in two spans, for inputs of one row count (linear.live_rows' `spans`): the
-    C++ kernel and the Python one multiply those rows only (the one-row linear when they are one row) and
+    C++ kernel and the Python one multiply those rows only (the row linear for a span of a few rows) and
     zero the rest; an input of another row count keeps the prefix hint."""
     x = torch.randn(8, 48)
     weight, bias = packed_layer[0].weight, packed_layer[0].bias
@@ -106,7 +111,7 @@ def test_live_spans_multiply_their_rows_only_in_both_kernels(linear_row, packed_
         native, ran = ran_linear_row(lambda: packed_layer(x))
         python = linear.python_packed_linear(x, weight, bias)
         other = packed_layer(x[:5])
-    assert ran == (len(live) == 1)
+    assert ran == any(0 < end - start <= linear.ROW_LINEAR_ROWS for start, end in spans)
     for out in (native, python):
         torch.testing.assert_close(out[live], torch.nn.functional.linear(x[live], weight, bias))
         assert not out[dead].any()

@@ -1,12 +1,16 @@
-// One row times a float32 weight (spyre_kernels::linear_row): a decode step of one live sequence.
+// A few rows times a float32 weight (spyre_kernels::linear_row): a decode step of one to four live sequences.
 //
-// out [1, N] = x [1, K] @ weight [N, K]^T (+ bias [N]). At one row a linear layer is a matrix-vector product
+// out [m, N] = x [m, K] @ weight [N, K]^T (+ bias [N]). At one row a linear layer is a matrix-vector product
 // and waits on memory: every weight is read once per step and each of its floats is used once. oneDNN's GEMM
 // on the weight packed for it (linear.py) runs one row at 10-22 GB/s on SmolLM2's shapes (2 threads, AVX2
 // EPYC with a 25.7 GB/s read probe), this loop at 20-26.5 (bench/README.md run 28). The rows of the weight are
-// split over the threads in tasks of at least 64 KiB; four rows at a time share each load of x, with one
-// vector accumulator each; every sum is float32. Built into the same extension as paged_attention.cpp (the
-// two sources one after the other, paged_attention.py), on ATen's portable vector layer.
+// split over the threads in tasks of at least 64 KiB, and each task prefetches its next four rows while it
+// multiplies four; four weight rows at a time share each load of x, and each load of the weight serves up to
+// four rows of x (two where a vector register holds fewer than 16 floats), with one vector accumulator per
+// pair; every sum is float32. At a few rows the loop still reads the weight once; from about five rows
+// oneDNN's blocked GEMM is as fast (bench/README.md run 50), so packed_linear.cpp gives it spans of at most
+// kRowLinearRows. Built into the same extension as paged_attention.cpp (the sources one after the
+// other, paged_attention.py), on ATen's portable vector layer.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,71 +26,111 @@ namespace {
 
 using RowVec = at::vec::Vectorized<float>;
 
+// the most live rows of a span that the row linear multiplies (packed_linear.cpp; linear.ROW_LINEAR_ROWS):
+// SmolLM2's 211 float32 weights at 2 threads, ours against oneDNN's packed GEMM in one process, medians of
+// 12 (bench/README.md run 50): 2 rows 0.74-0.77x, 3 rows 0.87-0.91x, 4 rows 0.92-0.96x, 5 to 16 rows 0.95-1.08x
+constexpr int64_t kRowLinearRows = 4;
+
 float row_sum(RowVec acc) {
   return at::vec::vec_reduce_all<float>([](RowVec a, RowVec b) { return a + b; }, acc);
 }
 
-// out[j] = x . weight[j] (+ bias[j]) for the weight rows [begin, end)
-void rows_times(const float* x, const float* weight, const float* bias, float* out, int64_t k_len,
-                int64_t begin, int64_t end) {
+// the weight rows at a time of a tile, and the x rows (at most) that share each load of them: a tile's
+// accumulators, W * R vectors, stay in registers (AVX-512 has 32, the others 16 or so of their width)
+constexpr int kTileW = 4;
+constexpr int kTileR = RowVec::size() >= 16 ? 4 : 2;
+
+// out[r * n_out + i] = x[r] . w[i] (+ bias[i]) for R rows of x and W rows of the weight, both k_len long; each
+// load of a weight vector serves the R rows, each load of an x vector the W weight rows
+template <int R, int W>
+inline void tile(const float* x, const float* w, const float* bias, float* out, int64_t k_len, int64_t n_out) {
   constexpr int64_t width = RowVec::size();
-  int64_t j = begin;
-  for (; j + 4 <= end; j += 4) {
-    const float* w0 = weight + j * k_len;
-    const float* w1 = w0 + k_len;
-    const float* w2 = w1 + k_len;
-    const float* w3 = w2 + k_len;
-    RowVec a0(0.f), a1(0.f), a2(0.f), a3(0.f);
-    int64_t k = 0;
-    for (; k + width <= k_len; k += width) {
-      const RowVec xv = RowVec::loadu(x + k);
-      a0 = at::vec::fmadd(RowVec::loadu(w0 + k), xv, a0);
-      a1 = at::vec::fmadd(RowVec::loadu(w1 + k), xv, a1);
-      a2 = at::vec::fmadd(RowVec::loadu(w2 + k), xv, a2);
-      a3 = at::vec::fmadd(RowVec::loadu(w3 + k), xv, a3);
+  RowVec acc[W][R];
+  for (int i = 0; i < W; ++i) {
+    for (int r = 0; r < R; ++r) {
+      acc[i][r] = RowVec(0.f);
     }
-    float s0 = row_sum(a0), s1 = row_sum(a1), s2 = row_sum(a2), s3 = row_sum(a3);
-    for (; k < k_len; ++k) {
-      s0 += w0[k] * x[k];
-      s1 += w1[k] * x[k];
-      s2 += w2[k] * x[k];
-      s3 += w3[k] * x[k];
-    }
-    out[j] = s0 + (bias ? bias[j] : 0.f);
-    out[j + 1] = s1 + (bias ? bias[j + 1] : 0.f);
-    out[j + 2] = s2 + (bias ? bias[j + 2] : 0.f);
-    out[j + 3] = s3 + (bias ? bias[j + 3] : 0.f);
   }
-  for (; j < end; ++j) {
-    const float* w = weight + j * k_len;
-    RowVec acc(0.f);
-    int64_t k = 0;
-    for (; k + width <= k_len; k += width) {
-      acc = at::vec::fmadd(RowVec::loadu(w + k), RowVec::loadu(x + k), acc);
+  int64_t k = 0;
+  for (; k + width <= k_len; k += width) {
+    RowVec wv[W];
+    for (int i = 0; i < W; ++i) {
+      wv[i] = RowVec::loadu(w + i * k_len + k);
+      __builtin_prefetch(w + (i + W) * k_len + k);  // the next tile's rows, a line a row a step ahead
     }
-    float s = row_sum(acc);
-    for (; k < k_len; ++k) {
-      s += w[k] * x[k];
+    for (int r = 0; r < R; ++r) {
+      const RowVec xv = RowVec::loadu(x + r * k_len + k);
+      for (int i = 0; i < W; ++i) {
+        acc[i][r] = at::vec::fmadd(wv[i], xv, acc[i][r]);
+      }
     }
-    out[j] = s + (bias ? bias[j] : 0.f);
+  }
+  for (int i = 0; i < W; ++i) {
+    for (int r = 0; r < R; ++r) {
+      float s = row_sum(acc[i][r]);
+      for (int64_t t = k; t < k_len; ++t) {
+        s += w[i * k_len + t] * x[r * k_len + t];
+      }
+      out[r * n_out + i] = s + (bias ? bias[i] : 0.f);
+    }
   }
 }
 
-// out[0:N] = x @ weight^T (+ bias) for a checked one-row float32 x, over the threads
-void row_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, float* out);
+template <int W>
+inline void tile_rows(int r, const float* x, const float* w, const float* bias, float* out, int64_t k_len,
+                      int64_t n_out) {
+  switch (r) {
+    case 1:
+      tile<1, W>(x, w, bias, out, k_len, n_out);
+      break;
+    case 2:
+      tile<2, W>(x, w, bias, out, k_len, n_out);
+      break;
+    case 3:
+      tile<3 <= kTileR ? 3 : 1, W>(x, w, bias, out, k_len, n_out);
+      break;
+    default:
+      tile<kTileR, W>(x, w, bias, out, k_len, n_out);
+  }
+}
+
+// out[r][j] = x[r] . weight[j] (+ bias[j]) for the m rows of x and the weight rows [begin, end): tile by tile
+// of kTileW weight rows, and within a tile the x rows kTileR at a time (the tile's weight is in L1 again)
+void rows_times(const float* x, int64_t m, const float* weight, const float* bias, float* out, int64_t k_len,
+                int64_t n_out, int64_t begin, int64_t end) {
+  int64_t j = begin;
+  for (; j + kTileW <= end; j += kTileW) {
+    for (int64_t r = 0; r < m; r += kTileR) {
+      tile_rows<kTileW>(static_cast<int>(std::min<int64_t>(kTileR, m - r)), x + r * k_len, weight + j * k_len,
+                        bias ? bias + j : nullptr, out + r * n_out + j, k_len, n_out);
+    }
+  }
+  for (; j < end; ++j) {
+    for (int64_t r = 0; r < m; r += kTileR) {
+      tile_rows<1>(static_cast<int>(std::min<int64_t>(kTileR, m - r)), x + r * k_len, weight + j * k_len,
+                   bias ? bias + j : nullptr, out + r * n_out + j, k_len, n_out);
+    }
+  }
+}
+
+// out[m, N] = x @ weight^T (+ bias) for a checked float32 x of m rows, over the threads
+void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, float* out);
 
 at::Tensor linear_row(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
-  at::Tensor out = at::empty({1, weight.dim() == 2 ? weight.size(0) : 0}, x.options().dtype(at::kFloat));
-  row_into(x, weight, bias, out.data_ptr<float>());
+  const int64_t k_len = weight.dim() == 2 ? weight.size(1) : 0;
+  at::Tensor out = at::empty({k_len && x.dim() >= 1 ? x.numel() / k_len : 0, weight.dim() == 2 ? weight.size(0) : 0},
+                             x.options().dtype(at::kFloat));
+  rows_into(x, weight, bias, out.data_ptr<float>());
   return out;
 }
 
-void row_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, float* out) {
+void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, float* out) {
   TORCH_CHECK(weight.dim() == 2, "linear_row: weight must be 2-d [out, in], got ", weight.dim(), "-d");
   const int64_t n_out = weight.size(0), k_len = weight.size(1);
   TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
               "linear_row: float32 only, got x ", x.scalar_type(), " and weight ", weight.scalar_type());
-  TORCH_CHECK(x.numel() == k_len, "linear_row: x must be one row of ", k_len, " values, got ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k_len && k_len > 0, "linear_row: x must be rows of ", k_len,
+              " values, got ", x.sizes());
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "linear_row: x and weight must be contiguous");
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
@@ -94,11 +138,12 @@ void row_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional
                 "linear_row: bias must be a contiguous float32 [", n_out, "], got ", bias->sizes());
     bias_ptr = bias->data_ptr<float>();
   }
+  const int64_t m = x.numel() / k_len;
   const float* x_ptr = x.data_ptr<float>();
   const float* w_ptr = weight.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(4, (16384 / std::max<int64_t>(k_len, 1) + 3) / 4 * 4);
+  const int64_t grain = std::max<int64_t>(kTileW, (16384 / k_len + kTileW - 1) / kTileW * kTileW);
   at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-    rows_times(x_ptr, w_ptr, bias_ptr, out, k_len, begin, end);
+    rows_times(x_ptr, m, w_ptr, bias_ptr, out, k_len, n_out, begin, end);
   });
 }
 

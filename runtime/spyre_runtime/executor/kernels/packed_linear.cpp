@@ -3,13 +3,13 @@
 // linear.py defines the op that the compiled graphs call for every linear layer, with its Python kernel as
 // the fallback (registered for CompositeExplicitAutograd, which serves CPU only while no CPU kernel is
 // registered): it finds the layer's weight packed for oneDNN, and with a step's live-row hint multiplies only
-// the live rows, by the one-row linear (linear_row.cpp) at one row. The hint is a prefix of every input's
-// rows, or, for an input of a given row count, up to two spans (a mixed step: its used piece places and live
-// decode rows, with dead places between them; linear.live_rows). That Python kernel cost 10-30 us a call
-// around the GEMM (a decode step calls it 121 times for SmolLM2; in the 8-row graph that one stream decodes in,
-// 3.7 ms a step: bench/README.md run 29). This is the same decision in C++; linear.py keeps its state here
-// in step (the packed weights by their weight's address, the live rows, whether the one-row linear may run:
-// not within paged_attention.disabled(), the tests' oracle). Built into the same extension as
+// the live rows, by the row linear (linear_row.cpp) in a span of at most kRowLinearRows. The hint is a prefix
+// of every input's rows, or, for an input of a given row count, up to two spans (a mixed step: its used piece
+// places and live decode rows, with dead places between them; linear.live_rows). That Python kernel cost
+// 10-30 us a call around the GEMM (a decode step calls it 121 times for SmolLM2; in the 8-row graph that one
+// stream decodes in, 3.7 ms a step: bench/README.md run 29). This is the same decision in C++; linear.py
+// keeps its state here in step (the packed weights by their weight's address, the live rows, whether the row
+// linear may run: not within paged_attention.disabled(), the tests' oracle). Built into the same extension as
 // paged_attention.cpp and linear_row.cpp (one translation unit, paged_attention.py).
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -33,7 +33,7 @@ namespace {
 std::shared_mutex packed_mutex;
 std::unordered_map<int64_t, at::Tensor> packed_weights;  // a weight's address -> that weight packed for oneDNN
 std::atomic<int64_t> live_rows{-1};  // the step's live rows (linear.live_rows); -1: every row is live
-std::atomic<bool> may_run_row{true};  // false within paged_attention.disabled(): oneDNN runs one row too
+std::atomic<bool> may_run_row{true};  // false within paged_attention.disabled(): oneDNN runs every row
 
 // for an input of exactly `rows` rows, its live rows are the spans [start, end) (linear.live_rows' spans)
 struct LiveSpans {
@@ -101,11 +101,12 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// the one-row linear of row r of `flat` into out's row r, seen by the profiler under its op's name
-void one_row(const at::Tensor& flat, int64_t r, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-             at::Tensor& out) {
+// the row linear of `n` rows of `flat` from row r into the same rows of out, seen by the profiler under its
+// op's name
+void few_rows(const at::Tensor& flat, int64_t r, int64_t n, const at::Tensor& weight,
+              const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   RECORD_FUNCTION("spyre_kernels::linear_row", std::vector<c10::IValue>());
-  row_into(flat.narrow(0, r, 1), weight, bias, out.data_ptr<float>() + r * out.size(1));
+  rows_into(flat.narrow(0, r, n), weight, bias, out.data_ptr<float>() + r * out.size(1));
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -123,9 +124,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   const int64_t m = k_len ? x.numel() / k_len : 0;
   const auto spans = spans_of(m);
   const int64_t live = (spans[0].second - spans[0].first) + (spans[1].second - spans[1].first);
-  const bool row = live == 1 && weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
-                   may_run_row.load(std::memory_order_relaxed);
-  if (live == m && !row) {
+  const bool rows_ok = weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
+                       may_run_row.load(std::memory_order_relaxed);
+  // a span of at most kRowLinearRows rows is the row linear's, a longer one oneDNN's
+  const auto by_rows = [&](int64_t n) { return rows_ok && n <= kRowLinearRows; };
+  if (live == m && !by_rows(m)) {
     return onednn_linear(x, packed, bias);
   }
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
@@ -139,8 +142,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     if (start > done) {
       out.narrow(0, done, start - done).zero_();
     }
-    if (row && end > start) {
-      one_row(flat, start, weight, bias, out);
+    if (end > start && by_rows(end - start)) {
+      few_rows(flat, start, end - start, weight, bias, out);
     } else if (end > start) {
       out.narrow(0, start, end - start).copy_(onednn_linear(flat.narrow(0, start, end - start), packed, bias));
     }

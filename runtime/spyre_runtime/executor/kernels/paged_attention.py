@@ -1,14 +1,15 @@
 """The C++ paged decode-attention kernel (paged_attention.cpp, op `spyre_kernels::paged_decode`): built from
 the project's own source on first use, cached, with the ATen ops of kv_cache.py as its fallback and oracle.
-The same extension holds the one-row float32 linear (linear_row.cpp, `spyre_kernels::linear_row`), which
-linear.py runs for a step of one live row, with oneDNN's packed GEMM as its fallback and oracle.
+The same extension holds the few-row float32 linear (linear_row.cpp, `spyre_kernels::linear_row`), which
+linear.py runs for a span of at most four live rows, with oneDNN's packed GEMM as its fallback and oracle.
 
 Why: kv_cache's ATen path copies every live row's KV blocks into a dense tensor (`index_select`), then SDPA
 reads the copy again, three passes over the KV per layer; bench/README.md run 20 measured it at 35 % of a
 32-row decode step. The kernel reads each row's blocks in place, once, through the block table.
 
 Setting: SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL, 1 (default) uses the extension wherever it builds, 0 keeps
-the ATen ops (and oneDNN's GEMM for one row). Only the CPU backends call it (sendnn lowers its graphs itself).
+the ATen ops (and oneDNN's GEMM for every row). Only the CPU backends call it (sendnn lowers its graphs
+itself).
 
 Build: `torch.utils.cpp_extension.load`, for the vector ISA that ATen dispatches to on this CPU, with
 inductor's macro and flags for it (the CPU_CAPABILITY_* macro selects at::vec's AVX2, AVX-512, VSX or Z
@@ -55,8 +56,8 @@ log = logging.getLogger(__name__)
 
 SETTING = "PAGED_ATTENTION_KERNEL"  # SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
-# the extension's sources, built as one text (each after the other): the paged decode, the one-row linear
-# (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for a step of one live row),
+# the extension's sources, built as one text (each after the other): the paged decode, the few-row linear
+# (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for up to four live rows),
 # the C++ kernel of linear.py's packed linear op (packed_linear.cpp), which serves once linear.py has
 # moved its state into it (`when_loaded`), and a prompt piece's attention (paged_prefill.cpp,
 # `torch.ops.spyre_kernels.paged_prefill`, which kv_cache.paged_prefill runs)
@@ -78,7 +79,7 @@ ISAS = {
 
 _lock = threading.Lock()
 _op: list = []  # [op or None] once the kernel has been tried (built and loaded, or not)
-_row: list = []  # [the one-row linear op] once the extension is loaded
+_row: list = []  # [the few-row linear op] once the extension is loaded
 _prefill: list = []  # [a prompt piece's attention op] likewise
 _off = 0  # > 0 within `disabled()`
 _hooks: list[Callable[[], None]] = []  # run once the extension is loaded (`when_loaded`)
@@ -122,7 +123,7 @@ def _narrowed(model: torch.dtype, cache: torch.dtype) -> tuple[str, list[str], s
 
 
 def row_kernel():
-    """The one-row linear op (`torch.ops.spyre_kernels.linear_row.default`), looked up once; None where
+    """The few-row linear op (`torch.ops.spyre_kernels.linear_row.default`), looked up once; None where
     `kernel()` is None (the setting off, within `disabled()`, or no build)."""
     return _row[0] if kernel() is not None else None
 
@@ -175,7 +176,7 @@ def when_loaded(hook: Callable[[], None]) -> None:
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
     """Within: `kernel()` is None, so kv_cache's paged decode runs its ATen ops, and the packed linear
-    oneDNN's GEMM for one row too (the tests' oracle)."""
+    oneDNN's GEMM for every row (the tests' oracle)."""
     global _off
     _off += 1
     _tell_row()
@@ -187,7 +188,7 @@ def disabled() -> Iterator[None]:
 
 
 def _tell_row() -> None:
-    """The C++ packed linear may run the one-row linear only outside `disabled()`."""
+    """The C++ packed linear may run the few-row linear only outside `disabled()`."""
     if _row:
         torch.ops.spyre_kernels.set_row(_off == 0)
 
