@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_attention_bench import write_results
 
 HIDDEN, KV, MLP, LAYERS, VOCAB = 576, 192, 1536, 30, 49152  # SmolLM2-135M
-# a layer's weights [out, in]: q, k, v, o, gate, up, down; then the LM head
-SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (MLP, HIDDEN), (MLP, HIDDEN)]
-SHAPES.append((HIDDEN, MLP))
+# a layer's weights [out, in] as FMS serves them (q, k and v fused, gate and up fused): qkv, o, gate-up, down;
+# then the LM head: 121 weights, a decode step's calls
+SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP)]
 
 
 def main() -> int:

@@ -14,12 +14,12 @@ that is opaque to the compiler: the compiled graph (cached or not) holds plain w
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
 not bit for bit.
 
-A span of at most ROW_LINEAR_ROWS live rows (one to four streams decoding) runs the extension's row linear on
-the plain float32 weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`): at one row the layer
-is a matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s where oneDNN's packed
-GEMM reads 10-22 (bench/README.md run 28); at 2, 3 and 4 rows it took 0.74-0.77, 0.87-0.91 and 0.92-0.96 of
-oneDNN's time, and from 5 rows about as long (run 50). Within `paged_attention.disabled()` oneDNN runs every
-row (the oracle).
+A span of at most ROW_LINEAR_ROWS live rows (up to 16 streams decoding) runs the extension's row linear on the
+plain float32 weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`): at one row the layer is
+a matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s where oneDNN's packed GEMM
+reads 10-22 (bench/README.md run 28); at a few rows it still reads the weight once, with the next rows
+prefetched, and took 0.56-0.83 of oneDNN's time at 1 to 8 rows, 0.86-0.96 at 12 and 16, and 1.09 at 32
+(run 50). Within `paged_attention.disabled()` oneDNN runs every row (the oracle).
 
 The op's decisions (which weight, which rows, which GEMM) are made in Python until the extension is
 loaded, then in its C++ kernel (kernels/packed_linear.cpp), which linear.py gives the packed weights and the
@@ -55,7 +55,7 @@ _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the 
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 Spans = tuple[tuple[int, int], tuple[int, int]]
-ROW_LINEAR_ROWS = 4  # a span of at most this many live rows is the row linear's (kRowLinearRows in C++)
+ROW_LINEAR_ROWS = 16  # a span of at most this many live rows is the row linear's (kRowLinearRows in C++)
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
 

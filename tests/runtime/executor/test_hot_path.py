@@ -77,25 +77,25 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     """fp32 on CPU: every linear layer runs through the packed-linear op (linear.py), which packs its weight
     for the decode batch size once, at warm-up. The weights stay graph inputs (no freezing), so changing them
     in place afterwards would change a graph that read them: the decode step does not change, because it runs
-    on the packed copies (weights never change after warm-up). Five live rows, for oneDNN: a span of up to
-    linear.ROW_LINEAR_ROWS runs the row linear on the plain weight."""
+    on the packed copies (weights never change after warm-up). 17 live rows, for oneDNN: a span of up to
+    linear.ROW_LINEAR_ROWS (16) runs the row linear on the plain weight."""
     from spyre_runtime.executor import compiler, linear
     from torch._dynamo.utils import counters
 
     counters.clear()
-    cfg = small_cb(tiny_model, "inductor", max_num_seqs=8, decode_batch_buckets=(8,), kv_len_buckets=(128,))
+    cfg = small_cb(tiny_model, "inductor", max_num_seqs=32, decode_batch_buckets=(32,), kv_len_buckets=(128,))
     ex = ModelExecutor(cfg)
     # two blocks, each in its own call (at most MAX_BLOCK_CALLS): they share one graph per shape
     assert ex.blocks.group == 1 and len(compiler.repeated_blocks(ex.model)) == 2
     ex.warmup()
-    # chunk 64 and decode batch 8, each one graph for both blocks (a graph per block would make 4)
+    # chunk 64 and decode batch 32, each one graph for both blocks (a graph per block would make 4)
     assert counters["stats"]["unique_graphs"] == len(cfg.chunk_buckets) + 1
     assert not counters["graph_break"]
     layers = [m for m in ex.model.modules() if isinstance(m, torch.nn.Linear)]
     assert ex.packed and len(layers) > 0
     assert all(m.weight.data_ptr() in linear._PACKED for m in layers)  # every layer packed at load
-    rows = tuple(DecodeRow(None, 5 + r, 3, (1 + 2 * r, 2 + 2 * r)) for r in range(5))
-    args = ex.inputs.batch_decode(ContinuousStep(decode=rows, batch_size=8, kv_len=128))
+    rows = tuple(DecodeRow(None, 5 + r, 3, (1 + 2 * r, 2 + 2 * r)) for r in range(17))
+    args = ex.inputs.batch_decode(ContinuousStep(decode=rows, batch_size=32, kv_len=128))
     before = ex.run_local(*args).clone()
     with torch.no_grad():
         for m in layers:
@@ -108,8 +108,8 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     with pytest.raises(RuntimeError, match="Detected recompile"):
         ex.run_local(*odd)
     with torch.inference_mode():
-        halved = torch.nn.functional.linear(torch.ones(5, layers[0].in_features), layers[0].weight)
-        packed = layers[0](torch.ones(5, layers[0].in_features))
+        halved = torch.nn.functional.linear(torch.ones(17, layers[0].in_features), layers[0].weight)
+        packed = layers[0](torch.ones(17, layers[0].in_features))
     torch.testing.assert_close(packed, 2 * halved)  # (the op really serves the packed, unhalved weight)
 
 

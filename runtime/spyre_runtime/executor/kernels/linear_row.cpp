@@ -1,16 +1,17 @@
-// A few rows times a float32 weight (spyre_kernels::linear_row): a decode step of one to four live sequences.
+// A few rows times a float32 weight (spyre_kernels::linear_row): a decode step of up to 16 live sequences.
 //
 // out [m, N] = x [m, K] @ weight [N, K]^T (+ bias [N]). At one row a linear layer is a matrix-vector product
 // and waits on memory: every weight is read once per step and each of its floats is used once. oneDNN's GEMM
 // on the weight packed for it (linear.py) runs one row at 10-22 GB/s on SmolLM2's shapes (2 threads, AVX2
-// EPYC with a 25.7 GB/s read probe), this loop at 20-26.5 (bench/README.md run 28). The rows of the weight are
-// split over the threads in tasks of at least 64 KiB, and each task prefetches its next four rows while it
-// multiplies four; four weight rows at a time share each load of x, and each load of the weight serves up to
-// four rows of x (two where a vector register holds fewer than 16 floats), with one vector accumulator per
-// pair; every sum is float32. At a few rows the loop still reads the weight once; from about five rows
-// oneDNN's blocked GEMM is as fast (bench/README.md run 50), so packed_linear.cpp gives it spans of at most
-// kRowLinearRows. Built into the same extension as paged_attention.cpp (the sources one after the
-// other, paged_attention.py), on ATen's portable vector layer.
+// EPYC with a 25.7 GB/s read probe), the one-row version of this loop at 20-26.5 (bench/README.md run 28).
+// At a few rows the weight is still read once and the FMAs grow with the rows: they are hidden behind the
+// reads only if the reads are asked for early, so each task prefetches the weight four tiles ahead into L2
+// (without it, or into L1, the loop was slower than oneDNN's from four rows: bench/README.md run 50). The
+// rows of the weight are split over the threads in tasks of at least 64 KiB; a tile of four weight rows
+// shares each load of x, and each load of the weight serves up to four rows of x (two where a vector register
+// holds fewer than 16 floats), with one vector accumulator per pair; every sum is float32. Built into the same
+// extension as paged_attention.cpp (the sources one after the other, paged_attention.py), on ATen's portable
+// vector layer; the prefetch is the compiler's builtin (GCC and Clang, on every ISA Spyre ships with).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -27,9 +28,9 @@ namespace {
 using RowVec = at::vec::Vectorized<float>;
 
 // the most live rows of a span that the row linear multiplies (packed_linear.cpp; linear.ROW_LINEAR_ROWS):
-// SmolLM2's 211 float32 weights at 2 threads, ours against oneDNN's packed GEMM in one process, medians of
-// 12 (bench/README.md run 50): 2 rows 0.74-0.77x, 3 rows 0.87-0.91x, 4 rows 0.92-0.96x, 5 to 16 rows 0.95-1.08x
-constexpr int64_t kRowLinearRows = 4;
+// SmolLM2's 121 float32 weights at 2 threads, ours against oneDNN's packed GEMM (bench/row_linear_bench.py,
+// bench/README.md run 50): 0.56-0.83x of its time at 1 to 8 rows, 0.86-0.96x at 12 and 16, 1.09x at 32
+constexpr int64_t kRowLinearRows = 16;
 
 float row_sum(RowVec acc) {
   return at::vec::vec_reduce_all<float>([](RowVec a, RowVec b) { return a + b; }, acc);
@@ -56,7 +57,7 @@ inline void tile(const float* x, const float* w, const float* bias, float* out, 
     RowVec wv[W];
     for (int i = 0; i < W; ++i) {
       wv[i] = RowVec::loadu(w + i * k_len + k);
-      __builtin_prefetch(w + (i + W) * k_len + k);  // the next tile's rows, a line a row a step ahead
+      __builtin_prefetch(w + (i + 4 * W) * k_len + k, 0, 2);  // a line of a row four tiles on, into L2
     }
     for (int r = 0; r < R; ++r) {
       const RowVec xv = RowVec::loadu(x + r * k_len + k);
