@@ -1,9 +1,10 @@
-"""The runtime's few-row float32 linear (kernels/linear_row.cpp) against oneDNN's packed GEMM (linear.py) on
+"""The runtime's few-row linear (kernels/linear_row.cpp) against oneDNN's packed GEMM (linear.py) on
 SmolLM2-135M's 211 weights, one step's worth of calls, called in turn in one process so both share the
 hour, the heat and the memory's state. A script with a report, not a timed test (bench/README.md run 50):
 it chose linear.ROW_LINEAR_ROWS.
 
-    .venv/bin/python bench/row_linear_bench.py [--rows 1,2,3,4,5,6,8,16] [--iters 12] [--out FILE]
+    .venv/bin/python bench/row_linear_bench.py [--dtype float32] [--rows 1,2,3,4,5,6,8,16] [--iters 12]
+                                               [--out FILE]
 
 Prints, for each row count, both medians of the whole step's linear layers and their ratio (ours / oneDNN's).
 """
@@ -31,6 +32,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,16")
     ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     from spyre_runtime.executor.kernels import paged_attention
@@ -38,13 +40,18 @@ def main() -> int:
     if paged_attention.kernel() is None:
         print("the runtime's C++ extension did not build here", file=sys.stderr)
         return 1
-    gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) * 0.02 for n, k in SHAPES * LAYERS + [(VOCAB, HIDDEN)]]
+    gen, dtype = torch.Generator().manual_seed(0), getattr(torch, args.dtype)
+    shapes = SHAPES * LAYERS + [(VOCAB, HIDDEN)]
+    weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     ours_op = torch.ops.spyre_kernels.linear_row.default
-    results = {"threads": torch.get_num_threads(), "weights_mb": sum(w.numel() * 4 for w in weights) / 1e6}
+    results = {
+        "dtype": args.dtype,
+        "threads": torch.get_num_threads(),
+        "weights_mb": sum(w.numel() * w.element_size() for w in weights) / 1e6,
+    }
     for m in (int(r) for r in args.rows.split(",")):
-        xs = {k: torch.randn(m, k, generator=gen) for k in (HIDDEN, MLP)}
+        xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (HIDDEN, MLP)}
 
         def ours(xs=xs):
             return [ours_op(xs[w.shape[1]], w, None) for w in weights]
@@ -64,7 +71,8 @@ def main() -> int:
                 fn()
                 times[name].append((time.perf_counter() - start) * 1e3)
         a, b = statistics.median(times["ours"]), statistics.median(times["onednn"])
-        torch.testing.assert_close(ours()[-1], onednn()[-1], rtol=1e-4, atol=1e-4)
+        tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(ours()[-1], onednn()[-1], rtol=tolerance, atol=tolerance)
         results[f"rows_{m}"] = {"ours_ms": round(a, 2), "onednn_ms": round(b, 2), "ratio": round(a / b, 3)}
         print(f"{m} rows: ours {a:.1f} ms, oneDNN {b:.1f} ms, {a / b:.2f}x", flush=True)
     write_results(results, args.out)

@@ -1,7 +1,7 @@
-"""The few-row float32 linear of the runtime's C++ extension (kernels/linear_row.cpp): equal to F.linear on a
-table of shapes (rows of x and of the weight not multiples of its tiles, columns not of the vector width, with
-and without bias), run by the packed linear layers for spans of at most linear.ROW_LINEAR_ROWS live rows and
-by nothing else, and clear about bad input."""
+"""The few-row linear of the runtime's C++ extension (kernels/linear_row.cpp), float32 and bfloat16: equal to
+F.linear on a table of shapes (rows of x and of the weight not multiples of its tiles, columns not of the
+vector width, with and without bias), run by the packed linear layers for spans of at most
+linear.ROW_LINEAR_ROWS[dtype] live rows and by nothing else, and clear about bad input."""
 
 import pytest
 import torch
@@ -26,44 +26,63 @@ def ran_linear_row(fn) -> tuple[torch.Tensor, bool]:
 @pytest.mark.parametrize("k_len", [1, 5, 8, 33, 576])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
-def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows, dtype):
     gen = torch.Generator().manual_seed(n_out * 1000 + k_len)
     x, weight = torch.randn(rows, k_len, generator=gen), torch.randn(n_out, k_len, generator=gen)
     bias = torch.randn(n_out, generator=gen) if with_bias else None
-    # against float64, within float32's rounding of a sum of k_len products (each sum's order is the kernel's)
+    x, weight, bias = (None if t is None else t.to(dtype) for t in (x, weight, bias))
+    # against float64 on the same values, within float32's rounding of a sum of k_len products (each sum's
+    # order is the kernel's), and for bfloat16 the float32 sum's rounding to bfloat16 (half its 2^-7 step)
     exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    bound = 2e-6 * (x.abs().double() @ weight.abs().double().T + (0 if bias is None else bias.abs())) + 1e-7
-    for out in (linear_row(x, weight, bias), torch.nn.functional.linear(x, weight, bias)):
+    sums = x.abs().double() @ weight.abs().double().T + (0 if bias is None else bias.abs().double())
+    bound = 2e-6 * sums + 1e-7 + (2**-8 * exact.abs() if dtype == torch.bfloat16 else 0)
+    outs = [linear_row(x, weight, bias)]
+    if dtype == torch.float32:  # the bound holds for ATen's own float32 linear too
+        outs.append(torch.nn.functional.linear(x, weight, bias))
+    for out in outs:
+        assert out.dtype == dtype and out.shape == (rows, n_out)
         assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max()
 
 
 def test_bad_input_is_named(linear_row):
     weight = torch.randn(8, 16)
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only, x and weight alike"):
         linear_row(torch.randn(1, 16, dtype=torch.bfloat16), weight, None)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        linear_row(torch.randn(1, 16, dtype=torch.float16), weight.half(), None)
     with pytest.raises(RuntimeError, match="rows of 16 values"):
         linear_row(torch.randn(2, 15), weight, None)
-    with pytest.raises(RuntimeError, match=r"bias must be a contiguous float32 \[8\]"):
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous Float \[8\]"):
         linear_row(torch.randn(1, 16), weight, torch.randn(7))
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous BFloat16 \[8\], got Float"):
+        linear_row(torch.randn(1, 16).bfloat16(), weight.bfloat16(), torch.randn(8))
     with pytest.raises(RuntimeError, match="2-d"):
         linear_row(torch.randn(1, 16), torch.randn(2, 8, 16), None)
 
 
-@pytest.fixture
-def packed_layer():
-    if not linear.can_pack(torch.float32, "inductor"):
-        pytest.fail("oneDNN cannot pack float32 weights here: the packed linear layers are not in use")
-    layer = torch.nn.Sequential(torch.nn.Linear(48, 40))
+@pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def packed_layer(request):
+    dtype = request.param
+    if not linear.can_pack(dtype, "inductor"):
+        pytest.fail(f"oneDNN cannot pack {dtype} weights here: the packed linear layers are not in use")
+    layer = torch.nn.Sequential(torch.nn.Linear(48, 40).to(dtype))
     assert linear.pack_linears(layer, 8) == 1
     return layer
 
 
-ROWS = linear.ROW_LINEAR_ROWS + 8  # a graph's rows: more than the row linear takes
+ROWS = max(linear.ROW_LINEAR_ROWS.values()) + 8  # a graph's rows: more than the row linear takes
 
 
-@pytest.mark.parametrize("live", [1, 2, 5, linear.ROW_LINEAR_ROWS])
+def most(layer) -> int:
+    """The most live rows of a span that the row linear takes for this layer's dtype."""
+    return linear.ROW_LINEAR_ROWS[layer[0].weight.dtype]
+
+
+@pytest.mark.parametrize("live", [1, 2, "most"])
 def test_a_step_of_a_few_live_rows_runs_the_row_linear_and_zeroes_the_dummies(linear_row, packed_layer, live):
-    x = torch.randn(ROWS, 48)
+    live = most(packed_layer) if live == "most" else live
+    x = torch.randn(ROWS, 48, dtype=packed_layer[0].weight.dtype)
     expected = torch.nn.functional.linear(x[:live], packed_layer[0].weight, packed_layer[0].bias)
     with torch.no_grad(), linear.live_rows(live):
         out, ran = ran_linear_row(lambda: packed_layer(x))
@@ -77,9 +96,9 @@ def test_a_step_of_a_few_live_rows_runs_the_row_linear_and_zeroes_the_dummies(li
 
 
 def test_more_rows_or_the_oracle_path_run_onednn(linear_row, packed_layer):
-    x = torch.randn(ROWS, 48)
+    x = torch.randn(ROWS, 48, dtype=packed_layer[0].weight.dtype)
     with torch.no_grad():
-        with linear.live_rows(linear.ROW_LINEAR_ROWS + 1):
+        with linear.live_rows(most(packed_layer) + 1):
             _, ran_more = ran_linear_row(lambda: packed_layer(x))
         _, ran_all = ran_linear_row(lambda: packed_layer(x))  # every row live
         with paged_attention.disabled(), linear.live_rows(1):
@@ -95,18 +114,18 @@ def test_more_rows_or_the_oracle_path_run_onednn(linear_row, packed_layer):
     [
         ((0, 3), (5, 7)),
         ((0, 0), (4, 5)),
-        ((2, 2), (24, 24)),
-        ((0, 24), (24, 24)),
-        ((1, 2), (2, 20)),
-        ((0, 1), (23, 24)),
-        ((0, 17), (18, 24)),
+        ((2, 2), (ROWS, ROWS)),
+        ((0, ROWS), (ROWS, ROWS)),
+        ((1, 2), (2, ROWS - 4)),
+        ((0, 1), (ROWS - 1, ROWS)),
+        ((0, ROWS - 7), (ROWS - 6, ROWS)),
     ],
 )
 def test_live_spans_multiply_their_rows_only_in_both_kernels(linear_row, packed_layer, spans):
     """A mixed step's live rows in two spans, for inputs of one row count (linear.live_rows' `spans`): the
     C++ kernel and the Python one multiply those rows only (the row linear for a span of a few rows) and
     zero the rest; an input of another row count keeps the prefix hint."""
-    x = torch.randn(ROWS, 48)
+    x = torch.randn(ROWS, 48, dtype=packed_layer[0].weight.dtype)
     weight, bias = packed_layer[0].weight, packed_layer[0].bias
     live = [r for start, end in spans for r in range(start, end)]
     dead = [r for r in range(ROWS) if r not in live]
@@ -114,7 +133,7 @@ def test_live_spans_multiply_their_rows_only_in_both_kernels(linear_row, packed_
         native, ran = ran_linear_row(lambda: packed_layer(x))
         python = linear.python_packed_linear(x, weight, bias)
         other = packed_layer(x[:5])
-    assert ran == any(0 < end - start <= linear.ROW_LINEAR_ROWS for start, end in spans)
+    assert ran == any(0 < end - start <= most(packed_layer) for start, end in spans)
     for out in (native, python):
         torch.testing.assert_close(out[live], torch.nn.functional.linear(x[live], weight, bias))
         assert not out[dead].any()

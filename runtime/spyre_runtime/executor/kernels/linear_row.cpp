@@ -1,4 +1,5 @@
-// A few rows times a float32 weight (spyre_kernels::linear_row): a decode step of up to 16 live sequences.
+// A few rows times a float32 or bfloat16 weight (spyre_kernels::linear_row): a decode step of a few live
+// sequences (up to kRowLinearRows).
 //
 // out [m, N] = x [m, K] @ weight [N, K]^T (+ bias [N]). At one row a linear layer is a matrix-vector product
 // and waits on memory: every weight is read once per step and each of its floats is used once. oneDNN's GEMM
@@ -9,7 +10,8 @@
 // (without it, or into L1, the loop was slower than oneDNN's from four rows: bench/README.md run 50). The
 // rows of the weight are split over the threads in tasks of at least 64 KiB; a tile of four weight rows
 // shares each load of x, and each load of the weight serves up to four rows of x (two where a vector register
-// holds fewer than 16 floats), with one vector accumulator per pair; every sum is float32. Built into the same
+// holds fewer than 16 floats), with one vector accumulator per pair; every sum is float32 (a bfloat16 weight is
+// widened as it is loaded, x once per call, and each output rounded to bfloat16 once). Built into the same
 // extension as paged_attention.cpp (the sources one after the other, paged_attention.py), on ATen's portable
 // vector layer; the prefetch is the compiler's builtin (GCC and Clang, on every ISA Spyre ships with).
 
@@ -18,6 +20,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -27,10 +30,14 @@ namespace {
 
 using RowVec = at::vec::Vectorized<float>;
 
-// the most live rows of a span that the row linear multiplies (packed_linear.cpp; linear.ROW_LINEAR_ROWS):
-// SmolLM2's 121 float32 weights at 2 threads, ours against oneDNN's packed GEMM (bench/row_linear_bench.py,
-// bench/README.md run 50): 0.56-0.83x of its time at 1 to 8 rows, 0.86-0.96x at 12 and 16, 1.09x at 32
+// the most live rows of a span that the row linear multiplies (packed_linear.cpp; linear.ROW_LINEAR_ROWS), by
+// the weight's dtype. SmolLM2's 121 weights at 2 threads, ours against oneDNN's packed GEMM, in the decode
+// step (bench/profile_step.py --live, both in one process) and alone (bench/row_linear_bench.py), bench/README.md
+// run 50: float32 0.69-0.82x of oneDNN's time at 3, 4 and 8 rows in the step and 0.88x at 16 (alone 0.61-0.79x
+// at 1 to 8 rows, 0.86-0.96x at 12 and 16, 1.09x at 32); bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot products where ours widens to
+// float32, 0.82-0.85x at 1 to 3 rows in the step, 0.98x at 4 and 1.10x at 6
 constexpr int64_t kRowLinearRows = 16;
+constexpr int64_t kRowLinearRowsBf16 = 3;
 
 float row_sum(RowVec acc) {
   return at::vec::vec_reduce_all<float>([](RowVec a, RowVec b) { return a + b; }, acc);
@@ -41,10 +48,21 @@ float row_sum(RowVec acc) {
 constexpr int kTileW = 4;
 constexpr int kTileR = RowVec::size() >= 16 ? 4 : 2;
 
-// out[r * n_out + i] = x[r] . w[i] (+ bias[i]) for R rows of x and W rows of the weight, both k_len long; each
-// load of a weight vector serves the R rows, each load of an x vector the W weight rows
-template <int R, int W>
-inline void tile(const float* x, const float* w, const float* bias, float* out, int64_t k_len, int64_t n_out) {
+// one vector of floats from the weight: float32 as it is, bfloat16 widened (the sums stay float32)
+inline RowVec load_row(const float* p) {
+  return RowVec::loadu(p);
+}
+
+inline RowVec load_row(const c10::BFloat16* p) {
+  RowVec v;
+  at::vec::load_to_float<c10::BFloat16>(p, v);
+  return v;
+}
+
+// out[r * n_out + i] = x[r] . w[i] (+ bias[i]) for R rows of x (float32) and W rows of the weight (T), both
+// k_len long; each load of a weight vector serves the R rows, each load of an x vector the W weight rows
+template <int R, int W, typename T>
+inline void tile(const float* x, const T* w, const T* bias, T* out, int64_t k_len, int64_t n_out) {
   constexpr int64_t width = RowVec::size();
   RowVec acc[W][R];
   for (int i = 0; i < W; ++i) {
@@ -56,7 +74,7 @@ inline void tile(const float* x, const float* w, const float* bias, float* out, 
   for (; k + width <= k_len; k += width) {
     RowVec wv[W];
     for (int i = 0; i < W; ++i) {
-      wv[i] = RowVec::loadu(w + i * k_len + k);
+      wv[i] = load_row(w + i * k_len + k);
       __builtin_prefetch(w + (i + 4 * W) * k_len + k, 0, 2);  // a line of a row four tiles on, into L2
     }
     for (int r = 0; r < R; ++r) {
@@ -70,16 +88,15 @@ inline void tile(const float* x, const float* w, const float* bias, float* out, 
     for (int r = 0; r < R; ++r) {
       float s = row_sum(acc[i][r]);
       for (int64_t t = k; t < k_len; ++t) {
-        s += w[i * k_len + t] * x[r * k_len + t];
+        s += static_cast<float>(w[i * k_len + t]) * x[r * k_len + t];
       }
-      out[r * n_out + i] = s + (bias ? bias[i] : 0.f);
+      out[r * n_out + i] = static_cast<T>(s + (bias ? static_cast<float>(bias[i]) : 0.f));
     }
   }
 }
 
-template <int W>
-inline void tile_rows(int r, const float* x, const float* w, const float* bias, float* out, int64_t k_len,
-                      int64_t n_out) {
+template <int W, typename T>
+inline void tile_rows(int r, const float* x, const T* w, const T* bias, T* out, int64_t k_len, int64_t n_out) {
   switch (r) {
     case 1:
       tile<1, W>(x, w, bias, out, k_len, n_out);
@@ -97,8 +114,9 @@ inline void tile_rows(int r, const float* x, const float* w, const float* bias, 
 
 // out[r][j] = x[r] . weight[j] (+ bias[j]) for the m rows of x and the weight rows [begin, end): tile by tile
 // of kTileW weight rows, and within a tile the x rows kTileR at a time (the tile's weight is in L1 again)
-void rows_times(const float* x, int64_t m, const float* weight, const float* bias, float* out, int64_t k_len,
-                int64_t n_out, int64_t begin, int64_t end) {
+template <typename T>
+void rows_times(const float* x, int64_t m, const T* weight, const T* bias, T* out, int64_t k_len, int64_t n_out,
+                int64_t begin, int64_t end) {
   int64_t j = begin;
   for (; j + kTileW <= end; j += kTileW) {
     for (int64_t r = 0; r < m; r += kTileR) {
@@ -114,38 +132,53 @@ void rows_times(const float* x, int64_t m, const float* weight, const float* bia
   }
 }
 
-// out[m, N] = x @ weight^T (+ bias) for a checked float32 x of m rows, over the threads
-void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, float* out);
+// out [m, N] (contiguous, the weight's dtype) = x @ weight^T (+ bias) for a checked x of m rows, over the threads
+void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+               at::Tensor& out);
 
 at::Tensor linear_row(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
   const int64_t k_len = weight.dim() == 2 ? weight.size(1) : 0;
   at::Tensor out = at::empty({k_len && x.dim() >= 1 ? x.numel() / k_len : 0, weight.dim() == 2 ? weight.size(0) : 0},
-                             x.options().dtype(at::kFloat));
-  rows_into(x, weight, bias, out.data_ptr<float>());
+                             x.options());
+  rows_into(x, weight, bias, out);
   return out;
 }
 
-void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, float* out) {
+void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+               at::Tensor& out) {
   TORCH_CHECK(weight.dim() == 2, "linear_row: weight must be 2-d [out, in], got ", weight.dim(), "-d");
   const int64_t n_out = weight.size(0), k_len = weight.size(1);
-  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat,
-              "linear_row: float32 only, got x ", x.scalar_type(), " and weight ", weight.scalar_type());
+  const auto dtype = weight.scalar_type();
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
+              "linear_row: float32 or bfloat16 only, x and weight alike, got x ", x.scalar_type(), " and weight ",
+              dtype);
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k_len && k_len > 0, "linear_row: x must be rows of ", k_len,
               " values, got ", x.sizes());
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "linear_row: x and weight must be contiguous");
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n_out,
-                "linear_row: bias must be a contiguous float32 [", n_out, "], got ", bias->sizes());
-    bias_ptr = bias->data_ptr<float>();
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n_out,
+                "linear_row: bias must be a contiguous ", dtype, " [", n_out, "], got ", bias->scalar_type(), " ",
+                bias->sizes());
   }
   const int64_t m = x.numel() / k_len;
-  const float* x_ptr = x.data_ptr<float>();
-  const float* w_ptr = weight.data_ptr<float>();
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == m * n_out,
+              "linear_row: out must be a contiguous ", dtype, " [", m, ", ", n_out, "]");
+  // x's rows in float32 once (a few KiB), so the tiles' inner loop widens only the weight
+  const at::Tensor xf = dtype == at::kFloat ? x : x.to(at::kFloat).contiguous();
+  const float* x_ptr = xf.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(kTileW, (16384 / k_len + kTileW - 1) / kTileW * kTileW);
-  at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-    rows_times(x_ptr, m, w_ptr, bias_ptr, out, k_len, n_out, begin, end);
-  });
+  const auto run = [&](auto* w_ptr, auto* bias_ptr, auto* out_ptr) {
+    at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
+      rows_times(x_ptr, m, w_ptr, bias_ptr, out_ptr, k_len, n_out, begin, end);
+    });
+  };
+  if (dtype == at::kFloat) {
+    run(weight.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
+  } else {
+    using B = c10::BFloat16;
+    run(weight.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>());
+  }
 }
 
 }  // namespace

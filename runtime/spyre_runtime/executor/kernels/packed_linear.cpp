@@ -106,7 +106,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 void few_rows(const at::Tensor& flat, int64_t r, int64_t n, const at::Tensor& weight,
               const c10::optional<at::Tensor>& bias, at::Tensor& out) {
   RECORD_FUNCTION("spyre_kernels::linear_row", std::vector<c10::IValue>());
-  rows_into(flat.narrow(0, r, n), weight, bias, out.data_ptr<float>() + r * out.size(1));
+  at::Tensor rows_out = out.narrow(0, r, n);
+  rows_into(flat.narrow(0, r, n), weight, bias, rows_out);
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
@@ -124,10 +125,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   const int64_t m = k_len ? x.numel() / k_len : 0;
   const auto spans = spans_of(m);
   const int64_t live = (spans[0].second - spans[0].first) + (spans[1].second - spans[1].first);
-  const bool rows_ok = weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat &&
-                       may_run_row.load(std::memory_order_relaxed);
-  // a span of at most kRowLinearRows rows is the row linear's, a longer one oneDNN's
-  const auto by_rows = [&](int64_t n) { return rows_ok && n <= kRowLinearRows; };
+  const auto dtype = weight.scalar_type();
+  const int64_t most = dtype == at::kFloat ? kRowLinearRows : dtype == at::kBFloat16 ? kRowLinearRowsBf16 : 0;
+  const bool rows_ok = x.scalar_type() == dtype && may_run_row.load(std::memory_order_relaxed);
+  // a span of at most `most` rows (by the weight's dtype) is the row linear's, a longer one oneDNN's
+  const auto by_rows = [&](int64_t n) { return rows_ok && n <= most; };
   if (live == m && !by_rows(m)) {
     return onednn_linear(x, packed, bias);
   }

@@ -1,7 +1,8 @@
 """The C++ paged decode-attention kernel (paged_attention.cpp, op `spyre_kernels::paged_decode`): built from
 the project's own source on first use, cached, with the ATen ops of kv_cache.py as its fallback and oracle.
-The same extension holds the few-row float32 linear (linear_row.cpp, `spyre_kernels::linear_row`), which
-linear.py runs for a span of up to 16 live rows, with oneDNN's packed GEMM as its fallback and oracle.
+The same extension holds the few-row linear (linear_row.cpp, `spyre_kernels::linear_row`), which linear.py
+runs for a span of a few live rows (linear.ROW_LINEAR_ROWS), with oneDNN's packed GEMM as its fallback and
+oracle.
 
 Why: kv_cache's ATen path copies every live row's KV blocks into a dense tensor (`index_select`), then SDPA
 reads the copy again, three passes over the KV per layer; bench/README.md run 20 measured it at 35 % of a
@@ -57,7 +58,7 @@ log = logging.getLogger(__name__)
 SETTING = "PAGED_ATTENTION_KERNEL"  # SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # the extension's sources, built as one text (each after the other): the paged decode, the few-row linear
-# (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for up to 16 live rows),
+# (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for a few live rows),
 # the C++ kernel of linear.py's packed linear op (packed_linear.cpp), which serves once linear.py has
 # moved its state into it (`when_loaded`), and a prompt piece's attention (paged_prefill.cpp,
 # `torch.ops.spyre_kernels.paged_prefill`, which kv_cache.paged_prefill runs)
