@@ -14,13 +14,16 @@ that is opaque to the compiler: the compiled graph (cached or not) holds plain w
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
 not bit for bit.
 
-A span of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 16 in float32, 3 in bfloat16) runs
+A step of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 16 in float32, 3 in bfloat16) runs
 the extension's row linear on the plain weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`):
 at one row the layer is a matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s
 where oneDNN's packed GEMM reads 10-22 (bench/README.md run 28); at a few rows it still reads the weight once,
 prefetched ahead, and in a float32 decode step took 0.69-0.82 of oneDNN's time at 3 to 8 rows and 0.88 at 16;
 in bfloat16, where oneDNN has the CPU's bf16 dot products, 0.82-0.85 at 1 to 3 rows and 0.98 at 4 (run 50).
-Within `paged_attention.disabled()` oneDNN runs every row (the oracle).
+A mixed step whose live rows are more takes oneDNN for all of them, its few decode rows too: they then read
+the packed weight that the chunk's GEMM has just brought into the cache (the row linear on them, reading the
+plain weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
+`paged_attention.disabled()` oneDNN runs every row (the oracle).
 
 The op's decisions (which weight, which rows, which GEMM) are made in Python until the extension is
 loaded, then in its C++ kernel (kernels/packed_linear.cpp), which linear.py gives the packed weights and the
@@ -56,7 +59,7 @@ _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the 
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 Spans = tuple[tuple[int, int], tuple[int, int]]
-# by the weight's dtype, a span of at most this many live rows is the row linear's (kRowLinearRows and
+# by the weight's dtype, at most this many live rows are the row linear's (kRowLinearRows and
 # kRowLinearRowsBf16 in C++)
 ROW_LINEAR_ROWS = {torch.float32: 16, torch.bfloat16: 3}
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
@@ -150,13 +153,10 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     spans = _live_spans(m)
     live = sum(end - start for start, end in spans)
     most = ROW_LINEAR_ROWS.get(weight.dtype, 0) if x.dtype == weight.dtype else 0
-    few = any(0 < end - start <= most for start, end in spans)
-    row = paged_attention.row_kernel() if few else None  # looked up (the extension loaded) only when used
-
-    def by_rows(n: int) -> bool:
-        return row is not None and n <= most
-
-    if live == m and not by_rows(m):
+    # every live row by the row linear, or none (a mixed step's decode rows then read the packed weight that
+    # its chunk's GEMM has just brought into the cache)
+    row = paged_attention.row_kernel() if 0 < live <= most else None  # looked up (loaded) only when used
+    if live == m and row is None:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     flat = x.reshape(m, x.shape[-1])
     if live == m:  # a few rows, all of them live
@@ -171,7 +171,7 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             rows = flat[start:end]
             out[start:end] = (
                 row(rows, weight, bias)
-                if by_rows(end - start)
+                if row is not None
                 else torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
             )
         done = max(done, end)

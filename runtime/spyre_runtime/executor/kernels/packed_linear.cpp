@@ -3,7 +3,7 @@
 // linear.py defines the op that the compiled graphs call for every linear layer, with its Python kernel as
 // the fallback (registered for CompositeExplicitAutograd, which serves CPU only while no CPU kernel is
 // registered): it finds the layer's weight packed for oneDNN, and with a step's live-row hint multiplies only
-// the live rows, by the row linear (linear_row.cpp) in a span of at most kRowLinearRows. The hint is a prefix
+// the live rows, by the row linear (linear_row.cpp) when they are a few (kRowLinearRows). The hint is a prefix
 // of every input's rows, or, for an input of a given row count, up to two spans (a mixed step: its used piece
 // places and live decode rows, with dead places between them; linear.live_rows). That Python kernel cost
 // 10-30 us a call around the GEMM (a decode step calls it 121 times for SmolLM2; in the 8-row graph that one
@@ -128,9 +128,11 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   const auto dtype = weight.scalar_type();
   const int64_t most = dtype == at::kFloat ? kRowLinearRows : dtype == at::kBFloat16 ? kRowLinearRowsBf16 : 0;
   const bool rows_ok = x.scalar_type() == dtype && may_run_row.load(std::memory_order_relaxed);
-  // a span of at most `most` rows (by the weight's dtype) is the row linear's, a longer one oneDNN's
-  const auto by_rows = [&](int64_t n) { return rows_ok && n <= most; };
-  if (live == m && !by_rows(m)) {
+  // the row linear takes every live row when they are at most `most` (by the weight's dtype), else oneDNN
+  // takes them all: in a mixed step whose chunk is oneDNN's, its decode rows then read the packed weight that
+  // the chunk has just brought into the cache, not the plain one from memory (bench/README.md run 50)
+  const bool by_rows = rows_ok && live > 0 && live <= most;
+  if (live == m && !by_rows) {
     return onednn_linear(x, packed, bias);
   }
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
@@ -144,7 +146,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
     if (start > done) {
       out.narrow(0, done, start - done).zero_();
     }
-    if (end > start && by_rows(end - start)) {
+    if (end > start && by_rows) {
       few_rows(flat, start, end - start, weight, bias, out);
     } else if (end > start) {
       out.narrow(0, start, end - start).copy_(onednn_linear(flat.narrow(0, start, end - start), packed, bias));
