@@ -30,12 +30,13 @@ namespace {
 
 using RowVec = at::vec::Vectorized<float>;
 
-// the most live rows of a span that the row linear multiplies (packed_linear.cpp; linear.ROW_LINEAR_ROWS), by
+// the most live rows of a step that the row linear multiplies (packed_linear.cpp; linear.ROW_LINEAR_ROWS), by
 // the weight's dtype. SmolLM2's 121 weights at 2 threads, ours against oneDNN's packed GEMM, in the decode
-// step (bench/profile_step.py --live, both in one process) and alone (bench/row_linear_bench.py), bench/README.md
-// run 50: float32 0.69-0.82x of oneDNN's time at 3, 4 and 8 rows in the step and 0.88x at 16 (alone 0.61-0.79x
-// at 1 to 8 rows, 0.86-0.96x at 12 and 16, 1.09x at 32); bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot products where ours widens to
-// float32, 0.82-0.85x at 1 to 3 rows in the step, 0.98x at 4 and 1.10x at 6
+// step (bench/profile_step.py --live, both in one process) and alone (bench/row_linear_bench.py), run 50 of
+// bench/README.md. float32: 0.69-0.82x of oneDNN's time at 3, 4 and 8 rows in the step, 0.88x at 16; alone
+// 0.57-0.85x at 1 to 8 rows, 0.86-0.98x at 12 and 16, 0.99-1.09x at 32. bfloat16, whose GEMM oneDNN runs with
+// the CPU's bf16 dot products where ours widens to float32: 0.82-0.85x at 1 to 3 rows in the step (alone
+// 0.57-0.69x), 0.98x at 4 and 1.10x at 6.
 constexpr int64_t kRowLinearRows = 16;
 constexpr int64_t kRowLinearRowsBf16 = 3;
 
