@@ -1,5 +1,5 @@
 """The runtime's few-row linear (kernels/linear_row.cpp) against oneDNN's packed GEMM (linear.py) on
-SmolLM2-135M's 211 weights, one step's worth of calls, called in turn in one process so both share the
+SmolLM2-135M's 121 weights, one decode step's calls, called in turn in one process so both share the
 hour, the heat and the memory's state. A script with a report, not a timed test (bench/README.md run 50):
 it chose linear.ROW_LINEAR_ROWS.
 

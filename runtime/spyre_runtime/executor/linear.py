@@ -59,8 +59,13 @@ _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the 
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 Spans = tuple[tuple[int, int], tuple[int, int]]
-# by the weight's dtype, at most this many live rows are the row linear's (kRowLinearRows and
-# kRowLinearRowsBf16 in C++)
+# by the weight's dtype, at most this many live rows of a step are the row linear's (the C++ kernel is given
+# them at `_take_over`). SmolLM2's 121 weights at 2 threads, ours against oneDNN's packed GEMM, in the decode
+# step (bench/profile_step.py --live) and alone (bench/row_linear_bench.py), bench/README.md run 50. float32:
+# 0.69-0.82x of oneDNN's time at 3, 4 and 8 rows in the step, 0.88x at 16; alone 0.57-0.85x at 1 to 8 rows,
+# 0.86-0.98x at 12 and 16, 0.99-1.09x at 32. bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot
+# products where ours widens to float32: 0.82-0.85x at 1 to 3 rows in the step (alone 0.57-0.69x), 0.98x at
+# 4 and 1.10x at 6.
 ROW_LINEAR_ROWS = {torch.float32: 16, torch.bfloat16: 3}
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
@@ -107,10 +112,13 @@ def _live_spans(m: int) -> Spans:
 def _take_over() -> None:
     """Once the extension is loaded (paged_attention.when_loaded): its C++ kernel of `packed_linear`
     (kernels/packed_linear.cpp, the same decisions without 10-30 us of Python a call) is given the packed
-    weights and the live rows, then serves the op; the Python kernel below no longer runs on CPU."""
+    weights, the live rows and the row linear's limits, then serves the op; the Python kernel below no longer
+    runs on CPU."""
     global _native
     with _lock:
         _native = True  # from here a finalizer forgets in both
+        limits = ROW_LINEAR_ROWS[torch.float32], ROW_LINEAR_ROWS[torch.bfloat16]
+        torch.ops.spyre_kernels.set_row_limits(*limits)
         for key, packed in list(_PACKED.items()):
             torch.ops.spyre_kernels.register_packed(key, packed)
             if key not in _PACKED:  # its layer went meanwhile, its finalizer on this thread

@@ -1,6 +1,6 @@
 """The few-row linear of the runtime's C++ extension (kernels/linear_row.cpp), float32 and bfloat16: equal to
 F.linear on a table of shapes (rows of x and of the weight not multiples of its tiles, columns not of the
-vector width, with and without bias), run by the packed linear layers for spans of at most
+vector width, with and without bias), run by the packed linear layers for steps of at most
 linear.ROW_LINEAR_ROWS[dtype] live rows and by nothing else, and clear about bad input."""
 
 import pytest

@@ -1,5 +1,5 @@
 // A few rows times a float32 or bfloat16 weight (spyre_kernels::linear_row): a decode step of a few live
-// sequences (up to kRowLinearRows).
+// sequences (up to linear.ROW_LINEAR_ROWS).
 //
 // out [m, N] = x [m, K] @ weight [N, K]^T (+ bias [N]). At one row a linear layer is a matrix-vector product
 // and waits on memory: every weight is read once per step and each of its floats is used once. oneDNN's GEMM
@@ -29,16 +29,6 @@
 namespace {
 
 using RowVec = at::vec::Vectorized<float>;
-
-// the most live rows of a step that the row linear multiplies (packed_linear.cpp; linear.ROW_LINEAR_ROWS), by
-// the weight's dtype. SmolLM2's 121 weights at 2 threads, ours against oneDNN's packed GEMM, in the decode
-// step (bench/profile_step.py --live, both in one process) and alone (bench/row_linear_bench.py), run 50 of
-// bench/README.md. float32: 0.69-0.82x of oneDNN's time at 3, 4 and 8 rows in the step, 0.88x at 16; alone
-// 0.57-0.85x at 1 to 8 rows, 0.86-0.98x at 12 and 16, 0.99-1.09x at 32. bfloat16, whose GEMM oneDNN runs with
-// the CPU's bf16 dot products where ours widens to float32: 0.82-0.85x at 1 to 3 rows in the step (alone
-// 0.57-0.69x), 0.98x at 4 and 1.10x at 6.
-constexpr int64_t kRowLinearRows = 16;
-constexpr int64_t kRowLinearRowsBf16 = 3;
 
 float row_sum(RowVec acc) {
   return at::vec::vec_reduce_all<float>([](RowVec a, RowVec b) { return a + b; }, acc);

@@ -3,7 +3,7 @@
 // linear.py defines the op that the compiled graphs call for every linear layer, with its Python kernel as
 // the fallback (registered for CompositeExplicitAutograd, which serves CPU only while no CPU kernel is
 // registered): it finds the layer's weight packed for oneDNN, and with a step's live-row hint multiplies only
-// the live rows, by the row linear (linear_row.cpp) when they are a few (kRowLinearRows). The hint is a prefix
+// the live rows, by the row linear (linear_row.cpp) when they are a few (set_row_limits). The hint is a prefix
 // of every input's rows, or, for an input of a given row count, up to two spans (a mixed step: its used piece
 // places and live decode rows, with dead places between them; linear.live_rows). That Python kernel cost
 // 10-30 us a call around the GEMM (a decode step calls it 121 times for SmolLM2; in the 8-row graph that one
@@ -34,6 +34,10 @@ std::shared_mutex packed_mutex;
 std::unordered_map<int64_t, at::Tensor> packed_weights;  // a weight's address -> that weight packed for oneDNN
 std::atomic<int64_t> live_rows{-1};  // the step's live rows (linear.live_rows); -1: every row is live
 std::atomic<bool> may_run_row{true};  // false within paged_attention.disabled(): oneDNN runs every row
+// the most live rows of a step that the row linear takes, by the weight's dtype (linear.ROW_LINEAR_ROWS,
+// given with the rest of linear.py's state); 0 until then: oneDNN
+std::atomic<int64_t> row_limit_float{0};
+std::atomic<int64_t> row_limit_bf16{0};
 
 // for an input of exactly `rows` rows, its live rows are the spans [start, end) (linear.live_rows' spans)
 struct LiveSpans {
@@ -91,6 +95,11 @@ void set_row(bool row) {
   may_run_row.store(row, std::memory_order_relaxed);
 }
 
+void set_row_limits(int64_t float32, int64_t bfloat16) {
+  row_limit_float.store(std::max<int64_t>(float32, 0), std::memory_order_relaxed);
+  row_limit_bf16.store(std::max<int64_t>(bfloat16, 0), std::memory_order_relaxed);
+}
+
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   static const auto op =
       c10::Dispatcher::singleton()
@@ -126,7 +135,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   const auto spans = spans_of(m);
   const int64_t live = (spans[0].second - spans[0].first) + (spans[1].second - spans[1].first);
   const auto dtype = weight.scalar_type();
-  const int64_t most = dtype == at::kFloat ? kRowLinearRows : dtype == at::kBFloat16 ? kRowLinearRowsBf16 : 0;
+  const int64_t most = dtype == at::kFloat      ? row_limit_float.load(std::memory_order_relaxed)
+                       : dtype == at::kBFloat16 ? row_limit_bf16.load(std::memory_order_relaxed)
+                                                : 0;
   const bool rows_ok = x.scalar_type() == dtype && may_run_row.load(std::memory_order_relaxed);
   // the row linear takes every live row when they are at most `most` (by the weight's dtype), else oneDNN
   // takes them all: in a mixed step whose chunk is oneDNN's, its decode rows then read the packed weight that
@@ -182,5 +193,6 @@ TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def("set_live(int live) -> ()", &set_live);
   m.def("set_live_spans(int[] flat) -> ()", &set_live_spans);
   m.def("set_row(bool row) -> ()", &set_row);
+  m.def("set_row_limits(int float32, int bfloat16) -> ()", &set_row_limits);
   m.def("serve_packed_linear() -> ()", &serve_packed_linear);
 }
