@@ -171,16 +171,20 @@ def free_port(low: int = 18000, high: int = 18999) -> int:
 
 
 class Server:
-    """A server process in its own session, so it is stopped with all its children (vLLM's engine core)."""
+    """A server process in its own session, so it is stopped with all its children (vLLM's engine core).
+    vLLM's processes talk over ZeroMQ sockets that they create as files named by UUIDs in
+    VLLM_RPC_BASE_PATH (default: the temp folder) and leave behind; each server gets a folder of its own for
+    them, removed when it stops (ours ignores the variable)."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115
+        self.rpc_dir = Path(tempfile.mkdtemp(prefix="spyre-bench-rpc-"))
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(
             argv,
-            env={**os.environ, **env},
+            env={**os.environ, "VLLM_RPC_BASE_PATH": str(self.rpc_dir), **env},
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -216,6 +220,7 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
         self._log.close()
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 def ours_argv(port: int, dtype: str, extra: tuple[str, ...]) -> list[str]:

@@ -220,3 +220,31 @@ def test_kernel_ab(tmp_path):
     assert [row["case"] for row in res["cases"]] == ["1 x 384 float32", "8 x 384 float32"], res
     for row in res["cases"]:
         assert positive(row["before_ms"], row["after_ms"]) and row["max_abs_diff"] == 0.0, row
+
+
+def test_a_server_keeps_vllm_sockets_in_a_folder_of_its_own(tmp_path):
+    """vLLM's processes create their ZeroMQ sockets as files named by UUIDs in VLLM_RPC_BASE_PATH (default:
+    the temp folder) and leave them there: every bench server (vllm_bench.Server) is given a folder of its own
+    for them, which goes, with what its process group left in it, when the server stops."""
+    import tempfile
+    import time
+
+    from bench.vllm_bench import Server
+
+    script = (
+        "import os, pathlib, time; "
+        "pathlib.Path(os.environ['VLLM_RPC_BASE_PATH'], 'a0c1-socket').write_text('left behind'); "
+        "time.sleep(120)"
+    )
+    server = Server("rpc-probe", [sys.executable, "-c", script], {}, tmp_path)
+    left = server.rpc_dir / "a0c1-socket"
+    try:
+        assert server.rpc_dir.parent == Path(tempfile.gettempdir())
+        deadline = time.monotonic() + 60
+        while not left.is_file() and server.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert left.is_file(), f"the process did not write into its own folder:\n{server.tail()}"
+    finally:
+        server.stop()
+    assert server.proc.returncode is not None
+    assert not server.rpc_dir.exists()
