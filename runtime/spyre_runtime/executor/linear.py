@@ -14,12 +14,13 @@ that is opaque to the compiler: the compiled graph (cached or not) holds plain w
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
 not bit for bit.
 
-A step of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 16 in float32, 3 in bfloat16) runs
+A step of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 16 in float32, 4 in bfloat16) runs
 the extension's row linear on the plain weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`):
 at one row the layer is a matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s
 where oneDNN's packed GEMM reads 10-22 (bench/README.md run 28); at a few rows it still reads the weight once,
 prefetched ahead, and in a float32 decode step took 0.69-0.82 of oneDNN's time at 3 to 8 rows and 0.88 at 16;
-in bfloat16, where oneDNN has the CPU's bf16 dot products, 0.82-0.85 at 1 to 3 rows and 0.98 at 4 (run 50).
+in bfloat16, where oneDNN has the CPU's bf16 dot products, 0.82-0.85 at 1 to 3 rows and 0.80-0.98 at 4
+(runs 50 and 51).
 A mixed step whose live rows are more takes oneDNN for all of them, its few decode rows too: they then read
 the packed weight that the chunk's GEMM has just brought into the cache (the row linear on them, reading the
 plain weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
@@ -61,12 +62,13 @@ _live_decode: int | None = None  # of those, the live decode rows the paged deco
 Spans = tuple[tuple[int, int], tuple[int, int]]
 # by the weight's dtype, at most this many live rows of a step are the row linear's (the C++ kernel is given
 # them at `_take_over`). SmolLM2's 121 weights at 2 threads, ours against oneDNN's packed GEMM, in the decode
-# step (bench/profile_step.py --live) and alone (bench/row_linear_bench.py), bench/README.md run 50. float32:
-# 0.69-0.82x of oneDNN's time at 3, 4 and 8 rows in the step, 0.88x at 16; alone 0.57-0.85x at 1 to 8 rows,
-# 0.86-0.98x at 12 and 16, 0.99-1.09x at 32. bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot
-# products where ours widens to float32: 0.82-0.85x at 1 to 3 rows in the step (alone 0.57-0.69x), 0.98x at
-# 4 and 1.10x at 6.
-ROW_LINEAR_ROWS = {torch.float32: 16, torch.bfloat16: 3}
+# step (bench/profile_step.py --live) and alone (bench/row_linear_bench.py), bench/README.md runs 50 (Zen 5)
+# and 51 (Zen 4). float32: 0.69-0.82x of oneDNN's time at 3, 4 and 8 rows in the step, 0.88x at 16; alone
+# 0.57-0.85x at 1 to 8 rows, 0.86-0.98x at 12 and 16, 0.95x at 24, 0.99-1.09x at 32. bfloat16, whose GEMM
+# oneDNN runs with the CPU's bf16 dot products where ours widens to float32: 0.82-0.85x at 1 to 3 rows in the
+# step (alone 0.57-0.69x); at 4 rows 0.98x on the Zen 5 and 0.80-0.90x on the Zen 4; at 5 rows 0.98x and at
+# 6 1.05-1.10x.
+ROW_LINEAR_ROWS = {torch.float32: 16, torch.bfloat16: 4}
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
 
