@@ -130,7 +130,9 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
         key = (namespace, labels[MODEL_LABEL])
         if type == "DELETED":
             memo.cache.pool_gone(key)
-        elif not memo.cache.pool_seen(key) and type != "MODIFIED":
+        else:
+            memo.cache.pool_reported(key)
+        if type != "DELETED" and not memo.cache.pool_seen(key) and type != "MODIFIED":
             return  # known already, and listed at start-up (checked anyway) or just created
         memo.cache.owned_changed(key)  # new to the cache, drifted or deleted: check it again
         memo.queue.add(key)

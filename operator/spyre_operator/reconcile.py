@@ -142,10 +142,15 @@ class Reconciler:
         """Checked once per generation and again when its watch reports a change; while the cluster does not
         serve the InferencePool API, at every pass (asking the API server once per resync period). A model
         that wants none is asked about only when the watch has seen a pool of its. Pods do not depend on it.
+        A pool is taken as checked only once its watch has reported it: kopf starts that watch when the CRD
+        appears, and in `make test` it once did not after the CRD had gone and come back, so a drift went
+        unrepaired; until the watch reports the pool, every pass (each resync) checks it again with one read.
         The pool's state for the status; None when the model wants none."""
         stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
         is_checked = self.cache.owned_stamp(key, "InferencePool") == stamp
-        if not is_checked and self.inference_pool.ensure(key, model, spec, work, self.cache.has_pool(key)):
+        has_pool = self.cache.has_pool(key)
+        settled = not is_checked and self.inference_pool.ensure(key, model, spec, work, has_pool)
+        if settled and (self.inference_pool.state(key) is None or self.cache.is_pool_reported(key)):
             self.cache.set_owned_stamp(key, "InferencePool", stamp)
         state = self.inference_pool.state(key)
         if state is not None and state.is_ready:

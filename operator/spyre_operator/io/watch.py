@@ -47,6 +47,7 @@ class WatchCache:
         self._pods: dict[Key, dict[str, dict]] = {}
         self._owned: dict[Key, dict[str, tuple]] = {}  # key -> {what was checked: the model's stamp}
         self._pools: set[Key] = set()  # models whose InferencePool the watch has seen (and not seen go)
+        self._pools_reported: set[Key] = set()  # of those, the ones the pool watch itself has reported
         self._policies: set[Key] = set()  # models whose NetworkPolicy the watch has seen (and not seen go)
         # the operator's own pod writes the watch has not shown yet: key -> {pod name: (created?, deadline)}
         self._expected: dict[Key, dict[str, tuple[bool, float]]] = {}
@@ -161,6 +162,16 @@ class WatchCache:
     def pool_gone(self, key: Key) -> None:
         with self._lock:
             self._pools.discard(key)
+            self._pools_reported.discard(key)
+
+    def pool_reported(self, key: Key) -> None:
+        """Notes that the pool watch has delivered an event of the model's InferencePool (it is watched)."""
+        with self._lock:
+            self._pools_reported.add(key)
+
+    def is_pool_reported(self, key: Key) -> bool:
+        with self._lock:
+            return key in self._pools_reported
 
     def has_pool(self, key: Key) -> bool:
         """Whether the watch has seen an InferencePool of the model (none seen: nothing to remove)."""

@@ -317,3 +317,41 @@ def test_the_watch_cache_says_which_models_have_a_pool():
     assert cache.has_pool(KEY) and not cache.has_pool(("ml", "other"))
     cache.pool_gone(KEY)
     assert not cache.has_pool(KEY) and cache.pool_seen(KEY)
+    assert not cache.is_pool_reported(KEY)
+    cache.pool_reported(KEY)
+    assert cache.is_pool_reported(KEY) and not cache.is_pool_reported(("ml", "other"))
+    cache.pool_gone(KEY)
+    assert not cache.is_pool_reported(KEY)
+
+
+def test_a_pool_its_watch_has_not_reported_is_checked_again_at_every_pass():
+    """kopf starts the pool watch when the CRD appears; `make test` once saw it not do so after the CRD had
+    gone and come back, and a drifted pool stayed drifted (its change never reached the operator). So a pool
+    is checked for the model's generation only once its watch has reported it: until then every pass (each
+    resync) reads it again and repairs it; after that no pass reads it until the watch says it changed."""
+    from kubernetes import client
+    from spyre_operator.reconcile import Reconciler
+
+    m = model(inferencePool={})
+    spec = check_spec("granite", m["spec"], SETTINGS)
+    kube = FakeKube()
+    reconciler = Reconciler(SETTINGS, client.ApiClient())
+    reconciler.inference_pool, events = step_for(kube)
+    assert reconciler._ensure_inference_pool(KEY, m, spec, Pass()).is_ready  # made
+    kube.pools["granite"]["spec"]["targetPorts"] = [{"number": 9999}]  # drifted, and no watch event
+    assert reconciler._ensure_inference_pool(KEY, m, spec, Pass()).is_ready
+    assert kube.pools["granite"] == pool_of(m) and events.posted[-1][0] == "InferencePoolRepaired"
+    reconciler.cache.pool_reported(KEY)  # the watch delivers the pool's events
+    reconciler._ensure_inference_pool(KEY, m, spec, Pass())  # read once more, then checked
+    calls = list(kube.calls)
+    for _ in range(3):
+        assert reconciler._ensure_inference_pool(KEY, m, spec, Pass()).is_ready
+    assert kube.calls == calls
+    # a model that wants no pool settles at once, with no watch to wait for
+    off = model(inferencePool={"enabled": False})
+    off_spec = check_spec("granite", off["spec"], SETTINGS)
+    reconciler.cache.owned_changed(KEY)
+    assert reconciler._ensure_inference_pool(KEY, off, off_spec, Pass()) is None and kube.pools == {}
+    calls = list(kube.calls)
+    assert reconciler._ensure_inference_pool(KEY, off, off_spec, Pass()) is None
+    assert kube.calls == calls
