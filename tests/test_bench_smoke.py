@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -226,9 +228,6 @@ def test_a_server_keeps_vllm_sockets_in_a_folder_of_its_own(tmp_path):
     """vLLM's processes create their ZeroMQ sockets as files named by UUIDs in VLLM_RPC_BASE_PATH (default:
     the temp folder) and leave them there: every bench server (vllm_bench.Server) is given a folder of its own
     for them, which goes, with what its process group left in it, when the server stops."""
-    import tempfile
-    import time
-
     from bench.vllm_bench import Server
 
     script = (

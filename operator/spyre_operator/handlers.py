@@ -132,8 +132,8 @@ def build_registry(settings: OperatorSettings) -> kopf.OperatorRegistry:
             memo.cache.pool_gone(key)
         else:
             memo.cache.pool_reported(key)
-        if type != "DELETED" and not memo.cache.pool_seen(key) and type != "MODIFIED":
-            return  # known already, and listed at start-up (checked anyway) or just created
+            if not memo.cache.pool_seen(key) and type != "MODIFIED":
+                return  # known already, and listed at start-up (checked anyway) or just created
         memo.cache.owned_changed(key)  # new to the cache, drifted or deleted: check it again
         memo.queue.add(key)
 

@@ -148,8 +148,9 @@ class Reconciler:
         The pool's state for the status; None when the model wants none."""
         stamp = (model["metadata"]["uid"], model["metadata"].get("generation"))
         is_checked = self.cache.owned_stamp(key, "InferencePool") == stamp
-        has_pool = self.cache.has_pool(key)
-        settled = not is_checked and self.inference_pool.ensure(key, model, spec, work, has_pool)
+        settled = not is_checked and self.inference_pool.ensure(
+            key, model, spec, work, self.cache.has_pool(key)
+        )
         if settled and (self.inference_pool.state(key) is None or self.cache.is_pool_reported(key)):
             self.cache.set_owned_stamp(key, "InferencePool", stamp)
         state = self.inference_pool.state(key)
