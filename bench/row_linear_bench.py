@@ -44,6 +44,8 @@ def main() -> int:
     shapes = SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in shapes]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    for w in weights:  # the row linear's panels, made once as linear.pack_linears has them made
+        torch.ops.spyre_kernels.register_rows(w.data_ptr(), w)
     ours_op = torch.ops.spyre_kernels.linear_row.default
     results = {
         "dtype": args.dtype,

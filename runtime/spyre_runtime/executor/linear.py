@@ -14,13 +14,15 @@ that is opaque to the compiler: the compiled graph (cached or not) holds plain w
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
 not bit for bit.
 
-A step of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 16 in float32, 4 in bfloat16) runs
-the extension's row linear on the plain weight instead (kernels/linear_row.cpp, `paged_attention.row_kernel`):
-at one row the layer is a matrix-vector product, bound by memory, and it reads the weight at 20-26.5 GB/s
-where oneDNN's packed GEMM reads 10-22 (bench/README.md run 28); at a few rows it still reads the weight once,
-prefetched ahead, and in a float32 decode step took 0.69-0.82 of oneDNN's time at 3 to 8 rows and 0.88 at 16;
-in bfloat16, where oneDNN has the CPU's bf16 dot products, 0.82-0.85 at 1 to 3 rows and 0.80-0.98 at 4
-(runs 50 and 51).
+A step of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 32 in float32, 8 in bfloat16) runs
+the extension's row linear instead (kernels/linear_row.cpp, `paged_attention.row_kernel`), on a third copy of
+the weight, in panels of a few vector widths of outputs (made once the extension is loaded, `_put_in_panels`,
+and dropped with the layer): at one row the layer is a matrix-vector product, bound by memory, and the panels
+are read at the read probe's bandwidth where oneDNN's packed GEMM reads 10-22 GB/s (bench/README.md run 28); at
+a few rows each load of the weight serves up to 8 rows with no horizontal sums. On SmolLM2's 121 weights alone
+(bench/README.md run 52, a Zen 4) it took 0.58-0.73 of oneDNN's time at 1 to 8 rows and 0.82-0.87 at 16 to 32
+in float32, 0.63-0.80 at 1 to 4 rows and 0.91-0.92 at 6 and 8 in bfloat16 (oneDNN has the CPU's bf16 dot
+products; ours widens to float32), and 1.24-1.28 at 12 and 16.
 A mixed step whose live rows are more takes oneDNN for all of them, its few decode rows too: they then read
 the packed weight that the chunk's GEMM has just brought into the cache (the row linear on them, reading the
 plain weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
@@ -57,18 +59,18 @@ from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.executor.ops import opaque_op
 
 _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the weight packed for oneDNN
+# a packed layer's weight (its data_ptr) -> that weight, weakly: the row linear's panels are made from it once
+# the extension is loaded (`_put_in_panels`)
+_PLAIN: dict[int, weakref.ref] = {}
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 Spans = tuple[tuple[int, int], tuple[int, int]]
 # by the weight's dtype, at most this many live rows of a step are the row linear's (the C++ kernel is given
-# them at `_take_over`). SmolLM2's 121 weights at 2 threads, ours against oneDNN's packed GEMM, in the decode
-# step (bench/profile_step.py --live) and alone (bench/row_linear_bench.py), bench/README.md runs 50 (Zen 5)
-# and 51 (Zen 4). float32: 0.69-0.82x of oneDNN's time at 3, 4 and 8 rows in the step, 0.88x at 16; alone
-# 0.57-0.85x at 1 to 8 rows, 0.86-0.98x at 12 and 16, 0.95x at 24, 0.99-1.09x at 32. bfloat16, whose GEMM
-# oneDNN runs with the CPU's bf16 dot products where ours widens to float32: 0.82-0.85x at 1 to 3 rows in the
-# step (alone 0.57-0.69x); at 4 rows 0.98x on the Zen 5 and 0.80-0.90x on the Zen 4; at 5 rows 0.98x and at
-# 6 1.05-1.10x.
-ROW_LINEAR_ROWS = {torch.float32: 16, torch.bfloat16: 4}
+# them at `_take_over`). SmolLM2's 121 weights at 2 threads on a Zen 4 EPYC, the row linear's panels against
+# oneDNN's packed GEMM (bench/row_linear_bench.py, bench/README.md run 52): float32 0.58-0.73x of oneDNN's time
+# at 1 to 8 rows, 0.82x at 16, 0.85x at 24, 0.87x at 32; bfloat16, whose GEMM oneDNN runs with the CPU's bf16
+# dot products where ours widens to float32, 0.63-0.80x at 1 to 4 rows, 0.91-0.92x at 6 and 8, 1.24x at 12.
+ROW_LINEAR_ROWS = {torch.float32: 32, torch.bfloat16: 8}
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
 
@@ -123,15 +125,25 @@ def _take_over() -> None:
         torch.ops.spyre_kernels.set_row_limits(*limits)
         for key, packed in list(_PACKED.items()):
             torch.ops.spyre_kernels.register_packed(key, packed)
+            _put_in_panels(key)
             if key not in _PACKED:  # its layer went meanwhile, its finalizer on this thread
                 torch.ops.spyre_kernels.forget_packed(key)
         _tell_live()
         torch.ops.spyre_kernels.serve_packed_linear()
 
 
+def _put_in_panels(key: int) -> None:
+    """The row linear's copy of a packed layer's weight, in its panels (kernels/linear_row.cpp), for the dtypes
+    it serves: made once, read at every step of a few live rows; forgotten with the packed weight."""
+    weight = _PLAIN.get(key, lambda: None)()
+    if weight is not None and ROW_LINEAR_ROWS.get(weight.dtype, 0) > 0:
+        torch.ops.spyre_kernels.register_rows(key, weight.detach())
+
+
 def _forget(key: int) -> None:
     with _lock:
         _PACKED.pop(key, None)
+        _PLAIN.pop(key, None)
         if _native:
             torch.ops.spyre_kernels.forget_packed(key)
 
@@ -232,9 +244,11 @@ def pack_linears(model: torch.nn.Module, rows: int) -> int:
             with _lock:
                 if key not in _PACKED:
                     _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
+                    _PLAIN[key] = weakref.ref(module.weight)
                     weakref.finalize(module.weight, _forget, key)
                     if _native:
                         torch.ops.spyre_kernels.register_packed(key, _PACKED[key])
+                        _put_in_panels(key)
             module.__class__ = _packed_class(type(module))
             n += 1
     return n

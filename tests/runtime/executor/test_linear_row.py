@@ -3,6 +3,8 @@ F.linear on a table of shapes (rows of x and of the weight not multiples of its 
 vector width, with and without bias), run by the packed linear layers for steps of at most
 linear.ROW_LINEAR_ROWS[dtype] live rows and by nothing else, and clear about bad input."""
 
+import gc
+
 import pytest
 import torch
 from spyre_runtime.executor import linear
@@ -32,17 +34,65 @@ def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows, d
     x, weight = torch.randn(rows, k_len, generator=gen), torch.randn(n_out, k_len, generator=gen)
     bias = torch.randn(n_out, generator=gen) if with_bias else None
     x, weight, bias = (None if t is None else t.to(dtype) for t in (x, weight, bias))
-    # against float64 on the same values, within float32's rounding of a sum of k_len products (each sum's
-    # order is the kernel's), and for bfloat16 the float32 sum's rounding to bfloat16 (half its 2^-7 step)
+    # against float64 on the same values, within float32's rounding of a sum of k_len products added in turn
+    # (the kernel's order: the textbook bound, k_len + 1 roundings of 2^-24 of the absolute sum), and for
+    # bfloat16 the float32 sum's rounding to bfloat16 (half its 2^-7 step)
     exact = torch.nn.functional.linear(x.double(), weight.double(), None if bias is None else bias.double())
     sums = x.abs().double() @ weight.abs().double().T + (0 if bias is None else bias.abs().double())
-    bound = 2e-6 * sums + 1e-7 + (2**-8 * exact.abs() if dtype == torch.bfloat16 else 0)
+    bound = (k_len + 2) * 2**-24 * sums + 1e-7 + (2**-8 * exact.abs() if dtype == torch.bfloat16 else 0)
     outs = [linear_row(x, weight, bias)]
     if dtype == torch.float32:  # the bound holds for ATen's own float32 linear too
         outs.append(torch.nn.functional.linear(x, weight, bias))
     for out in outs:
         assert out.dtype == dtype and out.shape == (rows, n_out)
         assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max()
+
+
+def test_the_row_linear_reads_the_panels_registered_for_its_weight_until_they_are_forgotten(linear_row):
+    """The panels registered for a weight's address (linear.pack_linears registers every packed layer's) are
+    what the row linear reads for that weight; a weight of another shape at the address, or the weight once
+    they are forgotten, is put in panels of its own at the call."""
+    gen = torch.Generator().manual_seed(7)
+    weight, other, x = (torch.randn(*shape, generator=gen) for shape in ((40, 48), (40, 48), (3, 48)))
+    key = weight.data_ptr()
+    torch.ops.spyre_kernels.register_rows(key, other)
+    try:
+        torch.testing.assert_close(linear_row(x, weight, None), torch.nn.functional.linear(x, other))
+        reshaped = weight.view(80, 24)  # the same address, another shape
+        torch.testing.assert_close(
+            linear_row(x.view(-1, 24)[:5], reshaped, None), torch.nn.functional.linear(x.view(-1, 24)[:5], reshaped)
+        )
+    finally:
+        torch.ops.spyre_kernels.forget_rows(key)
+    torch.testing.assert_close(linear_row(x, weight, None), torch.nn.functional.linear(x, weight))
+    torch.ops.spyre_kernels.register_rows(key, other)
+    torch.ops.spyre_kernels.forget_packed(key)  # what a packed layer's finalizer calls: its panels go too
+    torch.testing.assert_close(linear_row(x, weight, None), torch.nn.functional.linear(x, weight))
+
+
+def ran_packing(fn) -> bool:
+    """Whether the row linear put a weight in panels while fn() ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return any(e.name == "spyre_kernels::pack_rows" for e in prof.events())
+
+
+def test_a_packed_layer_has_its_panels_made_once_at_load_and_dropped_with_it(linear_row):
+    layer = torch.nn.Sequential(torch.nn.Linear(48, 40))
+    assert linear.pack_linears(layer, 8) == 1
+    weight, x = layer[0].weight, torch.randn(3, 48)
+    with torch.no_grad():
+        out, ran = ran_linear_row(lambda: layer(x))
+        assert ran and not ran_packing(lambda: layer(x))  # the row linear, on the panels made at load
+        torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, layer[0].bias))
+        weight.mul_(0.5)  # a weight never changes after load: the panels are a copy
+        torch.testing.assert_close(layer(x), out)
+        assert ran_packing(lambda: linear_row(x, weight.clone(), None))  # a weight nobody registered
+    key = weight.data_ptr()
+    assert key in linear._PLAIN
+    del layer, weight
+    gc.collect()  # the layer's finalizer forgets its packed weight and, with it, its panels (forget_packed)
+    assert key not in linear._PACKED and key not in linear._PLAIN
 
 
 def test_bad_input_is_named(linear_row):

@@ -2,42 +2,56 @@
 // sequences (up to linear.ROW_LINEAR_ROWS).
 //
 // out [m, N] = x [m, K] @ weight [N, K]^T (+ bias [N]). At one row a linear layer is a matrix-vector product
-// and waits on memory: every weight is read once per step and each of its floats is used once. oneDNN's GEMM
-// on the weight packed for it (linear.py) runs one row at 10-22 GB/s on SmolLM2's shapes (2 threads, AVX2
-// EPYC with a 25.7 GB/s read probe), the one-row version of this loop at 20-26.5 (bench/README.md run 28).
-// At a few rows the weight is still read once and the FMAs grow with the rows: they are hidden behind the
-// reads only if the reads are asked for early, so each task prefetches the weight four tiles ahead into L2
-// (without it, or into L1, the loop was slower than oneDNN's from four rows: bench/README.md run 50). The
-// rows of the weight are split over the threads in tasks of at least 64 KiB; a tile of four weight rows
-// shares each load of x, and each load of the weight serves up to four rows of x (two where a vector register
-// holds fewer than 16 floats), with one vector accumulator per pair; every sum is float32 (a bfloat16 weight is
-// widened as it is loaded, x once per call, and each output rounded to bfloat16 once). Built into the same
-// extension as paged_attention.cpp (the sources one after the other, paged_attention.py), on ATen's portable
-// vector layer; the prefetch is the compiler's builtin (GCC and Clang, on every ISA Spyre ships with).
+// and waits on memory: every weight is read once per step and each of its values is used once. At a few
+// rows the weight is still read once and the FMAs grow with the rows, until they are the bound.
+//
+// The weight is read from a copy of it in panels (`pack_rows`): [P, K, PW], PW = a few vector widths of
+// outputs (48 with AVX-512, 16 with AVX2), the last panel padded with zero outputs. One step of k loads PW
+// weights of consecutive outputs, and each row of x multiplies them by one broadcast value into its own PW
+// sums: no sum ends in a horizontal add, each weight load serves up to kPanelRows rows of x, and each thread reads
+// its panels as one stream from memory (prefetched a few steps ahead into L2). The layer's plain weight [N, K]
+// (an earlier version's layout, bench/README.md runs 28-51) made each output a dot product along k that ended
+// in a horizontal sum, with x re-read for every four outputs: on SmolLM2's 121 weights at 2 threads (a Zen 4
+// EPYC, bench/README.md run 52) the panels took 0.67-0.78 of its time at 8 rows and 0.81-0.88 at 16 and 32
+// (float32), where they also beat oneDNN's packed GEMM by 0.81-0.85 at 32 rows. The panels are made once per
+// layer (linear.py registers every packed layer's weight, `register_rows`; a weight that nobody registered is
+// put in panels at each call, for tests and benches) and dropped with the layer (`forget_rows`).
+//
+// Every sum is float32, along k in order (a bfloat16 weight widened as it is loaded, x once per call, and each
+// output rounded to bfloat16 once). Built into the same extension as paged_attention.cpp (the sources one
+// after the other, paged_attention.py), on ATen's portable vector layer; the prefetch is the compiler's builtin
+// (GCC and Clang, on every ISA Spyre ships with).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/record_function.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <vector>
 
 namespace {
 
 using RowVec = at::vec::Vectorized<float>;
 
-float row_sum(RowVec acc) {
-  return at::vec::vec_reduce_all<float>([](RowVec a, RowVec b) { return a + b; }, acc);
-}
-
-// the weight rows at a time of a tile, and the x rows (at most) that share each load of them: a tile's
-// accumulators, W * R vectors, stay in registers (AVX-512 has 32, the others 16 or so of their width)
-constexpr int kTileW = 4;
-constexpr int kTileR = RowVec::size() >= 16 ? 4 : 2;
+// a panel's outputs in vectors, and the most rows of x that share its weight loads: the accumulators,
+// kPanelRows * kPanelVecs vectors, stay in registers (AVX-512 has 32, AVX2 16)
+constexpr int kPanelVecs = RowVec::size() >= 16 ? 3 : 2;
+constexpr int kPanelRows = RowVec::size() >= 16 ? 8 : 4;
+constexpr int64_t kPanel = RowVec::size() * kPanelVecs;  // PW, a panel's outputs
+// the weight is prefetched this far ahead of the loads: 32 steps of k of a float32 panel, 64 of a bfloat16 one.
+// SmolLM2's 121 weights with the L3 emptied between calls, as a step's other ops do (bench/README.md run 52):
+// 512 bytes ahead took 1.1-1.5x the time of this at 4 to 16 rows, 12 KiB up to 1.05x
+constexpr int64_t kAheadBytes = 6144;
 
 // one vector of floats from the weight: float32 as it is, bfloat16 widened (the sums stay float32)
 inline RowVec load_row(const float* p) {
@@ -50,77 +64,117 @@ inline RowVec load_row(const c10::BFloat16* p) {
   return v;
 }
 
-// out[r * n_out + i] = x[r] . w[i] (+ bias[i]) for R rows of x (float32) and W rows of the weight (T), both
-// k_len long; each load of a weight vector serves the R rows, each load of an x vector the W weight rows
-template <int R, int W, typename T>
-inline void tile(const float* x, const T* w, const T* bias, T* out, int64_t k_len, int64_t n_out) {
-  constexpr int64_t width = RowVec::size();
-  RowVec acc[W][R];
-  for (int i = 0; i < W; ++i) {
-    for (int r = 0; r < R; ++r) {
-      acc[i][r] = RowVec(0.f);
+// sums[r * kPanel + o] = x[r] . panel's output o, for R rows of x (float32, k_len apart) and one panel [K, PW]
+template <int R, typename T>
+inline void panel_rows(const float* x, int64_t k_len, const T* panel, float* sums) {
+  RowVec acc[R][kPanelVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kPanelVecs; ++j) {
+      acc[r][j] = RowVec(0.f);
     }
   }
-  int64_t k = 0;
-  for (; k + width <= k_len; k += width) {
-    RowVec wv[W];
-    for (int i = 0; i < W; ++i) {
-      wv[i] = load_row(w + i * k_len + k);
-      __builtin_prefetch(w + (i + 4 * W) * k_len + k, 0, 2);  // a line of a row four tiles on, into L2
+  for (int64_t k = 0; k < k_len; ++k) {
+    const T* step = panel + k * kPanel;
+    const char* ahead = reinterpret_cast<const char*>(step) + kAheadBytes;
+    for (int64_t line = 0; line < kPanel * static_cast<int64_t>(sizeof(T)); line += 64) {
+      __builtin_prefetch(ahead + line, 0, 2);
+    }
+    RowVec w[kPanelVecs];
+    for (int j = 0; j < kPanelVecs; ++j) {
+      w[j] = load_row(step + j * RowVec::size());
     }
     for (int r = 0; r < R; ++r) {
-      const RowVec xv = RowVec::loadu(x + r * k_len + k);
-      for (int i = 0; i < W; ++i) {
-        acc[i][r] = at::vec::fmadd(wv[i], xv, acc[i][r]);
+      const RowVec xr(x[r * k_len + k]);
+      for (int j = 0; j < kPanelVecs; ++j) {
+        acc[r][j] = at::vec::fmadd(w[j], xr, acc[r][j]);
       }
     }
   }
-  for (int i = 0; i < W; ++i) {
-    for (int r = 0; r < R; ++r) {
-      float s = row_sum(acc[i][r]);
-      for (int64_t t = k; t < k_len; ++t) {
-        s += static_cast<float>(w[i * k_len + t]) * x[r * k_len + t];
-      }
-      out[r * n_out + i] = static_cast<T>(s + (bias ? static_cast<float>(bias[i]) : 0.f));
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kPanelVecs; ++j) {
+      acc[r][j].store(sums + r * kPanel + j * RowVec::size());
     }
   }
 }
 
-template <int W, typename T>
-inline void tile_rows(int r, const float* x, const T* w, const T* bias, T* out, int64_t k_len, int64_t n_out) {
-  switch (r) {
-    case 1:
-      tile<1, W>(x, w, bias, out, k_len, n_out);
-      break;
-    case 2:
-      tile<2, W>(x, w, bias, out, k_len, n_out);
-      break;
-    case 3:
-      tile<3 <= kTileR ? 3 : 1, W>(x, w, bias, out, k_len, n_out);
-      break;
-    default:
-      tile<kTileR, W>(x, w, bias, out, k_len, n_out);
-  }
-}
-
-// out[r][j] = x[r] . weight[j] (+ bias[j]) for the m rows of x and the weight rows [begin, end): tile by tile
-// of kTileW weight rows, and within a tile the x rows kTileR at a time (the tile's weight is in L1 again)
 template <typename T>
-void rows_times(const float* x, int64_t m, const T* weight, const T* bias, T* out, int64_t k_len, int64_t n_out,
-                int64_t begin, int64_t end) {
-  int64_t j = begin;
-  for (; j + kTileW <= end; j += kTileW) {
-    for (int64_t r = 0; r < m; r += kTileR) {
-      tile_rows<kTileW>(static_cast<int>(std::min<int64_t>(kTileR, m - r)), x + r * k_len, weight + j * k_len,
-                        bias ? bias + j : nullptr, out + r * n_out + j, k_len, n_out);
+inline void panel_of(int rows, const float* x, int64_t k_len, const T* panel, float* sums) {
+  switch (rows) {
+#define SPYRE_PANEL_ROWS(n)                                            \
+  case n:                                                              \
+    panel_rows<(n <= kPanelRows ? n : 1)>(x, k_len, panel, sums); \
+    break;
+    SPYRE_PANEL_ROWS(1)
+    SPYRE_PANEL_ROWS(2)
+    SPYRE_PANEL_ROWS(3)
+    SPYRE_PANEL_ROWS(4)
+    SPYRE_PANEL_ROWS(5)
+    SPYRE_PANEL_ROWS(6)
+    SPYRE_PANEL_ROWS(7)
+#undef SPYRE_PANEL_ROWS
+    default:
+      panel_rows<kPanelRows>(x, k_len, panel, sums);
+  }
+}
+
+// out [m, n_out] = x @ weight^T (+ bias) from the weight's panels, over the threads by panel
+template <typename T>
+void rows_times(const float* x, int64_t m, const T* panels, const T* bias, T* out, int64_t k_len, int64_t n_out) {
+  const int64_t count = (n_out + kPanel - 1) / kPanel;
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float sums[kPanelRows * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * kPanel, width = std::min<int64_t>(kPanel, n_out - first);
+      for (int64_t r0 = 0; r0 < m; r0 += kPanelRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r0));
+        panel_of<T>(rows, x + r0 * k_len, k_len, panels + p * k_len * kPanel, sums);
+        for (int r = 0; r < rows; ++r) {
+          T* row_out = out + (r0 + r) * n_out + first;
+          for (int64_t o = 0; o < width; ++o) {
+            row_out[o] = static_cast<T>(sums[r * kPanel + o] + (bias ? static_cast<float>(bias[first + o]) : 0.f));
+          }
+        }
+      }
+    }
+  });
+}
+
+// a weight [N, K] in panels [P, K, PW], the outputs past N zero
+at::Tensor pack_rows(const at::Tensor& weight) {
+  RECORD_FUNCTION("spyre_kernels::pack_rows", std::vector<c10::IValue>());
+  TORCH_CHECK(weight.dim() == 2, "pack_rows: weight must be 2-d [out, in], got ", weight.dim(), "-d");
+  const int64_t n_out = weight.size(0), k_len = weight.size(1), count = (n_out + kPanel - 1) / kPanel;
+  at::Tensor padded = at::zeros({count * kPanel, k_len}, weight.options());
+  padded.narrow(0, 0, n_out).copy_(weight);
+  return padded.view({count, kPanel, k_len}).transpose(1, 2).contiguous();
+}
+
+std::shared_mutex rows_mutex;
+std::unordered_map<int64_t, at::Tensor> row_panels;  // a weight's address -> its panels (register_rows)
+
+void register_rows(int64_t address, const at::Tensor& weight) {
+  at::Tensor panels = pack_rows(weight);
+  std::unique_lock<std::shared_mutex> lock(rows_mutex);
+  row_panels[address] = std::move(panels);
+}
+
+void forget_rows(int64_t address) {
+  std::unique_lock<std::shared_mutex> lock(rows_mutex);
+  row_panels.erase(address);
+}
+
+// the registered panels of this weight (by its address, of its shape and dtype), else new ones
+at::Tensor panels_of(const at::Tensor& weight) {
+  {
+    std::shared_lock<std::shared_mutex> lock(rows_mutex);
+    const auto found = row_panels.find(reinterpret_cast<int64_t>(weight.data_ptr()));
+    if (found != row_panels.end() && found->second.scalar_type() == weight.scalar_type() &&
+        found->second.size(1) == weight.size(1) && found->second.size(0) * kPanel >= weight.size(0) &&
+        (found->second.size(0) - 1) * kPanel < weight.size(0)) {
+      return found->second;
     }
   }
-  for (; j < end; ++j) {
-    for (int64_t r = 0; r < m; r += kTileR) {
-      tile_rows<1>(static_cast<int>(std::min<int64_t>(kTileR, m - r)), x + r * k_len, weight + j * k_len,
-                   bias ? bias + j : nullptr, out + r * n_out + j, k_len, n_out);
-    }
-  }
+  return pack_rows(weight);
 }
 
 // out [m, N] (contiguous, the weight's dtype) = x @ weight^T (+ bias) for a checked x of m rows, over the threads
@@ -155,20 +209,17 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
   const int64_t m = x.numel() / k_len;
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == m * n_out,
               "linear_row: out must be a contiguous ", dtype, " [", m, ", ", n_out, "]");
-  // x's rows in float32 once (a few KiB), so the tiles' inner loop widens only the weight
+  const at::Tensor panels = panels_of(weight);
+  // x's rows in float32 once (a few KiB), so the inner loop widens only the weight
   const at::Tensor xf = dtype == at::kFloat ? x : x.to(at::kFloat).contiguous();
   const float* x_ptr = xf.data_ptr<float>();
-  const int64_t grain = std::max<int64_t>(kTileW, (16384 / k_len + kTileW - 1) / kTileW * kTileW);
-  const auto run = [&](auto* w_ptr, auto* bias_ptr, auto* out_ptr) {
-    at::parallel_for(0, n_out, grain, [&](int64_t begin, int64_t end) {
-      rows_times(x_ptr, m, w_ptr, bias_ptr, out_ptr, k_len, n_out, begin, end);
-    });
-  };
   if (dtype == at::kFloat) {
-    run(weight.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
+    rows_times(x_ptr, m, panels.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
+               out.data_ptr<float>(), k_len, n_out);
   } else {
     using B = c10::BFloat16;
-    run(weight.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>());
+    rows_times(x_ptr, m, panels.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr),
+               out.data_ptr<B>(), k_len, n_out);
   }
 }
 
@@ -176,6 +227,9 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
 
 TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def("linear_row(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  // linear.py's registry of panels (kernels for every dispatch key: they keep a tensor, or take none)
+  m.def("register_rows(int address, Tensor weight) -> ()", &register_rows);
+  m.def("forget_rows(int address) -> ()", &forget_rows);
 }
 
 TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {

@@ -53,8 +53,11 @@ void register_packed(int64_t address, const at::Tensor& packed) {
 }
 
 void forget_packed(int64_t address) {
-  std::unique_lock<std::shared_mutex> lock(packed_mutex);
-  packed_weights.erase(address);
+  {
+    std::unique_lock<std::shared_mutex> lock(packed_mutex);
+    packed_weights.erase(address);
+  }
+  forget_rows(address);  // the row linear's panels of that weight (linear_row.cpp)
 }
 
 void set_live(int64_t live) {
