@@ -1,10 +1,10 @@
 """The runtime's few-row linear (kernels/linear_row.cpp) against oneDNN's packed GEMM (linear.py) on
 SmolLM2-135M's 121 weights, one decode step's calls, called in turn in one process so both share the
-hour, the heat and the memory's state. A script with a report, not a timed test (bench/README.md run 50):
-it chose linear.ROW_LINEAR_ROWS.
+hour, the heat and the memory's state; since run 52 the caches are written over between two passes. A
+script with a report, not a timed test (bench/README.md runs 50 and 52): it chose linear.ROW_LINEAR_ROWS.
 
     .venv/bin/python bench/row_linear_bench.py [--dtype float32] [--rows 1,2,3,4,5,6,8,16] [--iters 12]
-                                               [--out FILE]
+                                               [--flush-mb 64] [--out FILE]
 
 Prints, for each row count, both medians of the whole step's linear layers and their ratio (ours / oneDNN's).
 """
@@ -32,6 +32,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="1,2,3,4,5,6,8,16")
     ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument(
+        "--flush-mb",
+        type=int,
+        default=64,
+        help="MB written between two passes, so neither finds weights in the L3 (0: none, as in runs 50-51)",
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -50,6 +56,7 @@ def main() -> int:
     results = {
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
+        "flush_mb": args.flush_mb,
         "weights_mb": sum(w.numel() * w.element_size() for w in weights) / 1e6,
     }
     for m in (int(r) for r in args.rows.split(",")):
@@ -65,10 +72,12 @@ def main() -> int:
             ]
 
         times: dict[str, list[float]] = {"ours": [], "onednn": []}
+        flush = torch.zeros(args.flush_mb << 18)  # float32: MB * 2^20 / 4
         for _ in range(2):
             ours(), onednn()
         for _ in range(args.iters):
             for name, fn in (("ours", ours), ("onednn", onednn)):
+                flush.add_(1.0)  # a step's other work (attention, the KV cache) between two passes
                 start = time.perf_counter()
                 fn()
                 times[name].append((time.perf_counter() - start) * 1e3)

@@ -16,13 +16,14 @@ not bit for bit.
 
 A step of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 32 in float32, 8 in bfloat16) runs
 the extension's row linear instead (kernels/linear_row.cpp, `paged_attention.row_kernel`), on a third copy of
-the weight, in panels of a few vector widths of outputs (made once the extension is loaded, `_put_in_panels`,
-and dropped with the layer): at one row the layer is a matrix-vector product, bound by memory, and the panels
-are read at the read probe's bandwidth where oneDNN's packed GEMM reads 10-22 GB/s (bench/README.md run 28); at
-a few rows each load of the weight serves up to 8 rows with no horizontal sums. On SmolLM2's 121 weights alone
-(bench/README.md run 52, a Zen 4) it took 0.58-0.73 of oneDNN's time at 1 to 8 rows and 0.82-0.87 at 16 to 32
-in float32, 0.63-0.80 at 1 to 4 rows and 0.91-0.92 at 6 and 8 in bfloat16 (oneDNN has the CPU's bf16 dot
-products; ours widens to float32), and 1.24-1.28 at 12 and 16.
+the weight, in panels of a few vector widths of outputs (made once the extension is loaded,
+`_put_in_panels`, and dropped with the layer): at one row the layer is a matrix-vector product, bound by
+memory, and the panels are read at the read probe's bandwidth where oneDNN's packed GEMM reads 10-22 GB/s
+(bench/README.md run 28); at a few rows each load of the weight serves up to 8 rows with no horizontal sums.
+On SmolLM2's 121 weights alone, the L3 emptied between calls as a step's other ops do (bench/README.md run 52,
+a Zen 4), it took 0.62-0.64 of oneDNN's time at 1 to 8 rows and 0.70-0.79 at 16 to 32 in float32; in bfloat16
+(oneDNN has the CPU's bf16 dot products, ours widens to float32) 0.57-0.65 at 1 to 4 rows, 0.84 at 8 and
+1.06-1.12 at 12 and 16.
 A mixed step whose live rows are more takes oneDNN for all of them, its few decode rows too: they then read
 the packed weight that the chunk's GEMM has just brought into the cache (the row linear on them, reading the
 plain weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
@@ -66,10 +67,10 @@ _live: int | None = None  # the current step's live rows (a prefix of the inputs
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 Spans = tuple[tuple[int, int], tuple[int, int]]
 # by the weight's dtype, at most this many live rows of a step are the row linear's (the C++ kernel is given
-# them at `_take_over`). SmolLM2's 121 weights at 2 threads on a Zen 4 EPYC, the row linear's panels against
-# oneDNN's packed GEMM (bench/row_linear_bench.py, bench/README.md run 52): float32 0.58-0.73x of oneDNN's time
-# at 1 to 8 rows, 0.82x at 16, 0.85x at 24, 0.87x at 32; bfloat16, whose GEMM oneDNN runs with the CPU's bf16
-# dot products where ours widens to float32, 0.63-0.80x at 1 to 4 rows, 0.91-0.92x at 6 and 8, 1.24x at 12.
+# them at `_take_over`): where it took less time than oneDNN's packed GEMM on SmolLM2's 121 weights at 2
+# threads (bench/row_linear_bench.py, bench/README.md run 52, a Zen 4): float32 0.62-0.79x at 1 to 32 rows;
+# bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot products where ours widens to float32, 0.84x at 8
+# rows and 1.12x at 12.
 ROW_LINEAR_ROWS = {torch.float32: 32, torch.bfloat16: 8}
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
@@ -133,8 +134,8 @@ def _take_over() -> None:
 
 
 def _put_in_panels(key: int) -> None:
-    """The row linear's copy of a packed layer's weight, in its panels (kernels/linear_row.cpp), for the dtypes
-    it serves: made once, read at every step of a few live rows; forgotten with the packed weight."""
+    """The row linear's copy of a packed layer's weight, in its panels (kernels/linear_row.cpp), for the
+    dtypes it serves: made once, read at every step of a few live rows; forgotten with the packed weight."""
     weight = _PLAIN.get(key, lambda: None)()
     if weight is not None and ROW_LINEAR_ROWS.get(weight.dtype, 0) > 0:
         torch.ops.spyre_kernels.register_rows(key, weight.detach())

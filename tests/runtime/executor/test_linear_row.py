@@ -59,9 +59,9 @@ def test_the_row_linear_reads_the_panels_registered_for_its_weight_until_they_ar
     try:
         torch.testing.assert_close(linear_row(x, weight, None), torch.nn.functional.linear(x, other))
         reshaped = weight.view(80, 24)  # the same address, another shape
-        torch.testing.assert_close(
-            linear_row(x.view(-1, 24)[:5], reshaped, None), torch.nn.functional.linear(x.view(-1, 24)[:5], reshaped)
-        )
+        rows = x.view(-1, 24)[:5]
+        expected = torch.nn.functional.linear(rows, reshaped)
+        torch.testing.assert_close(linear_row(rows, reshaped, None), expected)
     finally:
         torch.ops.spyre_kernels.forget_rows(key)
     torch.testing.assert_close(linear_row(x, weight, None), torch.nn.functional.linear(x, weight))
@@ -77,7 +77,8 @@ def ran_packing(fn) -> bool:
     return any(e.name == "spyre_kernels::pack_rows" for e in prof.events())
 
 
-def test_a_packed_layer_has_its_panels_made_once_at_load_and_dropped_with_it(linear_row):
+def packed_and_run(linear_row) -> int:
+    """A packed layer run for a few rows: on the panels made at load, a copy; the address of its weight."""
     layer = torch.nn.Sequential(torch.nn.Linear(48, 40))
     assert linear.pack_linears(layer, 8) == 1
     weight, x = layer[0].weight, torch.randn(3, 48)
@@ -88,9 +89,12 @@ def test_a_packed_layer_has_its_panels_made_once_at_load_and_dropped_with_it(lin
         weight.mul_(0.5)  # a weight never changes after load: the panels are a copy
         torch.testing.assert_close(layer(x), out)
         assert ran_packing(lambda: linear_row(x, weight.clone(), None))  # a weight nobody registered
-    key = weight.data_ptr()
-    assert key in linear._PLAIN
-    del layer, weight
+    assert weight.data_ptr() in linear._PLAIN
+    return weight.data_ptr()
+
+
+def test_a_packed_layer_has_its_panels_made_once_at_load_and_dropped_with_it(linear_row):
+    key = packed_and_run(linear_row)
     gc.collect()  # the layer's finalizer forgets its packed weight and, with it, its panels (forget_packed)
     assert key not in linear._PACKED and key not in linear._PLAIN
 
