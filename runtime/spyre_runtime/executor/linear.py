@@ -20,10 +20,10 @@ the weight, in panels of a few vector widths of outputs (made once the extension
 `_put_in_panels`, and dropped with the layer): at one row the layer is a matrix-vector product, bound by
 memory, and the panels are read at the read probe's bandwidth where oneDNN's packed GEMM reads 10-22 GB/s
 (bench/README.md run 28); at a few rows each load of the weight serves up to 8 rows with no horizontal sums.
-On SmolLM2's 121 weights alone, the L3 emptied between calls as a step's other ops do (bench/README.md run 52,
-a Zen 4), it took 0.62-0.64 of oneDNN's time at 1 to 8 rows and 0.70-0.79 at 16 to 32 in float32; in bfloat16
-(oneDNN has the CPU's bf16 dot products, ours widens to float32) 0.57-0.65 at 1 to 4 rows, 0.84 at 8 and
-1.06-1.12 at 12 and 16.
+On SmolLM2's 121 weights alone, the caches written over between passes as a step's other work does
+(bench/README.md run 52, a Zen 4), it took 0.55-0.80 of oneDNN's time from 1 to 40 rows in float32; in
+bfloat16 (oneDNN has the CPU's bf16 dot products, ours widens to float32) 0.51-0.75 up to 8 rows and 0.93-0.97
+at 10 to 16 (1.06-1.12 at 12 and 16 in another run of the same day).
 A mixed step whose live rows are more takes oneDNN for all of them, its few decode rows too: they then read
 the packed weight that the chunk's GEMM has just brought into the cache (the row linear on them, reading the
 plain weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
@@ -67,10 +67,10 @@ _live: int | None = None  # the current step's live rows (a prefix of the inputs
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 Spans = tuple[tuple[int, int], tuple[int, int]]
 # by the weight's dtype, at most this many live rows of a step are the row linear's (the C++ kernel is given
-# them at `_take_over`): where it took less time than oneDNN's packed GEMM on SmolLM2's 121 weights at 2
-# threads (bench/row_linear_bench.py, bench/README.md run 52, a Zen 4): float32 0.62-0.79x at 1 to 32 rows;
-# bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot products where ours widens to float32, 0.84x at 8
-# rows and 1.12x at 12.
+# them at `_take_over`): where it took clearly less time than oneDNN's packed GEMM on SmolLM2's 121 weights
+# at 2 threads (bench/row_linear_bench.py, bench/README.md run 52, a Zen 4): float32 0.55-0.80x at 1 to 32
+# rows (32 is the largest decode graph); bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot products
+# where ours widens to float32, 0.51-0.75x up to 8 rows, 0.93-1.12x at 10 to 16 in two runs.
 ROW_LINEAR_ROWS = {torch.float32: 32, torch.bfloat16: 8}
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
