@@ -26,7 +26,7 @@ bfloat16 (oneDNN has the CPU's bf16 dot products, ours widens to float32) 0.51-0
 at 10 to 16 (1.06-1.12 at 12 and 16 in another run of the same day).
 A mixed step whose live rows are more takes oneDNN for all of them, its few decode rows too: they then read
 the packed weight that the chunk's GEMM has just brought into the cache (the row linear on them, reading the
-plain weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
+weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
 `paged_attention.disabled()` oneDNN runs every row (the oracle).
 
 The op's decisions (which weight, which rows, which GEMM) are made in Python until the extension is
