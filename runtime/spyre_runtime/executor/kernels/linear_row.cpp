@@ -12,8 +12,8 @@
 // its panels as one stream from memory (prefetched a few steps ahead into L2). The layer's plain weight [N, K]
 // (an earlier version's layout, bench/README.md runs 28-51) made each output a dot product along k that ended
 // in a horizontal sum, with x re-read for every four outputs: on SmolLM2's 121 weights at 2 threads (a Zen 4
-// EPYC, bench/README.md run 52) the panels took 0.67-0.78 of its time at 8 rows and 0.81-0.88 at 16 and 32
-// (float32), where they also beat oneDNN's packed GEMM by 0.81-0.85 at 32 rows. The panels are made once per
+// EPYC, bench/README.md run 52, the kernels alternating in one process) the panels took 0.93 of its time at
+// 1 row and 0.72-0.81 at 4 to 32 rows (float32), and 0.55-0.80 of oneDNN's packed GEMM's from 1 to 40. The panels are made once per
 // layer (linear.py registers every packed layer's weight, `register_rows`; a weight that nobody registered is
 // put in panels at each call, for tests and benches) and dropped with the layer (`forget_rows`).
 //
@@ -49,9 +49,14 @@ constexpr int kPanelVecs = RowVec::size() >= 16 ? 3 : 2;
 constexpr int kPanelRows = RowVec::size() >= 16 ? 8 : 4;
 constexpr int64_t kPanel = RowVec::size() * kPanelVecs;  // PW, a panel's outputs
 // the weight is prefetched this far ahead of the loads: 32 steps of k of a float32 panel, 64 of a bfloat16 one.
-// SmolLM2's 121 weights with the L3 emptied between calls, as a step's other ops do (bench/README.md run 52):
-// 512 bytes ahead took 1.1-1.5x the time of this at 4 to 16 rows, 12 KiB up to 1.05x
+// SmolLM2's 121 float32 weights with the caches written over between passes, as a step's other work does
+// (bench/README.md run 52): 1.5 KiB ahead took 1.1-1.5x the time of this at 1 to 16 rows, 12 KiB 0.97-1.05x
 constexpr int64_t kAheadBytes = 6144;
+
+// the panels of a weight of n_out outputs
+inline int64_t panel_count(int64_t n_out) {
+  return (n_out + kPanel - 1) / kPanel;
+}
 
 // one vector of floats from the weight: float32 as it is, bfloat16 widened (the sums stay float32)
 inline RowVec load_row(const float* p) {
@@ -120,8 +125,7 @@ inline void panel_of(int rows, const float* x, int64_t k_len, const T* panel, fl
 // out [m, n_out] = x @ weight^T (+ bias) from the weight's panels, over the threads by panel
 template <typename T>
 void rows_times(const float* x, int64_t m, const T* panels, const T* bias, T* out, int64_t k_len, int64_t n_out) {
-  const int64_t count = (n_out + kPanel - 1) / kPanel;
-  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, panel_count(n_out), 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kPanelRows * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kPanel, width = std::min<int64_t>(kPanel, n_out - first);
@@ -143,7 +147,7 @@ void rows_times(const float* x, int64_t m, const T* panels, const T* bias, T* ou
 at::Tensor pack_rows(const at::Tensor& weight) {
   RECORD_FUNCTION("spyre_kernels::pack_rows", std::vector<c10::IValue>());
   TORCH_CHECK(weight.dim() == 2, "pack_rows: weight must be 2-d [out, in], got ", weight.dim(), "-d");
-  const int64_t n_out = weight.size(0), k_len = weight.size(1), count = (n_out + kPanel - 1) / kPanel;
+  const int64_t n_out = weight.size(0), k_len = weight.size(1), count = panel_count(n_out);
   at::Tensor padded = at::zeros({count * kPanel, k_len}, weight.options());
   padded.narrow(0, 0, n_out).copy_(weight);
   return padded.view({count, kPanel, k_len}).transpose(1, 2).contiguous();
@@ -169,8 +173,7 @@ at::Tensor panels_of(const at::Tensor& weight) {
     std::shared_lock<std::shared_mutex> lock(rows_mutex);
     const auto found = row_panels.find(reinterpret_cast<int64_t>(weight.data_ptr()));
     if (found != row_panels.end() && found->second.scalar_type() == weight.scalar_type() &&
-        found->second.size(1) == weight.size(1) && found->second.size(0) * kPanel >= weight.size(0) &&
-        (found->second.size(0) - 1) * kPanel < weight.size(0)) {
+        found->second.size(1) == weight.size(1) && found->second.size(0) == panel_count(weight.size(0))) {
       return found->second;
     }
   }
