@@ -6,9 +6,6 @@ script with a report, not a timed test (bench/README.md runs 50 and 52): it chos
     .venv/bin/python bench/row_linear_bench.py [--dtype float32] [--rows 1,2,3,4,5,6,8,16] [--iters 12]
                                                [--flush-mb 64] [--out FILE]
 
-Runs on transparent huge pages as the runtime does (spyre_runtime/hugepages.py; THP_MEM_ALLOC_ENABLE=0 for
-4 KiB pages).
-
 Prints, for each row count, both medians of the whole step's linear layers and their ratio (ours / oneDNN's).
 """
 
@@ -20,13 +17,10 @@ import sys
 import time
 from pathlib import Path
 
-from spyre_runtime import hugepages
-
-hugepages.enable()  # before torch, as the runtime's processes do (THP_MEM_ALLOC_ENABLE=0: 4 KiB pages)
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paged_attention_bench import write_results  # noqa: E402
+from paged_attention_bench import write_results
 
 HIDDEN, KV, MLP, LAYERS, VOCAB = 576, 192, 1536, 30, 49152  # SmolLM2-135M
 # a layer's weights [out, in] as FMS serves them (q, k and v fused, gate and up fused): qkv, o, gate-up, down;
@@ -63,7 +57,6 @@ def main() -> int:
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
         "flush_mb": args.flush_mb,
-        "huge_pages": hugepages.torch_allocates_huge(),
         "weights_mb": sum(w.numel() * w.element_size() for w in weights) / 1e6,
     }
     for m in (int(r) for r in args.rows.split(",")):

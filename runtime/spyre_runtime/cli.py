@@ -15,7 +15,6 @@ from pathlib import Path
 from spyre_contract.devices import allocated_cards, describe_cards
 from spyre_contract.tasks import check_task, is_pooling_task
 
-from spyre_runtime import hugepages
 from spyre_runtime.config import ConfigError, check_known_configuration, check_memory, load_config
 from spyre_runtime.engine.kv_events import parse_kv_events_config
 
@@ -376,11 +375,6 @@ def cmd_fetch_model(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:  # before torch is imported: its allocator reads the variable once (hugepages.py)
-        hugepages.enable()
-    except ConfigError as e:
-        print(f"spyre-runtime: error: {e}", file=sys.stderr)
-        return 2
     commands = {
         "serve": cmd_serve,
         "generate": cmd_generate,

@@ -18,7 +18,6 @@ import torch
 from spyre_contract.environment import ContractError
 from spyre_contract.memory import kv_cache_dtype_for
 
-from spyre_runtime import hugepages
 from spyre_runtime.config import RuntimeConfig, Shape
 from spyre_runtime.executor import kv_cache, linear
 from spyre_runtime.executor.compiler import (
@@ -83,8 +82,6 @@ class ModelExecutor:
             torch.distributed.barrier()
         self.dims = model_dims(self.model)
         self.packed = pack_weights(self.model, config, self.dtype)
-        if rank == 0 and config.backend != "sendnn":  # the weights' pages on CPU (hugepages.py)
-            log.info(hugepages.describe())
         prime_rotary(self.model, max(config.max_model_len, max(s.max_len for s in config.shapes)))
         self.inputs = StepInputs(config)
         if config.use_cb:
