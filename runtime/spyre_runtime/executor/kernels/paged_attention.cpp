@@ -17,7 +17,7 @@
 // longest first, and the last finisher of a split row merges the splits' partial softmaxes. A thread claims
 // its next item at its current item's last block, and asks for that item's first block while the last one
 // is read (spread over the last block's tokens, however few): no item starts cold (bench/README.md run 53:
-// a 32-row step of 129-160 tokens a row, 30 layers, 0.82-0.87x the time). Inside an item
+// a 32-row step of 129-160 tokens a row, 30 layers, 0.85-0.88x the time). Inside an item
 // the range is walked one block at a time (online softmax), and each block one KV head after another while
 // it is in the cache (its slots are contiguous; one head's slice of each slot is not): the group's scores
 // for the block, their running max and sum, then the block's values weighted into float accumulators. K/V
