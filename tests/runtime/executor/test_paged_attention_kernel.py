@@ -126,19 +126,23 @@ def test_a_float32_query_over_a_narrower_cache_equals_the_aten_ops(
     torch.testing.assert_close(got, oracle(*widened), atol=2e-5, rtol=2e-5)
 
 
+def with_threads(count, fn):
+    """fn() with torch's thread pool at `count` threads, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_long_context_split_across_threads_equals_one_thread_and_the_oracle(kernel):
     """One row of 4,000 tokens: with 2 threads its range is split and the splits' softmaxes merged."""
     query, key_cache, value_cache, table, seq_lens = layout([4000], 9, 3, 64, torch.float32)
     sinks = torch.randn(9)
     args = (query, key_cache, value_cache, table, seq_lens, 0.125, sinks, 0)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = kernel(*args, -1)
-        torch.set_num_threads(2)
-        split = kernel(*args, -1)
-    finally:
-        torch.set_num_threads(before)
+    single = with_threads(1, lambda: kernel(*args, -1))
+    split = with_threads(2, lambda: kernel(*args, -1))
     torch.testing.assert_close(split, single, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(split, oracle(*args), atol=2e-5, rtol=2e-5)
     # 32 ragged rows, some long: every row's splits land in its own output
@@ -157,14 +161,8 @@ def test_rows_claimed_in_turn_by_the_threads_are_each_attended_once(kernel, dtyp
     lens = [1, 2, 15, 16, 17, 63, 64, 65, 127, 129, 191, 193] * 3
     query, key_cache, value_cache, table, seq_lens = layout(lens, 9, 3, 64, dtype, seed=4)
     args = (query, key_cache, value_cache, table, seq_lens, 0.125, None, 0)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        single = kernel(*args, -1)
-        torch.set_num_threads(2)
-        runs = [kernel(*args, -1) for _ in range(5)]
-    finally:
-        torch.set_num_threads(before)
+    single = with_threads(1, lambda: kernel(*args, -1))
+    runs = with_threads(2, lambda: [kernel(*args, -1) for _ in range(5)])
     for got in runs:
         torch.testing.assert_close(got, single, atol=0, rtol=0)
     exact = oracle(query.float(), key_cache.float(), value_cache.float(), *args[3:])
