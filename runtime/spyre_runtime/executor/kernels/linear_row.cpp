@@ -13,9 +13,10 @@
 // (an earlier version's layout, bench/README.md runs 28-51) made each output a dot product along k that ended
 // in a horizontal sum, with x re-read for every four outputs: on SmolLM2's 121 weights at 2 threads (a Zen 4
 // EPYC, bench/README.md run 52, the kernels alternating in one process) the panels took 0.93 of its time at
-// 1 row and 0.72-0.81 at 4 to 32 rows (float32), and 0.55-0.80 of oneDNN's packed GEMM's from 1 to 40. The panels are made once per
-// layer (linear.py registers every packed layer's weight, `register_rows`; a weight that nobody registered is
-// put in panels at each call, for tests and benches) and dropped with the layer (`forget_rows`).
+// 1 row and 0.72-0.81 at 4 to 32 rows (float32), and 0.55-0.80 of oneDNN's packed GEMM's from 1 to 40. The
+// panels are made once per layer (linear.py registers every packed layer's weight, `register_rows`; a weight
+// that nobody registered is put in panels at each call, for tests and benches) and dropped with the layer
+// (`forget_rows`).
 //
 // Every sum is float32, along k in order (a bfloat16 weight widened as it is loaded, x once per call, and each
 // output rounded to bfloat16 once). Built into the same extension as paged_attention.cpp (the sources one

@@ -125,12 +125,16 @@ inline void prefetch(const T* p, int64_t width) {
   for (int64_t i = 0; i < width; i += kLine) __builtin_prefetch(p + i, 0, kLocality);
 }
 
-// Asks for the next block's slots that fall to token t of a block of n tokens: all `ahead` of them spread
-// evenly over the n tokens (ceil(ahead / n) a token), so that a short block (a row's last, of a few tokens)
-// still asks for the whole of the block read after it.
+// How many of the next block's `ahead` slots each of a block's n tokens asks for: all of them spread evenly
+// over the n tokens, so that a short block (a row's last, of a few tokens) still asks for the whole of the
+// block read after it. Once per block and head chunk, outside the token loops.
+inline int64_t slots_per_token(int64_t ahead, int64_t n) {
+  return (ahead + n - 1) / n;
+}
+
+// Asks for the next block's slots that fall to token t (`per` a token, slots_per_token).
 template <typename T>
-inline void prefetch_next(const T* next, int64_t stride, int64_t width, int64_t t, int64_t n, int64_t ahead) {
-  const int64_t per = (ahead + n - 1) / n;
+inline void prefetch_next(const T* next, int64_t stride, int64_t width, int64_t t, int64_t per, int64_t ahead) {
   for (int64_t u = t * per, end = std::min(ahead, u + per); u < end; ++u) prefetch(next + u * stride, width);
 }
 
@@ -139,9 +143,9 @@ inline void prefetch_next(const T* next, int64_t stride, int64_t width, int64_t 
 template <typename T, int HN>
 void score_heads(const Problem& p, const float* q, const T* keys, int64_t n, int64_t h0, float* scores,
                  const T* next, int64_t ahead) {
-  const int64_t d = p.head_dim, vec_end = d - d % kLanes;
+  const int64_t d = p.head_dim, vec_end = d - d % kLanes, per = slots_per_token(ahead, n);
   for (int64_t t = 0; t < n; ++t) {
-    prefetch_next(next, p.k_slot, d, t, n, ahead);
+    prefetch_next(next, p.k_slot, d, t, per, ahead);
     if (t + kNear < n) prefetch<T, 3>(keys + (t + kNear) * p.k_slot, d);
     const T* k = keys + t * p.k_slot;
     Vec s[HN];
@@ -188,12 +192,12 @@ void softmax_block(float* scores, int64_t n, float& running_max, float& running_
 template <typename T, int HN>
 void accumulate_heads(const Problem& p, const T* values, int64_t n, const float* weights, float* acc, int64_t h0,
                       const T* next, int64_t ahead) {
-  const int64_t d = p.head_dim, vec_end = d - d % kLanes;
+  const int64_t d = p.head_dim, vec_end = d - d % kLanes, per = slots_per_token(ahead, n);
   for (int64_t i = 0; i < vec_end; i += kLanes) {
     Vec a[HN];
     for (int j = 0; j < HN; ++j) a[j] = Vec::loadu(acc + (h0 + j) * d + i);
     for (int64_t t = 0; t < n; ++t) {
-      if (i == 0) prefetch_next(next, p.v_slot, d, t, n, ahead);
+      if (i == 0) prefetch_next(next, p.v_slot, d, t, per, ahead);
       if (i == 0 && t + kNear < n) prefetch<T, 3>(values + (t + kNear) * p.v_slot, d);
       Vec v = load_float(values + t * p.v_slot + i);
       for (int j = 0; j < HN; ++j) a[j] = at::vec::fmadd(Vec(weights[(h0 + j) * p.block_size + t]), v, a[j]);
@@ -216,14 +220,14 @@ inline void load_heads(Vec (&out)[HN][DV], const float* base, int64_t h0) {
     for (int c = 0; c < DV; ++c) out[j][c] = Vec::loadu(base + (h0 + j) * d + c * kLanes);
 }
 
-// Loads token t's DV vectors from a block's slots at `base` (`stride` apart), after asking for the next block's
-// slots that fall to token t (prefetch_next) and for this block's slot kNear tokens on, as the loops over any
-// head_dim do.
+// Loads token t's DV vectors from a block's slots at `base` (`stride` apart), after asking for the next
+// block's slots that fall to token t (`per` a token, prefetch_next) and for this block's slot kNear tokens
+// on, as the loops over any head_dim do.
 template <typename T, int DV>
 inline void load_slot(Vec (&out)[DV], const T* base, int64_t stride, int64_t t, int64_t n, const T* next,
-                      int64_t ahead) {
+                      int64_t per, int64_t ahead) {
   constexpr int64_t d = DV * kLanes;
-  prefetch_next(next, stride, d, t, n, ahead);
+  prefetch_next(next, stride, d, t, per, ahead);
   if (t + kNear < n) prefetch<T, 3>(base + (t + kNear) * stride, d);
   for (int c = 0; c < DV; ++c) out[c] = load_float(base + t * stride + c * kLanes);
 }
@@ -236,9 +240,10 @@ void score_fixed(const Problem& p, const float* q, const T* keys, int64_t n, int
                  const T* next, int64_t ahead) {
   Vec qv[HN][DV];
   load_heads<HN, DV>(qv, q, h0);
+  const int64_t per = slots_per_token(ahead, n);
   for (int64_t t = 0; t < n; ++t) {
     Vec kv[DV];
-    load_slot<T, DV>(kv, keys, p.k_slot, t, n, next, ahead);
+    load_slot<T, DV>(kv, keys, p.k_slot, t, n, next, per, ahead);
     for (int j = 0; j < HN; ++j) {
       Vec s = qv[j][0] * kv[0];
       for (int c = 1; c < DV; ++c) s = at::vec::fmadd(qv[j][c], kv[c], s);
@@ -252,9 +257,10 @@ void accumulate_fixed(const Problem& p, const T* values, int64_t n, const float*
                       const T* next, int64_t ahead) {
   Vec a[HN][DV];
   load_heads<HN, DV>(a, acc, h0);
+  const int64_t per = slots_per_token(ahead, n);
   for (int64_t t = 0; t < n; ++t) {
     Vec vv[DV];
-    load_slot<T, DV>(vv, values, p.v_slot, t, n, next, ahead);
+    load_slot<T, DV>(vv, values, p.v_slot, t, n, next, per, ahead);
     for (int j = 0; j < HN; ++j) {
       const Vec w(weights[(h0 + j) * p.block_size + t]);
       for (int c = 0; c < DV; ++c) a[j][c] = at::vec::fmadd(w, vv[c], a[j][c]);
