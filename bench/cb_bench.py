@@ -3,6 +3,7 @@ A script with a report, not a timed test; every figure comes from one run.
 
     .venv/bin/python bench/cb_bench.py [--requests 48] [--rate 1.0] [--prefix-requests 12]
                                        [--model DIR] [--backend inductor] [--out bench/results-cb.json]
+                                       [--logs DIR]
 
 1. Mixed workload: prompts of 32-256 tokens, max_tokens 16-128 (ignore_eos), greedy, streaming, Poisson
    arrivals (seeded) -- the same jobs against a static-batching server (shapes 128/256 x 128 x 8) and a
@@ -30,7 +31,15 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
-from serve_bench import SHAPES, add_model_args, bench_model, run_load, with_backend, workload  # noqa: E402
+from serve_bench import (  # noqa: E402
+    SHAPES,
+    add_model_args,
+    bench_model,
+    run_load,
+    with_backend,
+    work_dir,
+    workload,
+)
 
 from tests.runtime.serverproc import ServerProcess  # noqa: E402
 
@@ -65,15 +74,14 @@ def shared_prefix_jobs(tokenizer, n: int, seed: int = 2) -> list[tuple[list[int]
     return jobs
 
 
-def serve_one(name: str, env: dict, args: tuple, work, model_dir: Path, backend: str) -> tuple[float, object]:
-    """Starts a server, runs `work(base)`, stops it; returns (seconds to ready, work's result)."""
+def serve_one(
+    name: str, env: dict, args: tuple, work, model_dir: Path, backend: str, logs: Path
+) -> tuple[float, object]:
+    """Starts a server (its log `logs`/`name`.log), runs `work(base)`, stops it; returns (seconds to ready,
+    work's result)."""
     t0 = time.perf_counter()
     server = ServerProcess(
-        model_dir,
-        with_backend(env, backend),
-        Path(f"/tmp/spyre-bench-{name}.log"),
-        served_name="smollm2",
-        extra_args=args,
+        model_dir, with_backend(env, backend), logs / f"{name}.log", served_name="smollm2", extra_args=args
     )
     try:
         server.wait_ready(timeout=3600)
@@ -115,22 +123,24 @@ def main() -> int:
     def mixed_then_prefix(base):
         return mixed(base), prefix_ttft(asyncio.run(run_load(base, prefix_jobs, concurrency=1)))
 
-    def serve(name, env, flags, work):
-        return serve_one(name, env, flags, work, model_dir, args.backend)
+    with work_dir("spyre-cb-bench-", args.logs) as logs:
 
-    ready, results["static"] = serve("static", SHAPES, (), mixed)
-    results["static"]["ready_s"] = ready
-    ready, (results["continuous"], results["prefix_caching_on"]) = serve(
-        "cb", CB_ENV, CB_ARGS, mixed_then_prefix
-    )
-    results["continuous"]["ready_s"] = ready
+        def serve(name, env, flags, work):
+            return serve_one(name, env, flags, work, model_dir, args.backend, logs)
 
-    def prefix_only(base):
-        return prefix_ttft(asyncio.run(run_load(base, prefix_jobs, concurrency=1)))
+        ready, results["static"] = serve("static", SHAPES, (), mixed)
+        results["static"]["ready_s"] = ready
+        ready, (results["continuous"], results["prefix_caching_on"]) = serve(
+            "cb", CB_ENV, CB_ARGS, mixed_then_prefix
+        )
+        results["continuous"]["ready_s"] = ready
 
-    _, results["prefix_caching_off"] = serve(
-        "cb-no-prefix", CB_ENV, (*CB_ARGS, "--no-enable-prefix-caching"), prefix_only
-    )
+        def prefix_only(base):
+            return prefix_ttft(asyncio.run(run_load(base, prefix_jobs, concurrency=1)))
+
+        _, results["prefix_caching_off"] = serve(
+            "cb-no-prefix", CB_ENV, (*CB_ARGS, "--no-enable-prefix-caching"), prefix_only
+        )
     s, c = results["static"], results["continuous"]
     results["cb_vs_static_throughput"] = c["tok_per_s"] / s["tok_per_s"]
     results["cb_vs_static_ttft_p99"] = c["ttft_p99"] / s["ttft_p99"]

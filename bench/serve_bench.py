@@ -3,10 +3,12 @@ same run on the same model and prompts. A script with a report, not a timed test
 
     .venv/bin/python bench/serve_bench.py [--requests 64] [--concurrency 8] [--hf-requests 16] [--cb]
                                           [--model DIR] [--backend inductor] [--out bench/results-serve.json]
+                                          [--logs DIR]
 
 `--model DIR` serves another model folder instead of SmolLM2 (served as "smollm2"; tests/test_bench_smoke.py
 runs every bench on a tiny model with one request, `--backend eager`, so that a bench cannot stop measuring
-unnoticed).
+unnoticed). The servers' logs go to a temporary folder of the run's own, removed at its end; `--logs DIR`
+keeps them (every serving bench takes it).
 
 Workload: prompts of 32-256 tokens, max_tokens 16-128 (ignore_eos, so every system generates the same
 counts), greedy, streaming, concurrency 8. Writes bench/results-serve.json and prints a markdown table.
@@ -16,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -41,10 +46,26 @@ SHAPES = {
 
 
 def add_model_args(ap: argparse.ArgumentParser) -> None:
-    """The flags every serving bench shares: which model, which backend, where the JSON goes."""
+    """The flags every serving bench shares: which model, which backend, where the JSON and the logs go."""
     ap.add_argument("--model", type=Path, default=None, help="a model folder instead of SmolLM2")
     ap.add_argument("--backend", default="inductor", choices=("inductor", "eager"))
     ap.add_argument("--out", type=Path, default=None, help="where the results go (default: bench/results-*)")
+    ap.add_argument("--logs", type=Path, default=None, help="keep the servers' logs in this folder")
+
+
+@contextlib.contextmanager
+def work_dir(prefix: str, logs: Path | None):
+    """A temporary folder for the servers' logs and fresh caches; with `logs`, every log in it is copied
+    there when the run ends, failed or not (a failed peer's log used to go with the folder)."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        try:
+            yield Path(tmp)
+        finally:
+            if logs is not None:
+                logs.mkdir(parents=True, exist_ok=True)
+                for log in Path(tmp).glob("*.log"):
+                    shutil.copy2(log, logs / log.name)
+                print(f"logs kept in {logs}", flush=True)
 
 
 def bench_model(model: Path | None) -> Path:
@@ -249,18 +270,19 @@ def main() -> int:
         from cb_bench import CB_ARGS, CB_ENV
 
         modes["spyre_serve_continuous"] = (with_backend(CB_ENV, args.backend), CB_ARGS)
-    for label, (env, extra) in modes.items():
-        t0 = time.perf_counter()
-        server = ServerProcess(
-            model_dir, env, Path(f"/tmp/spyre-bench-{label}.log"), served_name="smollm2", extra_args=extra
-        )
-        try:
-            server.wait_ready(timeout=3600)
-            ready = time.perf_counter() - t0
-            results[label] = asyncio.run(run_load(server.base, jobs, args.concurrency))["summary"]
-            results[label]["ready_s"] = ready
-        finally:
-            server.stop()
+    with work_dir("spyre-serve-bench-", args.logs) as logs:
+        for label, (env, extra) in modes.items():
+            t0 = time.perf_counter()
+            server = ServerProcess(
+                model_dir, env, logs / f"{label}.log", served_name="smollm2", extra_args=extra
+            )
+            try:
+                server.wait_ready(timeout=3600)
+                ready = time.perf_counter() - t0
+                results[label] = asyncio.run(run_load(server.base, jobs, args.concurrency))["summary"]
+                results[label]["ready_s"] = ready
+            finally:
+                server.stop()
     results.update(hf_baselines(jobs[: args.hf_requests], 8, model_dir))
     results["step_overhead"] = step_overhead(jobs, model_dir, args.backend)
     hf1 = results["hf_one_at_a_time"]["tok_per_s"]

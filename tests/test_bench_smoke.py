@@ -73,9 +73,10 @@ def test_serve_bench(tiny, tmp_path):
         "serve_bench.py",
         tmp_path,
         *("--model", str(tiny), "--backend", "eager", "--requests", "1", "--concurrency", "1"),
-        *("--hf-requests", "1"),
+        *("--hf-requests", "1", "--logs", str(tmp_path / "logs")),
     )
     served(res["spyre_serve"], 1)
+    assert "Uvicorn running" in (tmp_path / "logs/spyre_serve.log").read_text()  # its server's log, kept
     assert positive(res["spyre_serve"]["ready_s"], res["hf_one_at_a_time"]["tok_per_s"])
     assert positive(res["hf_static_batches_of_8"]["tok_per_s"], res["spyre_serve_vs_hf_one_at_a_time"])
     step = res["step_overhead"]
@@ -88,7 +89,14 @@ def test_cb_bench(tiny, tmp_path):
         tmp_path,
         *("--model", str(tiny), "--backend", "eager", "--requests", "1", "--rate", "100"),
         *("--prefix-requests", "2"),  # the first is cold: one measured
+        *("--logs", str(tmp_path / "logs")),
     )
+    # each server's log kept where asked, none at a fixed name shared by concurrent runs
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "cb-no-prefix.log",
+        "cb.log",
+        "static.log",
+    ]
     served(res["static"], 1)
     served(res["continuous"], 1)
     for side in ("prefix_caching_on", "prefix_caching_off"):
