@@ -279,25 +279,45 @@ def test_the_memory_plan_reads_the_checkpoints_dtype_by_either_name(tmp_path, ke
 
 
 @pytest.mark.parametrize(
-    ("backend", "dtype_bytes", "seqs", "packed"),
+    ("backend", "dtype_bytes", "seqs", "env", "packed", "panels"),
     [
-        ("inductor", 4, 8, True),
-        ("eager", 4, 8, True),
-        ("inductor", 2, 8, True),
-        ("inductor", 4, 1, True),
-        ("sendnn", 4, 8, False),
-        ("sendnn", 2, 1, False),
+        ("inductor", 4, 8, {}, True, True),
+        ("eager", 4, 8, {}, True, True),
+        ("inductor", 2, 8, {}, True, True),
+        ("inductor", 4, 1, {}, True, True),
+        ("inductor", 4, 8, {"SENDNN_INFERENCE_ROW_LINEAR": "0"}, True, False),
+        ("inductor", 2, 8, {"SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL": "off"}, True, False),
+        ("sendnn", 4, 8, {}, False, False),
+        ("sendnn", 2, 1, {}, False, False),
     ],
 )
-def test_memory_plan_counts_the_cpu_decode_weights_packed_again(backend, dtype_bytes, seqs, packed):
+def test_memory_plan_counts_the_cpu_decode_weights_packed_again_and_in_panels(
+    backend, dtype_bytes, seqs, env, packed, panels
+):
     """Decoders on CPU backends run their linear layers on a second copy of the weights, packed for oneDNN
-    (whatever the batch): the plan counts it (a row of its own, in the total); Spyre's compiler packs its
-    own."""
+    (whatever the batch), and, with the C++ extension and its row linear on, steps of a few rows on a third,
+    in panels: the plan counts each (a row of its own, in the total); Spyre's compiler packs its own."""
     from spyre_contract.memory import GIB, ModelDims, plan_memory
 
-    env = CB | {"SENDNN_INFERENCE_DYNAMO_BACKEND": backend}
+    env = CB | env | {"SENDNN_INFERENCE_DYNAMO_BACKEND": backend}
     settings = read_environment(env, EngineFlags(max_num_seqs=seqs, max_model_len=512))
     plan = plan_memory(ModelDims.from_config(SMOLLM2), settings, 128 * GIB, "host", dtype_bytes)
     assert plan.packed_weights == (plan.weights if packed else 0)
-    assert plan.total == plan.weights + plan.packed_weights + plan.kv_cache + plan.activations
+    assert plan.panel_weights == (plan.weights if panels else 0)
+    assert plan.total == (
+        plan.weights + plan.packed_weights + plan.panel_weights + plan.kv_cache + plan.activations
+    )
     assert ("weights packed for oneDNN (CPU)" in plan.table()) is packed
+    assert ("weights in panels for few rows (CPU)" in plan.table()) is panels
+
+
+def test_a_plan_too_large_for_its_weights_names_the_row_linears_copy_and_bad_switches_are_named():
+    from spyre_contract.memory import ModelDims, plan_memory
+
+    settings = read_environment(CB | {"SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor"})
+    dims = ModelDims.from_config(SMOLLM2)
+    tight = plan_memory(dims, settings, 1 << 20, "host")
+    assert not tight.fits and "SENDNN_INFERENCE_ROW_LINEAR=0 (no copy in panels)" in tight.refusal()
+    for name in ("SENDNN_INFERENCE_ROW_LINEAR", "SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL"):
+        with pytest.raises(ContractError, match=f"{name}='maybe' is not a boolean"):
+            read_environment(CB | {name: "maybe"})

@@ -229,6 +229,8 @@ class EnvironmentSettings:
     max_batch_tkv_limit: int = 0  # rows x context of a decode step, at most (0: no limit)
     pausing_enabled: bool = True
     long_output_priority: bool = False
+    cpu_kernels: bool = True  # CPU backends: the C++ extension (SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL)
+    row_linear: bool = True  # its few-row linear, on a copy in panels (SENDNN_INFERENCE_ROW_LINEAR)
     deprecated_env: tuple[str, ...] = field(default=(), compare=False)
 
 
@@ -300,6 +302,8 @@ def read_environment(
         max_batch_tkv_limit=env.int(TKV_LIMIT_VAR, 0, minimum=0, full=True),
         pausing_enabled=env.bool("PAUSING_ENABLED", True),
         long_output_priority=env.bool("LONG_OUT_PRIO", False),
+        cpu_kernels=env.bool("PAGED_ATTENTION_KERNEL", True),
+        row_linear=env.bool("ROW_LINEAR", True),
         deprecated_env=tuple(env.deprecated_used),
     )
     if use_cb:

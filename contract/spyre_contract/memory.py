@@ -83,10 +83,11 @@ class MemoryPlan:
     capacity: int  # bytes available per rank
     where: str  # "card" or "host"
     packed_weights: int = 0  # CPU decoders: the linear weights packed again for oneDNN's GEMM
+    panel_weights: int = 0  # and once more, in panels, for the steps of a few live rows (the row linear)
 
     @property
     def total(self) -> int:
-        return self.weights + self.packed_weights + self.kv_cache + self.activations
+        return self.weights + self.packed_weights + self.panel_weights + self.kv_cache + self.activations
 
     @property
     def fits(self) -> bool:
@@ -100,6 +101,7 @@ class MemoryPlan:
         rows = [
             ("weights (per rank)", self.weights),
             *([("weights packed for oneDNN (CPU)", self.packed_weights)] if self.packed_weights else []),
+            *([("weights in panels for few rows (CPU)", self.panel_weights)] if self.panel_weights else []),
             ("KV cache", self.kv_cache),
             (f"largest activation ({self.largest_shape})", self.activations),
             ("total", self.total),
@@ -113,7 +115,7 @@ class MemoryPlan:
     def refusal(self) -> str:
         """The one line that stops start-up: the largest consumer and what would fit instead."""
         parts = {
-            "weights": self.weights + self.packed_weights,
+            "weights": self.weights + self.packed_weights + self.panel_weights,
             "KV cache": self.kv_cache,
             "activations": self.activations,
         }
@@ -121,6 +123,8 @@ class MemoryPlan:
         room = self.capacity - (self.total - largest)
         if name == "weights":
             hint = "more cards (a larger tensor-parallel size) or a smaller dtype"
+            if self.panel_weights:
+                hint += ", or SENDNN_INFERENCE_ROW_LINEAR=0 (no copy in panels)"
         elif name == "KV cache":
             hint = (
                 f"a KV cache of at most {max(0, room) / GIB:.2f} GiB "
@@ -178,7 +182,10 @@ def plan_memory(
         embedding = dims.vocab * dims.hidden * dtype_bytes
         unpacked = (0 if dims.tied else embedding) + (embedding if tp > 1 else 0)
         packed = max(0, weights - unpacked // tp)
-    return MemoryPlan(weights, kv, largest, label, capacity, where, packed)
+    # the C++ extension's row linear reads one more copy of the same layers, in its panels (linear.py
+    # `_put_in_panels`), unless it or the extension is off; a failed build makes none: an overestimate
+    panels = packed if settings.cpu_kernels and settings.row_linear else 0
+    return MemoryPlan(weights, kv, largest, label, capacity, where, packed, panels)
 
 
 def resolved_dtype(backend: str, dtype: str, model_config: Mapping | None) -> str | None:

@@ -134,6 +134,8 @@ class RuntimeConfig:
     max_batch_tkv_limit: int = 0  # Spyre's volumetric limit, and pausing (engine/sched/volume.py); 0: none
     pausing_enabled: bool = True
     long_output_priority: bool = False
+    cpu_kernels: bool = True  # CPU backends: the C++ extension (SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL)
+    row_linear: bool = True  # its few-row linear, on a copy in panels (SENDNN_INFERENCE_ROW_LINEAR)
     shutdown_grace_seconds: float = 30.0
     max_num_batched_tokens: int = CB_DEFAULT_CHUNK  # continuous batching: prefill chunk, a multiple of 64
     enable_prefix_caching: bool = True

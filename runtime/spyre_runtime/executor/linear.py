@@ -17,7 +17,8 @@ not bit for bit.
 A step of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 32 in float32, 8 in bfloat16) runs
 the extension's row linear instead (kernels/linear_row.cpp, `paged_attention.row_kernel`), on a third copy of
 the weight, in panels of a few vector widths of outputs (made once the extension is loaded,
-`_put_in_panels`, and dropped with the layer): at one row the layer is a matrix-vector product, bound by
+`_put_in_panels`, and dropped with the layer; SENDNN_INFERENCE_ROW_LINEAR=0 makes none and leaves every row
+to oneDNN, `_read_row_setting`): at one row the layer is a matrix-vector product, bound by
 memory, and the panels are read at the read probe's bandwidth where oneDNN's packed GEMM reads 10-22 GB/s
 (bench/README.md run 28); at a few rows each load of the weight serves up to 8 rows with no horizontal sums.
 On SmolLM2's 121 weights alone, the caches written over between passes as a step's other work does
@@ -55,6 +56,7 @@ import weakref
 from collections.abc import Iterator
 
 import torch
+from spyre_contract.environment import Env
 
 from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.executor.ops import opaque_op
@@ -72,6 +74,8 @@ Spans = tuple[tuple[int, int], tuple[int, int]]
 # rows (32 is the largest decode graph); bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot products
 # where ours widens to float32, 0.51-0.75x up to 8 rows, 0.93-1.12x at 10 to 16 in two runs.
 ROW_LINEAR_ROWS = {torch.float32: 32, torch.bfloat16: 8}
+ROW_SETTING = "ROW_LINEAR"  # SENDNN_INFERENCE_ROW_LINEAR (`pack_linears` reads it)
+_rows: dict[torch.dtype, int] = dict(ROW_LINEAR_ROWS)  # the limits in force: none while the setting is 0
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
 
 
@@ -109,6 +113,23 @@ def _tell_live() -> None:
         torch.ops.spyre_kernels.set_live_spans(flat)
 
 
+def _tell_row_limits() -> None:
+    if _native:
+        torch.ops.spyre_kernels.set_row_limits(_rows.get(torch.float32, 0), _rows.get(torch.bfloat16, 0))
+
+
+def _read_row_setting() -> None:
+    """SENDNN_INFERENCE_ROW_LINEAR (boolean, default 1), read at each load: `0` turns the row linear off, so
+    that no weight is put in panels (a third copy of the linear layers, as large as the packed one; the
+    memory plan counts it) and oneDNN's packed GEMM runs every row, a few-row step's too, at that step's cost
+    (bench/README.md run 52: the row linear takes 0.55-0.80x of oneDNN's time)."""
+    on = Env().bool(ROW_SETTING, True)
+    with _lock:
+        _rows.clear()
+        _rows.update(ROW_LINEAR_ROWS if on else {})
+        _tell_row_limits()
+
+
 def _live_spans(m: int) -> Spans:
     """The live rows of an input of m rows: its own spans, else the live prefix (all rows without a hint)."""
     return _spans.get(m) or ((0, m if _live is None else min(_live, m)), (m, m))
@@ -122,8 +143,7 @@ def _take_over() -> None:
     global _native
     with _lock:
         _native = True  # from here a finalizer forgets in both
-        limits = ROW_LINEAR_ROWS[torch.float32], ROW_LINEAR_ROWS[torch.bfloat16]
-        torch.ops.spyre_kernels.set_row_limits(*limits)
+        _tell_row_limits()
         for key, packed in list(_PACKED.items()):
             torch.ops.spyre_kernels.register_packed(key, packed)
             _put_in_panels(key)
@@ -137,7 +157,7 @@ def _put_in_panels(key: int) -> None:
     """The row linear's copy of a packed layer's weight, in its panels (kernels/linear_row.cpp), for the
     dtypes it serves: made once, read at every step of a few live rows; forgotten with the packed weight."""
     weight = _PLAIN.get(key, lambda: None)()
-    if weight is not None and ROW_LINEAR_ROWS.get(weight.dtype, 0) > 0:
+    if weight is not None and _rows.get(weight.dtype, 0) > 0:
         torch.ops.spyre_kernels.register_rows(key, weight.detach())
 
 
@@ -175,7 +195,7 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     m = x.numel() // x.shape[-1]
     spans = _live_spans(m)
     live = sum(end - start for start, end in spans)
-    most = ROW_LINEAR_ROWS.get(weight.dtype, 0) if x.dtype == weight.dtype else 0
+    most = _rows.get(weight.dtype, 0) if x.dtype == weight.dtype else 0
     # every live row by the row linear, or none (a mixed step's decode rows then read the packed weight that
     # its chunk's GEMM has just brought into the cache)
     row = paged_attention.row_kernel() if 0 < live <= most else None  # looked up (loaded) only when used
@@ -238,6 +258,7 @@ def pack_linears(model: torch.nn.Module, rows: int) -> int:
     embeddings) is packed once."""
     from fms.modules.head import LinearClassificationHead
 
+    _read_row_setting()
     n = 0
     for module in model.modules():
         if type(module) in (torch.nn.Linear, LinearClassificationHead):

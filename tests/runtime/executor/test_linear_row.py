@@ -204,3 +204,47 @@ def test_bad_live_spans_are_refused_by_both_kernels():
         torch.ops.spyre_kernels.set_live_spans([8, 0, 4, 5, 9])
     with pytest.raises(RuntimeError, match="per entry"):
         torch.ops.spyre_kernels.set_live_spans([8, 0, 4])
+
+
+@pytest.fixture
+def row_linear_setting(monkeypatch):
+    """Sets SENDNN_INFERENCE_ROW_LINEAR for the next load (`pack_linears` reads it); the default comes back
+    after, for the next test's layers."""
+    yield lambda value: monkeypatch.setenv("SENDNN_INFERENCE_ROW_LINEAR", value)
+    monkeypatch.undo()
+    linear._read_row_setting()
+    assert linear._rows == linear.ROW_LINEAR_ROWS
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_setting_off_makes_no_panels_and_leaves_every_row_to_onednn(
+    linear_row, row_linear_setting, dtype
+):
+    """SENDNN_INFERENCE_ROW_LINEAR=0: the load puts no weight in panels (the third copy, which the memory
+    plan then leaves out) and a step of one live row runs oneDNN's packed GEMM, with the same result."""
+    if not linear.can_pack(dtype, "inductor"):
+        pytest.fail(f"oneDNN cannot pack {dtype} weights here: the packed linear layers are not in use")
+    row_linear_setting("0")
+    layer = torch.nn.Sequential(torch.nn.Linear(48, 40).to(dtype))
+    assert not ran_packing(lambda: linear.pack_linears(layer, 8))
+    x = torch.randn(4, 48, dtype=dtype)
+    with torch.no_grad(), linear.live_rows(1):
+        out, ran = ran_linear_row(lambda: layer(x))
+    assert not ran and not out[1:].any()
+    expected = torch.nn.functional.linear(x[:1], layer[0].weight, layer[0].bias)
+    torch.testing.assert_close(
+        out[:1], expected, **({} if dtype == torch.float32 else {"atol": 0.02, "rtol": 0.02})
+    )
+    row_linear_setting("1")  # the next load turns it on again: panels made at load, the few rows its own
+    other = torch.nn.Sequential(torch.nn.Linear(48, 40).to(dtype))
+    assert ran_packing(lambda: linear.pack_linears(other, 8))
+    with torch.no_grad(), linear.live_rows(1):
+        assert ran_linear_row(lambda: other(x))[1]
+
+
+def test_a_bad_setting_stops_the_load_with_its_name(row_linear_setting):
+    from spyre_contract.environment import ContractError
+
+    row_linear_setting("sometimes")
+    with pytest.raises(ContractError, match="SENDNN_INFERENCE_ROW_LINEAR='sometimes' is not a boolean"):
+        linear.pack_linears(torch.nn.Sequential(torch.nn.Linear(8, 8)), 8)
