@@ -180,6 +180,11 @@ CATALOG = [
         "is not a boolean",
         at_create="SENDNN_INFERENCE_USE_CB='maybe' is not a boolean",
     ),
+    Row(  # a runtime switch the admission rules leave to the operator's run of the contract
+        "env-row-linear-sometimes",
+        {"env": [{"name": "SENDNN_INFERENCE_ROW_LINEAR", "value": "sometimes"}]},
+        "SENDNN_INFERENCE_ROW_LINEAR='sometimes' is not a boolean",
+    ),
     Row(  # a bucket list's numbers against the limits: beyond what CEL's cost budget allows per env entry
         "env-kv-bucket-too-small",
         {"batching": CB, "env": [{"name": "SENDNN_INFERENCE_CB_KV_LENS", "value": "64,128"}]},
