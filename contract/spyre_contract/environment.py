@@ -381,11 +381,7 @@ def _check_cb_limits(s: EnvironmentSettings, env: Env, chunk_given: bool) -> Non
             "without SENDNN_INFERENCE_CP_INTERLEAVE_STEPS): no step fills such a chunk"
         )
     if s.prefill_buckets and max(s.prefill_buckets) < s.max_num_batched_tokens:
-        var = (
-            env.raw("CB_PREFILL_BUCKETS")[0]
-            if env.raw("CB_PREFILL_BUCKETS")[1]
-            else env.raw("CB_PREFILL_SIZES")[0]
-        )
+        var = env.raw("CB_PREFILL_BUCKETS" if env.raw("CB_PREFILL_BUCKETS")[1] else "CB_PREFILL_SIZES")[0]
         raise ContractError(
             f"{var}: the largest bucket {max(s.prefill_buckets)} is below --max-num-batched-tokens="
             f"{s.max_num_batched_tokens} (a full chunk would fit no graph)"
