@@ -170,6 +170,11 @@ def test_serve_says_static_batching_is_1x_s_mode_in_one_line(tiny_model):
             "SENDNN_INFERENCE_CB_STEP_COST_US='34000,0.9,2600': '0.9' is not an integer",
         ),
         ({"TORCH_SENDNN_CACHE_ENABLE": "1"}, "TORCH_SENDNN_CACHE_ENABLE=1 needs TORCH_SENDNN_CACHE_DIR"),
+        ({"SENDNN_INFERENCE_ROW_LINEAR": "2"}, "SENDNN_INFERENCE_ROW_LINEAR='2' is not a boolean"),
+        (
+            {"SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL": "auto"},
+            "SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL='auto' is not a boolean",
+        ),
     ],
 )
 def test_bad_values_name_the_variable(env, message):
