@@ -14,17 +14,19 @@ that is opaque to the compiler: the compiled graph (cached or not) holds plain w
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
 not bit for bit.
 
-A step of a few live rows (at most ROW_LINEAR_ROWS for the weight's dtype: 32 in float32, 8 in bfloat16) runs
-the extension's row linear instead (kernels/linear_row.cpp, `paged_attention.row_kernel`), on a third copy of
-the weight, in panels of a few vector widths of outputs (made once the extension is loaded,
-`_put_in_panels`, and dropped with the layer; SENDNN_INFERENCE_ROW_LINEAR=0 makes none and leaves every row
-to oneDNN, `_read_row_setting`): at one row the layer is a matrix-vector product, bound by
-memory, and the panels are read at the read probe's bandwidth where oneDNN's packed GEMM reads 10-22 GB/s
-(bench/README.md run 28); at a few rows each load of the weight serves up to 8 rows with no horizontal sums.
-On SmolLM2's 121 weights alone, the caches written over between passes as a step's other work does
-(bench/README.md run 52, a Zen 4), it took 0.55-0.80 of oneDNN's time from 1 to 40 rows in float32; in
-bfloat16 (oneDNN has the CPU's bf16 dot products, ours widens to float32) 0.51-0.75 up to 8 rows and 0.93-0.97
-at 10 to 16 (1.06-1.12 at 12 and 16 in another run of the same day).
+A step of a few live rows (at most `row_limits()` for the weight's dtype: 32 in float32, 8 in bfloat16, 32
+where the CPU has the bfloat16 dot product and no AMX) runs the extension's row linear instead
+(kernels/linear_row.cpp, `paged_attention.row_kernel`), on a third copy of the weight, in panels of a few
+vector widths of outputs (made once the extension is loaded, `_put_in_panels`, and dropped with the layer;
+SENDNN_INFERENCE_ROW_LINEAR=0 makes none and leaves every row to oneDNN, `_read_row_setting`): at one row the
+layer is a matrix-vector product, bound by memory, and the panels are read at the read probe's bandwidth where
+oneDNN's packed GEMM reads 10-22 GB/s (bench/README.md run 28); at a few rows each load of the weight serves
+up to 8 rows with no horizontal sums. On SmolLM2's 121 weights alone, the caches written over between passes
+as a step's other work does (bench/README.md run 52, a Zen 4), it took 0.55-0.80 of oneDNN's time from 1 to 40
+rows in float32; in bfloat16, widened to float32 as it is loaded where oneDNN has the CPU's bf16 dot products,
+0.51-0.75 up to 8 rows and 0.93-0.97 at 10 to 16 (1.06-1.12 at 12 and 16 in another run of the same day); on
+the CPU's bf16 dot product itself (AVX-512 BF16, found at run time), 0.61-0.81 from 1 to 32 rows
+(bench/README.md run 55).
 A mixed step whose live rows are more takes oneDNN for all of them, its few decode rows too: they then read
 the packed weight that the chunk's GEMM has just brought into the cache (the row linear on them, reading the
 weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
@@ -74,6 +76,10 @@ Spans = tuple[tuple[int, int], tuple[int, int]]
 # rows (32 is the largest decode graph); bfloat16, whose GEMM oneDNN runs with the CPU's bf16 dot products
 # where ours widens to float32, 0.51-0.75x up to 8 rows, 0.93-1.12x at 10 to 16 in two runs.
 ROW_LINEAR_ROWS = {torch.float32: 32, torch.bfloat16: 8}
+# bfloat16's, where the extension multiplies it with the CPU's bf16 dot product (linear_row.cpp `bf16_dot`)
+# and the CPU has no AMX (whose oneDNN GEMM it was not measured against): 0.61-0.81x of oneDNN's time from 1
+# to 32 rows on a Zen 4 (bench/README.md run 55), 32 being the largest decode graph
+BF16_DOT_ROWS = 32
 ROW_SETTING = "ROW_LINEAR"  # SENDNN_INFERENCE_ROW_LINEAR (`pack_linears` reads it)
 _rows: dict[torch.dtype, int] = dict(ROW_LINEAR_ROWS)  # the limits in force: none while the setting is 0
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
@@ -126,8 +132,19 @@ def _read_row_setting() -> None:
     on = Env().bool(ROW_SETTING, True)
     with _lock:
         _rows.clear()
-        _rows.update(ROW_LINEAR_ROWS if on else {})
+        _rows.update(row_limits() if on else {})
         _tell_row_limits()
+
+
+def row_limits() -> dict[torch.dtype, int]:
+    """By the weight's dtype, the most live rows of a step that the row linear takes while the setting is on:
+    ROW_LINEAR_ROWS, bfloat16's raised to BF16_DOT_ROWS once the extension is loaded and runs it on the CPU's
+    bf16 dot product, on a CPU without AMX."""
+    limits = dict(ROW_LINEAR_ROWS)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    if _native and not amx and torch.ops.spyre_kernels.bf16_dot():
+        limits[torch.bfloat16] = BF16_DOT_ROWS
+    return limits
 
 
 def _live_spans(m: int) -> Spans:
@@ -143,6 +160,8 @@ def _take_over() -> None:
     global _native
     with _lock:
         _native = True  # from here a finalizer forgets in both
+        if _rows:  # the setting is on: the limits of this extension's row linear
+            _rows.update(row_limits())
         _tell_row_limits()
         for key, packed in list(_PACKED.items()):
             torch.ops.spyre_kernels.register_packed(key, packed)

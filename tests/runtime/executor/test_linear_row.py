@@ -43,9 +43,35 @@ def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows, d
     outs = [linear_row(x, weight, bias)]
     if dtype == torch.float32:  # the bound holds for ATen's own float32 linear too
         outs.append(torch.nn.functional.linear(x, weight, bias))
+    elif torch.ops.spyre_kernels.bf16_dot():  # and for bfloat16 widened, where the dot product ran first
+        outs.append(widened(lambda: linear_row(x, weight, bias)))
     for out in outs:
         assert out.dtype == dtype and out.shape == (rows, n_out)
         assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max()
+
+
+def widened(fn):
+    """fn()'s result with the bfloat16 row linear widening to float32, not on the CPU's bf16 dot product."""
+    torch.ops.spyre_kernels.set_bf16_dot(False)
+    try:
+        return fn()
+    finally:
+        torch.ops.spyre_kernels.set_bf16_dot(True)
+
+
+def test_bfloat16_takes_the_cpus_dot_product_where_torch_finds_it_and_up_to_32_rows_without_amx(linear_row):
+    """linear_row.cpp finds AVX-512 BF16 itself (its build has only the vector ISA's flags): it must agree
+    with torch's own finding wherever the extension's build is AVX-512's, and then the row linear takes
+    bfloat16 steps of up to BF16_DOT_ROWS live rows, unless the CPU has AMX (oneDNN's GEMM there was not
+    measured against it); elsewhere bfloat16 widens and keeps ROW_LINEAR_ROWS."""
+    dot = torch.cpu._is_avx512_bf16_supported() and torch.backends.cpu.get_cpu_capability() == "AVX512"
+    assert torch.ops.spyre_kernels.bf16_dot() == dot
+    fast = dot and not torch.cpu._is_amx_tile_supported()
+    assert linear.row_limits()[torch.bfloat16] == (linear.BF16_DOT_ROWS if fast else 8)
+    assert linear.row_limits()[torch.float32] == 32
+    if dot:
+        assert not torch.ops.spyre_kernels.set_bf16_dot(False)
+        assert torch.ops.spyre_kernels.set_bf16_dot(True)
 
 
 def test_the_row_linear_reads_the_panels_registered_for_its_weight_until_they_are_forgotten(linear_row):
@@ -70,11 +96,46 @@ def test_the_row_linear_reads_the_panels_registered_for_its_weight_until_they_ar
     torch.testing.assert_close(linear_row(x, weight, None), torch.nn.functional.linear(x, weight))
 
 
+def test_bfloat16_panels_made_in_the_other_layout_are_made_again_not_misread(linear_row):
+    """Registered bfloat16 panels are in pairs along k where the dot product runs, in single values where
+    bfloat16 widens: with the dot product turned off after they were made (or on after), a call puts the
+    weight in panels of its own layout rather than reading the others as its own."""
+    gen = torch.Generator().manual_seed(11)
+    weight, other = (torch.randn(40, 48, generator=gen).bfloat16() for _ in range(2))
+    x = torch.randn(3, 48, generator=gen).bfloat16()
+    expected = torch.nn.functional.linear(x.float(), other.float()).bfloat16()
+    dot = torch.ops.spyre_kernels.bf16_dot()
+    own = torch.nn.functional.linear(x.float(), weight.float()).bfloat16()
+    for made_with_dot in (True, False):
+        torch.ops.spyre_kernels.set_bf16_dot(made_with_dot)
+        torch.ops.spyre_kernels.register_rows(weight.data_ptr(), other)
+        try:
+            torch.ops.spyre_kernels.set_bf16_dot(not made_with_dot)
+            packed, out = ran_packing_and(lambda: linear_row(x, weight, None))
+            # two layouts only where the CPU has the dot product: then `weight` in panels of its own
+            assert packed == dot
+            torch.testing.assert_close(out, own if dot else expected, atol=0.05, rtol=0.02)
+            torch.ops.spyre_kernels.set_bf16_dot(
+                made_with_dot
+            )  # the registered layout: the registered panels
+            packed, out = ran_packing_and(lambda: linear_row(x, weight, None))
+            assert not packed
+            torch.testing.assert_close(out, expected, atol=0.05, rtol=0.02)
+        finally:
+            torch.ops.spyre_kernels.set_bf16_dot(True)
+            torch.ops.spyre_kernels.forget_rows(weight.data_ptr())
+
+
+def ran_packing_and(fn):
+    """Whether the row linear put a weight in panels while fn() ran, and fn()'s result."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = fn()
+    return any(e.name == "spyre_kernels::pack_rows" for e in prof.events()), out
+
+
 def ran_packing(fn) -> bool:
     """Whether the row linear put a weight in panels while fn() ran."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        fn()
-    return any(e.name == "spyre_kernels::pack_rows" for e in prof.events())
+    return ran_packing_and(fn)[0]
 
 
 def packed_and_run(linear_row) -> int:
@@ -125,12 +186,13 @@ def packed_layer(request):
     return layer
 
 
-ROWS = max(linear.ROW_LINEAR_ROWS.values()) + 8  # a graph's rows: more than the row linear takes
+# a graph's rows: more than the row linear takes
+ROWS = max(*linear.ROW_LINEAR_ROWS.values(), linear.BF16_DOT_ROWS) + 8
 
 
 def most(layer) -> int:
     """The most live rows of a span that the row linear takes for this layer's dtype."""
-    return linear.ROW_LINEAR_ROWS[layer[0].weight.dtype]
+    return linear._rows[layer[0].weight.dtype]
 
 
 @pytest.mark.parametrize("live", [1, 2, "most"])
@@ -213,7 +275,7 @@ def row_linear_setting(monkeypatch):
     yield lambda value: monkeypatch.setenv("SENDNN_INFERENCE_ROW_LINEAR", value)
     monkeypatch.undo()
     linear._read_row_setting()
-    assert linear._rows == linear.ROW_LINEAR_ROWS
+    assert linear._rows == linear.row_limits()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

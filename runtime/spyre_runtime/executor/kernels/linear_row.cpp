@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/constant_pad_nd.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/record_function.h>
@@ -34,11 +35,19 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <shared_mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
+
+#if defined(__x86_64__) && defined(CPU_CAPABILITY_AVX512) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define SPYRE_BF16_DOT 1  // this build has the bfloat16 dot product's panels, for a CPU that has it
+#endif
 
 namespace {
 
@@ -57,6 +66,26 @@ constexpr int64_t kAheadBytes = 6144;
 // the panels of a weight of n_out outputs
 inline int64_t panel_count(int64_t n_out) {
   return (n_out + kPanel - 1) / kPanel;
+}
+
+// bfloat16 weights in panels of pairs along k for the CPU's bfloat16 dot product (AVX-512 BF16's vdpbf16ps,
+// found at run time; the build's flags are the vector ISA's, without it): each instruction multiplies two
+// values of k for 16 outputs, twice the float32 FMA's work, from the weight and a row of x as they are, with
+// no widening. Without it (another CPU, another ISA, or set_bf16_dot(false)) the panels hold single values
+// and are widened to float32 as they are loaded.
+bool cpu_has_bf16_dot() {
+#ifdef SPYRE_BF16_DOT
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> bf16_dot_wanted{true};
+
+inline bool bf16_dot_on() {
+  return bf16_dot_wanted.load(std::memory_order_relaxed) && cpu_has_bf16_dot();
 }
 
 // one vector of floats from the weight: float32 as it is, bfloat16 widened (the sums stay float32)
@@ -123,16 +152,76 @@ inline void panel_of(int rows, const float* x, int64_t k_len, const T* panel, fl
   }
 }
 
-// out [m, n_out] = x @ weight^T (+ bias) from the weight's panels, over the threads by panel
-template <typename T>
-void rows_times(const float* x, int64_t m, const T* panels, const T* bias, T* out, int64_t k_len, int64_t n_out) {
+#ifdef SPYRE_BF16_DOT
+// sums[r * kPanel + o] = x[r] . panel's output o, for R rows of x (bfloat16, pairs of k, k2_len pairs apart)
+// and one panel of pairs [K2, PW, 2], by the bfloat16 dot product: per pair of k, one load of each of the
+// panel's vectors serves every row; the sums are float32 (a pair's products exact, each added in turn)
+template <int R>
+__attribute__((target("avx512f,avx512bf16"))) void pair_panel_rows(const c10::BFloat16* x, int64_t k2_len,
+                                                                  const c10::BFloat16* panel, float* sums) {
+  static_assert(kPanelVecs * 16 == kPanel, "a panel of pairs is kPanelVecs vectors of 16 outputs");
+  __m512 acc[R][kPanelVecs];
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kPanelVecs; ++j) {
+      acc[r][j] = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t k2 = 0; k2 < k2_len; ++k2) {
+    const char* step = reinterpret_cast<const char*>(panel + k2 * 2 * kPanel);
+    for (int64_t line = 0; line < 2 * kPanel * static_cast<int64_t>(sizeof(c10::BFloat16)); line += 64) {
+      __builtin_prefetch(step + kAheadBytes + line, 0, 2);
+    }
+    __m512i w[kPanelVecs];
+    for (int j = 0; j < kPanelVecs; ++j) {
+      w[j] = _mm512_loadu_si512(step + 64 * j);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + (r * k2_len + k2) * 2, sizeof(pair));
+      const __m512i xr = _mm512_set1_epi32(pair);
+      for (int j = 0; j < kPanelVecs; ++j) {
+        acc[r][j] = _mm512_dpbf16_ps(acc[r][j], (__m512bh)w[j], (__m512bh)xr);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int j = 0; j < kPanelVecs; ++j) {
+      _mm512_storeu_ps(sums + r * kPanel + j * 16, acc[r][j]);
+    }
+  }
+}
+
+void pair_panel_of(int rows, const c10::BFloat16* x, int64_t k2_len, const c10::BFloat16* panel, float* sums) {
+  switch (rows) {
+#define SPYRE_PAIR_ROWS(n)                                                  \
+  case n:                                                                   \
+    pair_panel_rows<(n <= kPanelRows ? n : 1)>(x, k2_len, panel, sums); \
+    break;
+    SPYRE_PAIR_ROWS(1)
+    SPYRE_PAIR_ROWS(2)
+    SPYRE_PAIR_ROWS(3)
+    SPYRE_PAIR_ROWS(4)
+    SPYRE_PAIR_ROWS(5)
+    SPYRE_PAIR_ROWS(6)
+    SPYRE_PAIR_ROWS(7)
+#undef SPYRE_PAIR_ROWS
+    default:
+      pair_panel_rows<kPanelRows>(x, k2_len, panel, sums);
+  }
+}
+#endif
+
+// out [m, n_out] (+ bias) from the weight's panels, over the threads by panel: panel_sums(rows, r0, p, sums)
+// gives the sums of rows r0 .. r0 + rows - 1 of x with panel p's outputs
+template <typename T, typename PanelSums>
+void rows_times(int64_t m, const T* bias, T* out, int64_t n_out, const PanelSums& panel_sums) {
   at::parallel_for(0, panel_count(n_out), 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kPanelRows * kPanel];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kPanel, width = std::min<int64_t>(kPanel, n_out - first);
       for (int64_t r0 = 0; r0 < m; r0 += kPanelRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r0));
-        panel_of<T>(rows, x + r0 * k_len, k_len, panels + p * k_len * kPanel, sums);
+        panel_sums(rows, r0, p, sums);
         for (int r = 0; r < rows; ++r) {
           T* row_out = out + (r0 + r) * n_out + first;
           for (int64_t o = 0; o < width; ++o) {
@@ -144,11 +233,23 @@ void rows_times(const float* x, int64_t m, const T* panels, const T* bias, T* ou
   });
 }
 
-// a weight [N, K] in panels [P, K, PW], the outputs past N zero
+// whether a weight of this dtype is put in panels of pairs along k (for the bfloat16 dot product)
+inline bool in_pairs(at::ScalarType dtype) {
+  return dtype == at::kBFloat16 && bf16_dot_on();
+}
+
+// a weight [N, K] in panels [P, K, PW], or of pairs [P, K2, PW, 2] (K2 = K / 2 rounded up), the outputs past
+// N and the values past K zero
 at::Tensor pack_rows(const at::Tensor& weight) {
   RECORD_FUNCTION("spyre_kernels::pack_rows", std::vector<c10::IValue>());
   TORCH_CHECK(weight.dim() == 2, "pack_rows: weight must be 2-d [out, in], got ", weight.dim(), "-d");
   const int64_t n_out = weight.size(0), k_len = weight.size(1), count = panel_count(n_out);
+  if (in_pairs(weight.scalar_type())) {
+    const int64_t k2_len = (k_len + 1) / 2;
+    at::Tensor padded = at::zeros({count * kPanel, 2 * k2_len}, weight.options());
+    padded.narrow(0, 0, n_out).narrow(1, 0, k_len).copy_(weight);
+    return padded.view({count, kPanel, k2_len, 2}).permute({0, 2, 1, 3}).contiguous();
+  }
   at::Tensor padded = at::zeros({count * kPanel, k_len}, weight.options());
   padded.narrow(0, 0, n_out).copy_(weight);
   return padded.view({count, kPanel, k_len}).transpose(1, 2).contiguous();
@@ -173,8 +274,11 @@ at::Tensor panels_of(const at::Tensor& weight) {
   {
     std::shared_lock<std::shared_mutex> lock(rows_mutex);
     const auto found = row_panels.find(reinterpret_cast<int64_t>(weight.data_ptr()));
+    const bool pairs = in_pairs(weight.scalar_type());
     if (found != row_panels.end() && found->second.scalar_type() == weight.scalar_type() &&
-        found->second.size(1) == weight.size(1) && found->second.size(0) == panel_count(weight.size(0))) {
+        found->second.dim() == (pairs ? 4 : 3) &&
+        found->second.size(1) == (pairs ? (weight.size(1) + 1) / 2 : weight.size(1)) &&
+        found->second.size(0) == panel_count(weight.size(0))) {
       return found->second;
     }
   }
@@ -214,17 +318,46 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == m * n_out,
               "linear_row: out must be a contiguous ", dtype, " [", m, ", ", n_out, "]");
   const at::Tensor panels = panels_of(weight);
+  using B = c10::BFloat16;
+#ifdef SPYRE_BF16_DOT
+  if (panels.dim() == 4) {  // pairs: x's rows as pairs too, a zero after an odd k_len (a copy only then)
+    const int64_t k2_len = panels.size(1);
+    const at::Tensor xp = 2 * k2_len == k_len ? x : at::constant_pad_nd(x.reshape({m, k_len}), {0, 1}, 0);
+    const B* x_ptr = xp.data_ptr<B>();
+    const B* panel_ptr = panels.data_ptr<B>();
+    rows_times(m, has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>(), n_out,
+               [&](int rows, int64_t r0, int64_t p, float* sums) {
+                 pair_panel_of(rows, x_ptr + r0 * 2 * k2_len, k2_len, panel_ptr + p * k2_len * 2 * kPanel, sums);
+               });
+    return;
+  }
+#endif
   // x's rows in float32 once (a few KiB), so the inner loop widens only the weight
   const at::Tensor xf = dtype == at::kFloat ? x : x.to(at::kFloat).contiguous();
   const float* x_ptr = xf.data_ptr<float>();
+  const auto widened = [&](auto* panel_ptr, auto* bias_ptr, auto* out_ptr) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(panel_ptr)>>;
+    rows_times(m, bias_ptr, out_ptr, n_out, [&](int rows, int64_t r0, int64_t p, float* sums) {
+      panel_of<T>(rows, x_ptr + r0 * k_len, k_len, panel_ptr + p * k_len * kPanel, sums);
+    });
+  };
   if (dtype == at::kFloat) {
-    rows_times(x_ptr, m, panels.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
-               out.data_ptr<float>(), k_len, n_out);
+    widened(panels.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
   } else {
-    using B = c10::BFloat16;
-    rows_times(x_ptr, m, panels.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr),
-               out.data_ptr<B>(), k_len, n_out);
+    widened(panels.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>());
   }
+}
+
+// whether the bfloat16 row linear runs on the CPU's bfloat16 dot product (`want`: allowed to; tests and
+// benches compare both): true only where this build and the CPU have it. Panels already made in the other
+// layout are made again at their next call.
+bool set_bf16_dot(bool want) {
+  bf16_dot_wanted.store(want, std::memory_order_relaxed);
+  return bf16_dot_on();
+}
+
+bool bf16_dot() {
+  return bf16_dot_on();
 }
 
 }  // namespace
@@ -234,6 +367,8 @@ TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   // linear.py's registry of panels (kernels for every dispatch key: they keep a tensor, or take none)
   m.def("register_rows(int address, Tensor weight) -> ()", &register_rows);
   m.def("forget_rows(int address) -> ()", &forget_rows);
+  m.def("bf16_dot() -> bool", &bf16_dot);
+  m.def("set_bf16_dot(bool want) -> bool", &set_bf16_dot);
 }
 
 TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
