@@ -78,7 +78,7 @@ def test_decode_runs_on_weights_prepacked_at_warmup_in_one_graph_per_bucket(tiny
     for the decode batch size once, at warm-up. The weights stay graph inputs (no freezing), so changing them
     in place afterwards would change a graph that read them: the decode step does not change, because it runs
     on the packed copies (weights never change after warm-up). 17 live rows: a step of up to
-    linear.ROW_LINEAR_ROWS (32 in float32) runs the row linear, on its own copy of the weight in panels, made
+    linear.row_limits() (32 in float32) runs the row linear, on its own copy of the weight in panels, made
     at load as oneDNN's packed one is."""
     from spyre_runtime.executor import compiler, linear
     from torch._dynamo.utils import counters

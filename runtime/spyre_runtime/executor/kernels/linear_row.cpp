@@ -1,5 +1,5 @@
 // A few rows times a float32 or bfloat16 weight (spyre_kernels::linear_row): a decode step of a few live
-// sequences (up to linear.ROW_LINEAR_ROWS).
+// sequences (up to linear.row_limits()).
 //
 // out [m, N] = x [m, K] @ weight [N, K]^T (+ bias [N]). At one row a linear layer is a matrix-vector product
 // and waits on memory: every weight is read once per step and each of its values is used once. At a few
@@ -19,7 +19,11 @@
 // (`forget_rows`).
 //
 // Every sum is float32, along k in order (a bfloat16 weight widened as it is loaded, x once per call, and each
-// output rounded to bfloat16 once). Built into the same extension as paged_attention.cpp (the sources one
+// output rounded to bfloat16 once). Where the CPU has the bfloat16 dot product (AVX-512 BF16, found at run
+// time: `bf16_dot`), bfloat16 panels hold pairs along k instead ([P, K2, PW, 2]) and x's rows are read as pairs
+// as they are: one instruction per vector takes two values of k, with no widening. SmolLM2's 121 bfloat16
+// weights, 2 threads, a Zen 4 (bench/README.md run 55): widened 10.3 / 13.2 / 23.2 / 43.6 ms at 1 / 8 / 16 /
+// 32 rows, in pairs 10.3 / 10.6 / 15.0 / 24.9 (oneDNN's packed GEMM 15.9-16.4 / 16.1-17.4 / 20.6 / 30.9-31.5). Built into the same extension as paged_attention.cpp (the sources one
 // after the other, paged_attention.py), on ATen's portable vector layer; the prefetch is the compiler's builtin
 // (GCC and Clang, on every ISA Spyre ships with).
 

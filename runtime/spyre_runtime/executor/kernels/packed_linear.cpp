@@ -34,7 +34,7 @@ std::shared_mutex packed_mutex;
 std::unordered_map<int64_t, at::Tensor> packed_weights;  // a weight's address -> that weight packed for oneDNN
 std::atomic<int64_t> live_rows{-1};  // the step's live rows (linear.live_rows); -1: every row is live
 std::atomic<bool> may_run_row{true};  // false within paged_attention.disabled(): oneDNN runs every row
-// the most live rows of a step that the row linear takes, by the weight's dtype (linear.ROW_LINEAR_ROWS,
+// the most live rows of a step that the row linear takes, by the weight's dtype (linear.row_limits(),
 // given with the rest of linear.py's state); 0 until then: oneDNN
 std::atomic<int64_t> row_limit_float{0};
 std::atomic<int64_t> row_limit_bf16{0};

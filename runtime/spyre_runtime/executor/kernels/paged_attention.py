@@ -1,7 +1,7 @@
 """The C++ paged decode-attention kernel (paged_attention.cpp, op `spyre_kernels::paged_decode`): built from
 the project's own source on first use, cached, with the ATen ops of kv_cache.py as its fallback and oracle.
 The same extension holds the few-row linear (linear_row.cpp, `spyre_kernels::linear_row`), which linear.py
-runs for a step of a few live rows (linear.ROW_LINEAR_ROWS), with oneDNN's packed GEMM as its fallback and
+runs for a step of a few live rows (linear.row_limits()), with oneDNN's packed GEMM as its fallback and
 oracle.
 
 Why: kv_cache's ATen path copies every live row's KV blocks into a dense tensor (`index_select`), then SDPA
