@@ -2,6 +2,7 @@
 entrypoints/conftest.py's), and the C++ extension's whole build loaded before any test runs."""
 
 import pytest
+import torch
 from spyre_runtime.executor.kernels import paged_attention
 from spyre_runtime.testing.models import write_tiny_model
 
@@ -16,3 +17,15 @@ def whole_kernel_build():
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(params=[True, False], ids=["bf16-dot", "bf16-widened"])
+def bf16_dot(request):
+    """The extension's bfloat16 paths on the CPU's bf16 dot product where it has one
+    (kernels/paged_attention.cpp `bf16_dot_on`), then widened to float32 as every other CPU runs them:
+    whether the dot product is in force."""
+    assert paged_attention.kernel() is not None, "the runtime's C++ extension did not build here"
+    try:
+        yield torch.ops.spyre_kernels.set_bf16_dot(request.param)
+    finally:
+        torch.ops.spyre_kernels.set_bf16_dot(True)

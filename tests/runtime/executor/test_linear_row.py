@@ -29,7 +29,7 @@ def ran_linear_row(fn) -> tuple[torch.Tensor, bool]:
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 4, 9])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows, dtype):
+def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows, dtype, bf16_dot):
     gen = torch.Generator().manual_seed(n_out * 1000 + k_len)
     x, weight = torch.randn(rows, k_len, generator=gen), torch.randn(n_out, k_len, generator=gen)
     bias = torch.randn(n_out, generator=gen) if with_bias else None
@@ -43,20 +43,9 @@ def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows, d
     outs = [linear_row(x, weight, bias)]
     if dtype == torch.float32:  # the bound holds for ATen's own float32 linear too
         outs.append(torch.nn.functional.linear(x, weight, bias))
-    elif torch.ops.spyre_kernels.bf16_dot():  # and for bfloat16 widened, where the dot product ran first
-        outs.append(widened(lambda: linear_row(x, weight, bias)))
     for out in outs:
         assert out.dtype == dtype and out.shape == (rows, n_out)
         assert ((out.double() - exact).abs() <= bound).all(), (out.double() - exact).abs().max()
-
-
-def widened(fn):
-    """fn()'s result with the bfloat16 row linear widening to float32, not on the CPU's bf16 dot product."""
-    torch.ops.spyre_kernels.set_bf16_dot(False)
-    try:
-        return fn()
-    finally:
-        torch.ops.spyre_kernels.set_bf16_dot(True)
 
 
 def test_bfloat16_takes_the_cpus_dot_product_where_torch_finds_it_and_up_to_32_rows_without_amx(linear_row):

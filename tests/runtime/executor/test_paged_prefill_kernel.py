@@ -68,8 +68,9 @@ CASES = [  # pieces (start, n), heads, kv heads, head_dim, window, sinks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("pieces", "heads", "kvheads", "head_dim", "window", "with_sinks"), CASES)
 def test_the_kernel_equals_the_aten_path(
-    prefill, pieces, heads, kvheads, head_dim, window, with_sinks, dtype
+    prefill, pieces, heads, kvheads, head_dim, window, with_sinks, dtype, bf16_dot
 ):
+    """bfloat16 on the CPU's bf16 dot product (its weights rounded to bfloat16) and widened alike."""
     args = region(pieces, heads, kvheads, head_dim, dtype)
     sinks = torch.linspace(-2, 3, heads) if with_sinks else None
     fast, slow = both(args, head_dim**-0.5, sinks, window)

@@ -39,7 +39,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -47,11 +46,6 @@
 #include <type_traits>
 #include <unordered_map>
 #include <vector>
-
-#if defined(__x86_64__) && defined(CPU_CAPABILITY_AVX512) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define SPYRE_BF16_DOT 1  // this build has the bfloat16 dot product's panels, for a CPU that has it
-#endif
 
 namespace {
 
@@ -72,25 +66,10 @@ inline int64_t panel_count(int64_t n_out) {
   return (n_out + kPanel - 1) / kPanel;
 }
 
-// bfloat16 weights in panels of pairs along k for the CPU's bfloat16 dot product (AVX-512 BF16's vdpbf16ps,
-// found at run time; the build's flags are the vector ISA's, without it): each instruction multiplies two
-// values of k for 16 outputs, twice the float32 FMA's work, from the weight and a row of x as they are, with
-// no widening. Without it (another CPU, another ISA, or set_bf16_dot(false)) the panels hold single values
-// and are widened to float32 as they are loaded.
-bool cpu_has_bf16_dot() {
-#ifdef SPYRE_BF16_DOT
-  static const bool has = __builtin_cpu_supports("avx512bf16");
-  return has;
-#else
-  return false;
-#endif
-}
-
-std::atomic<bool> bf16_dot_wanted{true};
-
-inline bool bf16_dot_on() {
-  return bf16_dot_wanted.load(std::memory_order_relaxed) && cpu_has_bf16_dot();
-}
+// bfloat16 weights in panels of pairs along k for the CPU's bfloat16 dot product (paged_attention.cpp's
+// `bf16_dot_on`): each instruction multiplies two values of k for 16 outputs, twice the float32 FMA's work,
+// from the weight and a row of x as they are, with no widening. Without it (another CPU, another ISA, or
+// set_bf16_dot(false)) the panels hold single values and are widened to float32 as they are loaded.
 
 // one vector of floats from the weight: float32 as it is, bfloat16 widened (the sums stay float32)
 inline RowVec load_row(const float* p) {
@@ -352,9 +331,9 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
   }
 }
 
-// whether the bfloat16 row linear runs on the CPU's bfloat16 dot product (`want`: allowed to; tests and
-// benches compare both): true only where this build and the CPU have it. Panels already made in the other
-// layout are made again at their next call.
+// whether the bfloat16 row linear and prompt attention run on the CPU's bfloat16 dot product (`want`: allowed
+// to; tests and benches compare both): true only where this build and the CPU have it. Panels already made in
+// the other layout are made again at their next call.
 bool set_bf16_dot(bool want) {
   bf16_dot_wanted.store(want, std::memory_order_relaxed);
   return bf16_dot_on();

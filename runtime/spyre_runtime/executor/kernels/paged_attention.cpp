@@ -43,12 +43,37 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) && defined(CPU_CAPABILITY_AVX512) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define SPYRE_BF16_DOT 1  // this build has bfloat16 dot-product paths, for a CPU that has the instruction
+#endif
+
 namespace {
+
+// The CPU's bfloat16 dot product (AVX-512 BF16's vdpbf16ps: 16 float32 sums, each += two products of
+// bfloat16 pairs), found at run time, as the build's flags are only the vector ISA's; its paths are written
+// with its intrinsics in functions of their own target, beside the portable ones (linear_row.cpp's panels of
+// pairs, paged_prefill.cpp's tiles of pairs) that run everywhere else and under set_bf16_dot(false).
+bool cpu_has_bf16_dot() {
+#ifdef SPYRE_BF16_DOT
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool> bf16_dot_wanted{true};
+
+inline bool bf16_dot_on() {
+  return bf16_dot_wanted.load(std::memory_order_relaxed) && cpu_has_bf16_dot();
+}
 
 using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kLanes = Vec::size();
