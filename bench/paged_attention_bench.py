@@ -5,7 +5,8 @@ A script with a report, not a timed test.
     .venv/bin/python bench/paged_attention_bench.py [--iters 50] [--dtype float32] [--out FILE]
 
 Every case is one layer's call; each row owns its own blocks, scattered over the cache as serving leaves
-them. Prints the median of each path, alternating the two per iteration, and their ratio.
+them. Prints the median of each path, alternating the two per iteration, and their ratio. In bfloat16 on a
+CPU with the bf16 dot product, also prompt pieces on it against widened (`prefill_dot`).
 """
 
 from __future__ import annotations
@@ -92,8 +93,48 @@ def main() -> int:
             f"{row['speedup']:5.2f}x  diff {err:.1e}",
             flush=True,
         )
+    if dtype == torch.bfloat16 and torch.ops.spyre_kernels.bf16_dot():
+        results["prefill_dot"] = prefill_dot(args.iters)
     write_results(results, args.out)
     return 0
+
+
+PIECES = [
+    (0, 144),
+    (0, 256),
+    (128, 128),
+]  # a prompt piece's (start, tokens), SmolLM2's heads, 30 layers a step
+
+
+def prefill_dot(iters: int) -> list[dict]:
+    """bfloat16 prompt pieces (kernels/paged_prefill.cpp) on the CPU's bf16 dot product against widened to
+    float32 (every other CPU's path), alternating per iteration: a step's 30 layers' calls (bench/README.md
+    run 55)."""
+    op, rows = torch.ops.spyre_kernels, []
+    gen = torch.Generator().manual_seed(0)
+    for start, n in PIECES:
+        blocks = -(-(start + n) // 64)
+        caches = [torch.randn(blocks + 4, 64, 3, 64, generator=gen).bfloat16() for _ in range(2)]
+        query, table = torch.randn(n, 9, 64, generator=gen).bfloat16(), torch.randperm(blocks + 4)[:blocks]
+        times: dict[bool, list[float]] = {True: [], False: []}
+        outs = {}
+        for _ in range(iters):
+            for dot in (True, False):
+                op.set_bf16_dot(dot)
+                t = time.perf_counter()
+                for _ in range(30):
+                    outs[dot] = op.paged_prefill(query, *caches, table, start, 0.125, None, 0)
+                times[dot].append(time.perf_counter() - t)
+        op.set_bf16_dot(True)
+        dot_ms, widened_ms = (statistics.median(times[d]) * 1e3 for d in (True, False))
+        diff = (outs[True].float() - outs[False].float()).abs().max().item()
+        rows.append({"start": start, "tokens": n, "dot_ms": dot_ms, "widened_ms": widened_ms, "diff": diff})
+        print(
+            f"prompt piece {start}+{n} x 30 layers: dot product {dot_ms:.2f} ms, "
+            f"widened {widened_ms:.2f} ms, {dot_ms / widened_ms:.2f}x, diff {diff:.1e}",
+            flush=True,
+        )
+    return rows
 
 
 if __name__ == "__main__":

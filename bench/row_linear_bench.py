@@ -6,7 +6,8 @@ script with a report, not a timed test (bench/README.md runs 50 and 52): it chos
     .venv/bin/python bench/row_linear_bench.py [--dtype float32] [--rows 1,2,3,4,5,6,8,16] [--iters 12]
                                                [--flush-mb 64] [--out FILE]
 
-Prints, for each row count, both medians of the whole step's linear layers and their ratio (ours / oneDNN's).
+Prints, for each row count, both medians of the whole step's linear layers and their ratio (ours / oneDNN's);
+in bfloat16 on a CPU with the bf16 dot product, also ours widened to float32 (every other CPU's panels).
 """
 
 from __future__ import annotations
@@ -53,6 +54,14 @@ def main() -> int:
     for w in weights:  # the row linear's panels, made once as linear.pack_linears has them made
         torch.ops.spyre_kernels.register_rows(w.data_ptr(), w)
     ours_op = torch.ops.spyre_kernels.linear_row.default
+    # bfloat16 where the CPU has the bf16 dot product: also the widened panels (every other CPU's), on copies
+    # of the weights registered with the dot product off, so that both layouts are made once
+    dot = dtype == torch.bfloat16 and torch.ops.spyre_kernels.bf16_dot()
+    copies = [w.clone() for w in weights] if dot else []
+    torch.ops.spyre_kernels.set_bf16_dot(False)
+    for w in copies:
+        torch.ops.spyre_kernels.register_rows(w.data_ptr(), w)
+    torch.ops.spyre_kernels.set_bf16_dot(True)
     results = {
         "dtype": args.dtype,
         "threads": torch.get_num_threads(),
@@ -71,12 +80,21 @@ def main() -> int:
                 for w, p in zip(weights, packed, strict=True)
             ]
 
-        times: dict[str, list[float]] = {"ours": [], "onednn": []}
+        def widened(xs=xs):
+            torch.ops.spyre_kernels.set_bf16_dot(False)
+            try:
+                return [ours_op(xs[w.shape[1]], w, None) for w in copies]
+            finally:
+                torch.ops.spyre_kernels.set_bf16_dot(True)
+
+        kinds = {"ours": ours, "onednn": onednn, **({"widened": widened} if dot else {})}
+        times: dict[str, list[float]] = {name: [] for name in kinds}
         flush = torch.zeros(args.flush_mb << 18)  # float32: MB * 2^20 / 4
         for _ in range(2):
-            ours(), onednn()
+            for fn in kinds.values():
+                fn()
         for _ in range(args.iters):
-            for name, fn in (("ours", ours), ("onednn", onednn)):
+            for name, fn in kinds.items():
                 flush.add_(1.0)  # a step's other work (attention, the KV cache) between two passes
                 start = time.perf_counter()
                 fn()
@@ -85,7 +103,15 @@ def main() -> int:
         tolerance = 1e-4 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(ours()[-1], onednn()[-1], rtol=tolerance, atol=tolerance)
         results[f"rows_{m}"] = {"ours_ms": round(a, 2), "onednn_ms": round(b, 2), "ratio": round(a / b, 3)}
-        print(f"{m} rows: ours {a:.1f} ms, oneDNN {b:.1f} ms, {a / b:.2f}x", flush=True)
+        line = f"{m} rows: ours {a:.1f} ms, oneDNN {b:.1f} ms, {a / b:.2f}x"
+        if (
+            dot
+        ):  # the same rows widened to float32, as before the dot product's panels (bench/README.md run 55)
+            c = statistics.median(times["widened"])
+            torch.testing.assert_close(widened()[-1], onednn()[-1], rtol=tolerance, atol=tolerance)
+            results[f"rows_{m}"] |= {"widened_ms": round(c, 2), "dot_over_widened": round(a / c, 3)}
+            line += f"; widened {c:.1f} ms, dot product / widened {a / c:.2f}x"
+        print(line, flush=True)
     write_results(results, args.out)
     return 0
 
