@@ -115,12 +115,13 @@ inline void panel_rows(const float* x, int64_t k_len, const T* panel, float* sum
   }
 }
 
-template <typename T>
-inline void panel_of(int rows, const float* x, int64_t k_len, const T* panel, float* sums) {
+// f(std::integral_constant<int, R>{}) for R = rows, a panel kernel's row count (1 .. kPanelRows)
+template <typename F>
+inline void by_rows(int rows, F&& f) {
   switch (rows) {
-#define SPYRE_PANEL_ROWS(n)                                            \
-  case n:                                                              \
-    panel_rows<(n <= kPanelRows ? n : 1)>(x, k_len, panel, sums); \
+#define SPYRE_PANEL_ROWS(n)                                     \
+  case n:                                                       \
+    f(std::integral_constant<int, (n <= kPanelRows ? n : 1)>{}); \
     break;
     SPYRE_PANEL_ROWS(1)
     SPYRE_PANEL_ROWS(2)
@@ -131,8 +132,13 @@ inline void panel_of(int rows, const float* x, int64_t k_len, const T* panel, fl
     SPYRE_PANEL_ROWS(7)
 #undef SPYRE_PANEL_ROWS
     default:
-      panel_rows<kPanelRows>(x, k_len, panel, sums);
+      f(std::integral_constant<int, kPanelRows>{});
   }
+}
+
+template <typename T>
+inline void panel_of(int rows, const float* x, int64_t k_len, const T* panel, float* sums) {
+  by_rows(rows, [&](auto r) { panel_rows<decltype(r)::value>(x, k_len, panel, sums); });
 }
 
 #ifdef SPYRE_BF16_DOT
@@ -175,22 +181,7 @@ __attribute__((target("avx512f,avx512bf16"))) void pair_panel_rows(const c10::BF
 }
 
 void pair_panel_of(int rows, const c10::BFloat16* x, int64_t k2_len, const c10::BFloat16* panel, float* sums) {
-  switch (rows) {
-#define SPYRE_PAIR_ROWS(n)                                                  \
-  case n:                                                                   \
-    pair_panel_rows<(n <= kPanelRows ? n : 1)>(x, k2_len, panel, sums); \
-    break;
-    SPYRE_PAIR_ROWS(1)
-    SPYRE_PAIR_ROWS(2)
-    SPYRE_PAIR_ROWS(3)
-    SPYRE_PAIR_ROWS(4)
-    SPYRE_PAIR_ROWS(5)
-    SPYRE_PAIR_ROWS(6)
-    SPYRE_PAIR_ROWS(7)
-#undef SPYRE_PAIR_ROWS
-    default:
-      pair_panel_rows<kPanelRows>(x, k2_len, panel, sums);
-  }
+  by_rows(rows, [&](auto r) { pair_panel_rows<decltype(r)::value>(x, k2_len, panel, sums); });
 }
 #endif
 
