@@ -25,7 +25,7 @@ up to 8 rows with no horizontal sums. On SmolLM2's 121 weights alone, the caches
 as a step's other work does (bench/README.md run 52, a Zen 4), it took 0.55-0.80 of oneDNN's time from 1 to 40
 rows in float32; in bfloat16, widened to float32 as it is loaded where oneDNN has the CPU's bf16 dot products,
 0.51-0.75 up to 8 rows and 0.93-0.97 at 10 to 16 (1.06-1.12 at 12 and 16 in another run of the same day); on
-the CPU's bf16 dot product itself (AVX-512 BF16, found at run time), 0.61-0.81 from 1 to 32 rows
+the CPU's bf16 dot product itself (AVX-512 BF16, found at run time), 0.58-0.79 from 1 to 32 rows
 (bench/README.md run 55).
 A mixed step whose live rows are more takes oneDNN for all of them, its few decode rows too: they then read
 the packed weight that the chunk's GEMM has just brought into the cache (the row linear on them, reading the
@@ -77,7 +77,7 @@ Spans = tuple[tuple[int, int], tuple[int, int]]
 # where ours widens to float32, 0.51-0.75x up to 8 rows, 0.93-1.12x at 10 to 16 in two runs.
 ROW_LINEAR_ROWS = {torch.float32: 32, torch.bfloat16: 8}
 # bfloat16's, where the extension multiplies it with the CPU's bf16 dot product (linear_row.cpp `bf16_dot`)
-# and the CPU has no AMX (whose oneDNN GEMM it was not measured against): 0.61-0.81x of oneDNN's time from 1
+# and the CPU has no AMX (whose oneDNN GEMM it was not measured against): 0.58-0.79x of oneDNN's time from 1
 # to 32 rows on a Zen 4 (bench/README.md run 55), 32 being the largest decode graph
 BF16_DOT_ROWS = 32
 ROW_SETTING = "ROW_LINEAR"  # SENDNN_INFERENCE_ROW_LINEAR (`pack_linears` reads it)

@@ -22,10 +22,9 @@
 // output rounded to bfloat16 once). Where the CPU has the bfloat16 dot product (AVX-512 BF16, found at run
 // time: `bf16_dot`), bfloat16 panels hold pairs along k instead ([P, K2, PW, 2]) and x's rows are read as pairs
 // as they are: one instruction per vector takes two values of k, with no widening. SmolLM2's 121 bfloat16
-// weights, 2 threads, a Zen 4 (bench/README.md run 55): widened 10.3 / 13.2 / 23.2 / 43.6 ms at 1 / 8 / 16 /
-// 32 rows, in pairs 10.3 / 10.6 / 15.0 / 24.9 (oneDNN's packed GEMM 15.9-16.4 / 16.1-17.4 / 20.6 / 30.9-31.5). Built into the same extension as paged_attention.cpp (the sources one
-// after the other, paged_attention.py), on ATen's portable vector layer; the prefetch is the compiler's builtin
-// (GCC and Clang, on every ISA Spyre ships with).
+// weights, 2 threads, a Zen 4, the layouts alternating in one process (bench/README.md run 55): widened 9.6 /
+// 12.1 / 21.9 / 41.2 ms at 1 / 8 / 16 / 32 rows, in pairs 9.4 / 9.5 / 14.0 / 23.9 (oneDNN's packed GEMM 16.0 /
+// 16.3 / 20.3 / 30.4).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
