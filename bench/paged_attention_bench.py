@@ -99,11 +99,8 @@ def main() -> int:
     return 0
 
 
-PIECES = [
-    (0, 144),
-    (0, 256),
-    (128, 128),
-]  # a prompt piece's (start, tokens), SmolLM2's heads, 30 layers a step
+# a prompt piece's (start, tokens), SmolLM2's heads, 30 layers a step
+PIECES = [(0, 144), (0, 256), (128, 128)]
 
 
 def prefill_dot(iters: int) -> list[dict]:

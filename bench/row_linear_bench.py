@@ -104,9 +104,8 @@ def main() -> int:
         torch.testing.assert_close(ours()[-1], onednn()[-1], rtol=tolerance, atol=tolerance)
         results[f"rows_{m}"] = {"ours_ms": round(a, 2), "onednn_ms": round(b, 2), "ratio": round(a / b, 3)}
         line = f"{m} rows: ours {a:.1f} ms, oneDNN {b:.1f} ms, {a / b:.2f}x"
-        if (
-            dot
-        ):  # the same rows widened to float32, as before the dot product's panels (bench/README.md run 55)
+        # the same rows widened to float32, as before the dot product's panels (bench/README.md run 55)
+        if dot:
             c = statistics.median(times["widened"])
             torch.testing.assert_close(widened()[-1], onednn()[-1], rtol=tolerance, atol=tolerance)
             results[f"rows_{m}"] |= {"widened_ms": round(c, 2), "dot_over_widened": round(a / c, 3)}

@@ -42,28 +42,23 @@ def steps(base: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def one_server(code: Path, dtype: str, streams: list[int], cache: Path) -> dict:
-    """Serves with the checkout `code`, runs every load; the figures of each."""
-    import matrix_bench as mb
+def one_server(code: Path, slot: int, dtype: str, streams: list[int], cache: Path) -> dict:
+    """Serves with the checkout `code` (its kernel build in `slot`), runs every load; the figures of each."""
     from serve_bench import run_load, workload
     from transformers import AutoTokenizer
+    from variants_ab import argv_env
     from vllm_bench import MODEL_DIR, Server, free_port
 
-    ns = argparse.Namespace(
-        max_model_len=1024, mixed_prefill_tokens=0, prefill_pieces=4, step_budget_ms=0, kv_cache_dtype="auto",
-        wave_start=True, step_cost_us="", chunk=2048, ngram_spec_tokens=0,
-    )  # fmt: skip
-    env, flags = mb.ours_config(ns)
+    port = free_port()
+    argv, env = argv_env("ours", {}, port, dtype, Path(sys.executable), cache)  # the matrix's configuration
     env |= {
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "TORCH_EXTENSIONS_DIR": str(cache / f"extensions-{abs(hash(str(code)))}"),
+        "TORCH_EXTENSIONS_DIR": str(cache / f"extensions-{slot}"),  # each checkout's own kernel build
         "PYTHONPATH": os.pathsep.join(str(code / part) for part in CODE),
     }
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
-    port = free_port()
     base = f"http://127.0.0.1:{port}"
     (cache / "logs").mkdir(parents=True, exist_ok=True)
-    server = Server("ours", mb.ours_argv(port, dtype, flags), env, cache / "logs")
+    server = Server("ours", argv, env, cache / "logs")
     result: dict = {"code": str(code)}
     try:
         result["ready_s"] = round(server.wait_ready(base), 1)
@@ -120,8 +115,8 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="step-mix-") as folder:
         for _ in range(args.rounds):
-            for code in codes:
-                results.append(one_server(code, args.dtype, streams, Path(folder)))
+            for slot, code in enumerate(codes):
+                results.append(one_server(code, slot, args.dtype, streams, Path(folder)))
     text = json.dumps({"dtype": args.dtype, "streams": streams, "runs": results}, indent=2)
     if args.out:
         args.out.write_text(text + "\n")

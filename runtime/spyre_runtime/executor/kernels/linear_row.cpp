@@ -65,11 +65,6 @@ inline int64_t panel_count(int64_t n_out) {
   return (n_out + kPanel - 1) / kPanel;
 }
 
-// bfloat16 weights in panels of pairs along k for the CPU's bfloat16 dot product (paged_attention.cpp's
-// `bf16_dot_on`): each instruction multiplies two values of k for 16 outputs, twice the float32 FMA's work,
-// from the weight and a row of x as they are, with no widening. Without it (another CPU, another ISA, or
-// set_bf16_dot(false)) the panels hold single values and are widened to float32 as they are loaded.
-
 // one vector of floats from the weight: float32 as it is, bfloat16 widened (the sums stay float32)
 inline RowVec load_row(const float* p) {
   return RowVec::loadu(p);
@@ -206,19 +201,24 @@ void rows_times(int64_t m, const T* bias, T* out, int64_t n_out, const PanelSums
   });
 }
 
-// whether a weight of this dtype is put in panels of pairs along k (for the bfloat16 dot product)
-inline bool in_pairs(at::ScalarType dtype) {
-  return dtype == at::kBFloat16 && bf16_dot_on();
+// the panels of a 2-d weight [N, K] now: [P, K, PW], or of pairs along k [P, K2, PW, 2] (K2 = K / 2 rounded
+// up) where bfloat16 runs on the CPU's bfloat16 dot product (paged_attention.cpp's `bf16_dot_on`)
+std::vector<int64_t> panel_sizes(const at::Tensor& weight) {
+  const int64_t count = panel_count(weight.size(0)), k_len = weight.size(1);
+  if (weight.scalar_type() == at::kBFloat16 && bf16_dot_on()) {
+    return {count, (k_len + 1) / 2, kPanel, 2};
+  }
+  return {count, k_len, kPanel};
 }
 
-// a weight [N, K] in panels [P, K, PW], or of pairs [P, K2, PW, 2] (K2 = K / 2 rounded up), the outputs past
-// N and the values past K zero
+// a weight [N, K] in its panels (panel_sizes), the outputs past N and the values past K zero
 at::Tensor pack_rows(const at::Tensor& weight) {
   RECORD_FUNCTION("spyre_kernels::pack_rows", std::vector<c10::IValue>());
   TORCH_CHECK(weight.dim() == 2, "pack_rows: weight must be 2-d [out, in], got ", weight.dim(), "-d");
   const int64_t n_out = weight.size(0), k_len = weight.size(1), count = panel_count(n_out);
-  if (in_pairs(weight.scalar_type())) {
-    const int64_t k2_len = (k_len + 1) / 2;
+  const std::vector<int64_t> sizes = panel_sizes(weight);
+  if (sizes.size() == 4) {
+    const int64_t k2_len = sizes[1];
     at::Tensor padded = at::zeros({count * kPanel, 2 * k2_len}, weight.options());
     padded.narrow(0, 0, n_out).narrow(1, 0, k_len).copy_(weight);
     return padded.view({count, kPanel, k2_len, 2}).permute({0, 2, 1, 3}).contiguous();
@@ -247,11 +247,8 @@ at::Tensor panels_of(const at::Tensor& weight) {
   {
     std::shared_lock<std::shared_mutex> lock(rows_mutex);
     const auto found = row_panels.find(reinterpret_cast<int64_t>(weight.data_ptr()));
-    const bool pairs = in_pairs(weight.scalar_type());
     if (found != row_panels.end() && found->second.scalar_type() == weight.scalar_type() &&
-        found->second.dim() == (pairs ? 4 : 3) &&
-        found->second.size(1) == (pairs ? (weight.size(1) + 1) / 2 : weight.size(1)) &&
-        found->second.size(0) == panel_count(weight.size(0))) {
+        found->second.sizes() == c10::IntArrayRef(panel_sizes(weight))) {
       return found->second;
     }
   }

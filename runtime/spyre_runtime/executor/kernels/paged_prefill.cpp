@@ -74,18 +74,26 @@ void score_columns(const float* q, int64_t head_dim, const float* tile, int64_t 
     for (int c = 0; c < KN; ++c) s[r][c].store(scores + r * width + c0 + c * kLanes);
 }
 
+// f(v0, std::integral_constant<int, V>{}) for vectors [v0, v0 + V) of `count`, V = kVecs but at the end
+template <typename F>
+void by_vectors(int64_t count, F&& f) {
+  for (int64_t v0 = 0; v0 < count; v0 += kVecs) {
+    switch (std::min<int64_t>(kVecs, count - v0)) {
+      case 1: f(v0, std::integral_constant<int, 1>{}); break;
+      case 2: f(v0, std::integral_constant<int, 2>{}); break;
+      case 3: f(v0, std::integral_constant<int, 3>{}); break;
+      default: f(v0, std::integral_constant<int, kVecs>{}); break;
+    }
+  }
+}
+
 // scores[r][0, columns) = q[r] . keys for rows [0, kRows), `columns` a multiple of kLanes: the tile's columns
 // up to the item's last position (the caller masks the rest of each row's)
 void score_rows(const float* q, int64_t head_dim, const float* tile, int64_t width, int64_t columns,
                 float* scores) {
-  for (int64_t c0 = 0; c0 < columns; c0 += kVecs * kLanes) {
-    switch (std::min<int64_t>(kVecs, (columns - c0) / kLanes)) {
-      case 1: score_columns<1>(q, head_dim, tile, width, c0, scores); break;
-      case 2: score_columns<2>(q, head_dim, tile, width, c0, scores); break;
-      case 3: score_columns<3>(q, head_dim, tile, width, c0, scores); break;
-      default: score_columns<4>(q, head_dim, tile, width, c0, scores); break;
-    }
-  }
+  by_vectors(columns / kLanes, [&](int64_t v0, auto kn) {
+    score_columns<decltype(kn)::value>(q, head_dim, tile, width, v0 * kLanes, scores);
+  });
 }
 
 // acc[r] += sum_t weights[r][t] * values[t] for rows [0, kRows), n values, output vectors [v0, v0 + VN)
@@ -145,14 +153,9 @@ __attribute__((target("avx512f,avx512bf16"))) void score_columns_dot(const c10::
 
 void score_rows_dot(const c10::BFloat16* q, int64_t head_dim, const c10::BFloat16* tile, int64_t width,
                     int64_t columns, float scale, float* scores) {
-  for (int64_t c0 = 0; c0 < columns; c0 += kVecs * kLanes) {
-    switch (std::min<int64_t>(kVecs, (columns - c0) / kLanes)) {
-      case 1: score_columns_dot<1>(q, head_dim, tile, width, c0, scale, scores); break;
-      case 2: score_columns_dot<2>(q, head_dim, tile, width, c0, scale, scores); break;
-      case 3: score_columns_dot<3>(q, head_dim, tile, width, c0, scale, scores); break;
-      default: score_columns_dot<4>(q, head_dim, tile, width, c0, scale, scores); break;
-    }
-  }
+  by_vectors(columns / kLanes, [&](int64_t v0, auto kn) {
+    score_columns_dot<decltype(kn)::value>(q, head_dim, tile, width, v0 * kLanes, scale, scores);
+  });
 }
 
 // weights[r][0, columns) rounded to bfloat16 into pairs[r][0, columns), rows [0, kRows)
@@ -315,27 +318,17 @@ void prefill_item(const PrefillProblem& p, const Q* query, const T* vc, const fl
         weights_to_pairs(s.scores.data() + r0 * w, w, columns, weights);
         const c10::BFloat16* value_pairs = pairs + (tile_index * 2 + 1) * d * w;
         float* acc = s.acc.data() + r0 * d;
-        for (int64_t v0 = 0; v0 < d / kLanes; v0 += kVecs) {
-          switch (std::min<int64_t>(kVecs, d / kLanes - v0)) {
-            case 1: weigh_values_dot<1>(value_pairs, (n + 1) / 2, weights, w, acc, d, v0); break;
-            case 2: weigh_values_dot<2>(value_pairs, (n + 1) / 2, weights, w, acc, d, v0); break;
-            case 3: weigh_values_dot<3>(value_pairs, (n + 1) / 2, weights, w, acc, d, v0); break;
-            default: weigh_values_dot<4>(value_pairs, (n + 1) / 2, weights, w, acc, d, v0); break;
-          }
-        }
+        by_vectors(d / kLanes, [&](int64_t v0, auto vn) {
+          weigh_values_dot<decltype(vn)::value>(value_pairs, (n + 1) / 2, weights, w, acc, d, v0);
+        });
         continue;
       }
 #endif
-      for (int64_t v0 = 0; v0 < d / kLanes; v0 += kVecs) {
-        const float* weights = s.scores.data() + r0 * w;
-        float* acc = s.acc.data() + r0 * d;
-        switch (std::min<int64_t>(kVecs, d / kLanes - v0)) {
-          case 1: weigh_values<T, 1>(values, p.v_slot, n, weights, w, acc, d, v0); break;
-          case 2: weigh_values<T, 2>(values, p.v_slot, n, weights, w, acc, d, v0); break;
-          case 3: weigh_values<T, 3>(values, p.v_slot, n, weights, w, acc, d, v0); break;
-          default: weigh_values<T, 4>(values, p.v_slot, n, weights, w, acc, d, v0); break;
-        }
-      }
+      const float* weights = s.scores.data() + r0 * w;
+      float* acc = s.acc.data() + r0 * d;
+      by_vectors(d / kLanes, [&](int64_t v0, auto vn) {
+        weigh_values<T, decltype(vn)::value>(values, p.v_slot, n, weights, w, acc, d, v0);
+      });
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
