@@ -73,8 +73,9 @@ def model_file_digest(path: Path, memo_dir: Path | None) -> str:
 # The layout of the compiled graphs (attention op, mixed steps, packed linear layers): a change of it makes
 # earlier entries misses, whatever the package's version says. 2: mixed steps, paged decode, packed weights;
 # 3: mixed steps prefill pieces of several prompts (paged prefill op); 4: regional compilation (a graph per
-# group of decoder blocks, `compiler.MAX_BLOCK_CALLS`), ops registered at the dispatcher's CPU key (ops.py).
-GRAPH_FORMAT = 4
+# group of decoder blocks, `compiler.MAX_BLOCK_CALLS`), ops registered at the dispatcher's CPU key (ops.py);
+# 5: a SwiGLU feed-forward's gate, up and SiLU in one op (linear.packed_glu).
+GRAPH_FORMAT = 5
 
 
 def cache_configuration(config: RuntimeConfig) -> dict:

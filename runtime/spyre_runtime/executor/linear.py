@@ -32,6 +32,11 @@ the packed weight that the chunk's GEMM has just brought into the cache (the row
 weight from memory, lost 5-12 % of bfloat16 tok/s at 4 and 8 streams in run 50). Within
 `paged_attention.disabled()` oneDNN runs every row (the oracle).
 
+A SwiGLU feed-forward (FMS's GatedLinearUnit, gate and up in one layer, SiLU) runs them through `packed_glu`:
+the same decisions, and silu(gate) * up formed as the row linear makes each panel's sums (the gate's panels
+and the up half's lie side by side, `register_glu_rows`), or in one pass after oneDNN's GEMM; the step's graph
+no longer writes the [rows, 2 * hidden] output and reads it back in a kernel of its own.
+
 The op's decisions (which weight, which rows, which GEMM) are made in Python until the extension is
 loaded, then in its C++ kernel (kernels/packed_linear.cpp), which linear.py gives the packed weights and the
 live rows: that spares 10-30 us of Python a call around the GEMM, 121 calls a step (bench/README.md run 29).
@@ -67,6 +72,7 @@ _PACKED: dict[int, torch.Tensor] = {}  # a layer's weight (its data_ptr) -> the 
 # a packed layer's weight (its data_ptr) -> that weight, weakly: the row linear's panels are made from it once
 # the extension is loaded (`_put_in_panels`)
 _PLAIN: dict[int, weakref.ref] = {}
+_GLU: set[int] = set()  # the packed weights that are a GLU's gate and up (packed_glu): panels of its layout
 _live: int | None = None  # the current step's live rows (a prefix of the inputs' rows), when set
 _live_decode: int | None = None  # of those, the live decode rows the paged decode attends for
 Spans = tuple[tuple[int, int], tuple[int, int]]
@@ -177,13 +183,15 @@ def _put_in_panels(key: int) -> None:
     dtypes it serves: made once, read at every step of a few live rows; forgotten with the packed weight."""
     weight = _PLAIN.get(key, lambda: None)()
     if weight is not None and _rows.get(weight.dtype, 0) > 0:
-        torch.ops.spyre_kernels.register_rows(key, weight.detach())
+        kernels = torch.ops.spyre_kernels
+        (kernels.register_glu_rows if key in _GLU else kernels.register_rows)(key, weight.detach())
 
 
 def _forget(key: int) -> None:
     with _lock:
         _PACKED.pop(key, None)
         _PLAIN.pop(key, None)
+        _GLU.discard(key)
         if _native:
             torch.ops.spyre_kernels.forget_packed(key)
 
@@ -248,6 +256,27 @@ packed_linear = opaque_op(
 )(python_packed_linear)
 
 
+def _fake_glu(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0] // 2)
+
+
+def python_packed_glu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up of a GLU whose gate and up halves are one packed weight [2 * hidden, K] (gate first):
+    `python_packed_linear`, then the product of its halves. The Python kernel of `packed_glu`, the C++ one's
+    fallback and oracle; that one (kernels/packed_linear.cpp) multiplies a few live rows by the GLU's panels
+    and forms the product as each panel's sums are made, and otherwise follows oneDNN's GEMM with it in one
+    pass (the compiled graph's own fused kernel did that pass before)."""
+    gate, up = python_packed_linear(x, weight, bias).chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+packed_glu = opaque_op(
+    "packed_glu(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+    _fake_glu,
+    key="CompositeExplicitAutograd",
+)(python_packed_glu)
+
+
 def can_pack(dtype: torch.dtype, backend: str) -> bool:
     """oneDNN packs float32 (and, where the CPU has it, bfloat16) weights for CPU backends; Spyre (sendnn)
     compiles its own."""
@@ -262,6 +291,32 @@ def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return packed_linear(x, self.weight, self.bias)
 
 
+def _glu_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return self.w2(packed_glu(x, self.wg1_fused.weight, self.wg1_fused.bias))
+
+
+@functools.cache
+def _glu_class(cls: type) -> type:
+    """FMS's GatedLinearUnit with its gate, up and SiLU through `packed_glu` (one op, no [.., 2 * hidden]
+    output written and read back); its down projection stays a packed linear layer."""
+    return type(f"Packed{cls.__name__}", (cls,), {"forward": _glu_forward})
+
+
+def _fused_swiglu(module: torch.nn.Module) -> bool:
+    """A GatedLinearUnit exactly (not a tensor-parallel one, which gathers) whose gate and up are one linear
+    layer and whose activation is SiLU, without dropout (none, or in eval mode, as the runtime serves): what
+    `packed_glu` computes."""
+    from fms.modules.feedforward import GatedLinearUnit
+
+    return (
+        type(module) is GatedLinearUnit
+        and module.fused
+        and type(module.a) is torch.nn.SiLU
+        and not (module.p_dropout and module.training)
+        and type(module.wg1_fused) is torch.nn.Linear
+    )
+
+
 @functools.cache
 def _packed_class(cls: type) -> type:
     """`cls` with its forward through `packed_linear`. A class, not a per-layer bound forward: the compiler
@@ -274,12 +329,20 @@ def pack_linears(model: torch.nn.Module, rows: int) -> int:
     nn.Linear's; not the tensor-parallel head, which gathers) for oneDNN, tuned for `rows` (the decode batch;
     any row count runs), and routes the layer through `packed_linear`; returns how many. A packed weight is
     dropped with its weight tensor (before its address can be reused), and a weight shared by two layers (tied
-    embeddings) is packed once."""
+    embeddings) is packed once. A SwiGLU feed-forward whose gate and up are one layer (`_fused_swiglu`) runs
+    them and its SiLU through `packed_glu` instead."""
     from fms.modules.head import LinearClassificationHead
 
     _read_row_setting()
     n = 0
-    for module in model.modules():
+    for module in model.modules():  # a GLU before its layers
+        if _fused_swiglu(module):
+            key = module.wg1_fused.weight.data_ptr()
+            with _lock:
+                _GLU.add(key)
+                if _native and key in _PACKED:  # packed before as a plain layer: panels of the GLU's layout
+                    _put_in_panels(key)
+            module.__class__ = _glu_class(type(module))
         if type(module) in (torch.nn.Linear, LinearClassificationHead):
             key = module.weight.data_ptr()
             with _lock:

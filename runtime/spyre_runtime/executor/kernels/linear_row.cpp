@@ -38,6 +38,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -201,10 +202,93 @@ void rows_times(int64_t m, const T* bias, T* out, int64_t n_out, const PanelSums
   });
 }
 
+// silu(g) * u of one vector of each
+inline RowVec glu_vec(const RowVec& g, const RowVec& u) {
+  return g * u / (RowVec(1.f) + g.neg().exp_u20());
+}
+
+// silu(gate) * up, in place in `gate`, over kPanel floats (the outputs past a panel's width are its padding)
+inline void glu_sums(float* gate, const float* up) {
+  for (int64_t o = 0; o < kPanel; o += RowVec::size()) {
+    glu_vec(RowVec::loadu(gate + o), RowVec::loadu(up + o)).store(gate + o);
+  }
+}
+
+// out [m, half] = silu(x @ gate^T + bias_g) * (x @ up^T + bias_u), a GLU's two halves from its weight's
+// panels in the GLU layout (`glu_panel_sizes`: the gate's `count` panels, then the up half's), over the
+// threads by panel: each panel's sums meet the same outputs' other half in registers' reach, and only the
+// product is written (the step's graph no longer writes the [m, 2 * half] output and reads it back)
+template <typename T, typename PanelSums>
+void glu_rows_times(int64_t m, const T* bias, T* out, int64_t half, const PanelSums& panel_sums) {
+  const int64_t count = panel_count(half);
+  at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float gate[kPanelRows * kPanel];
+    alignas(64) float up[kPanelRows * kPanel];
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t first = p * kPanel, width = std::min<int64_t>(kPanel, half - first);
+      for (int64_t r0 = 0; r0 < m; r0 += kPanelRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r0));
+        panel_sums(rows, r0, p, gate);
+        panel_sums(rows, r0, count + p, up);
+        for (int r = 0; r < rows; ++r) {
+          float* g = gate + r * kPanel;
+          float* u = up + r * kPanel;
+          if (bias) {
+            for (int64_t o = 0; o < width; ++o) {
+              g[o] += static_cast<float>(bias[first + o]);
+              u[o] += static_cast<float>(bias[half + first + o]);
+            }
+          }
+          glu_sums(g, u);
+          T* row_out = out + (r0 + r) * half + first;
+          for (int64_t o = 0; o < width; ++o) {
+            row_out[o] = static_cast<T>(g[o]);
+          }
+        }
+      }
+    }
+  });
+}
+
+// two vectors of floats into T: float32 as they are, bfloat16 rounded (one vector of bfloat16)
+inline void store_pair(float* out, const RowVec& a, const RowVec& b) {
+  a.store(out);
+  b.store(out + RowVec::size());
+}
+
+inline void store_pair(c10::BFloat16* out, const RowVec& a, const RowVec& b) {
+  at::vec::convert_from_float<c10::BFloat16>(a, b).store(out);
+}
+
+// out [m, half] = silu(full[:, :half]) * full[:, half:] for a GEMM's output full [m, 2 * half] (the GLU of the
+// rows that oneDNN multiplied), over the threads by row, each value rounded once
+template <typename T>
+void glu_of_rows(const T* full, int64_t m, int64_t half, T* out) {
+  constexpr int64_t kStep = 2 * RowVec::size();
+  at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gate = full + r * 2 * half;
+      const T* up = gate + half;
+      T* row_out = out + r * half;
+      int64_t o = 0;
+      for (; o + kStep <= half; o += kStep) {
+        const int64_t next = o + RowVec::size();
+        store_pair(row_out + o, glu_vec(load_row(gate + o), load_row(up + o)),
+                   glu_vec(load_row(gate + next), load_row(up + next)));
+      }
+      for (; o < half; ++o) {
+        const float g = static_cast<float>(gate[o]);
+        row_out[o] = static_cast<T>(g * static_cast<float>(up[o]) / (1.f + std::exp(-g)));
+      }
+    }
+  });
+}
+
 // the panels of a 2-d weight [N, K] now: [P, K, PW], or of pairs along k [P, K2, PW, 2] (K2 = K / 2 rounded
 // up) where bfloat16 runs on the CPU's bfloat16 dot product (paged_attention.cpp's `bf16_dot_on`)
-std::vector<int64_t> panel_sizes(const at::Tensor& weight) {
-  const int64_t count = panel_count(weight.size(0)), k_len = weight.size(1);
+std::vector<int64_t> panel_sizes(const at::Tensor& weight, bool glu = false) {
+  const int64_t k_len = weight.size(1);
+  const int64_t count = glu ? 2 * panel_count(weight.size(0) / 2) : panel_count(weight.size(0));
   if (weight.scalar_type() == at::kBFloat16 && bf16_dot_on()) {
     return {count, (k_len + 1) / 2, kPanel, 2};
   }
@@ -228,13 +312,37 @@ at::Tensor pack_rows(const at::Tensor& weight) {
   return padded.view({count, kPanel, k_len}).transpose(1, 2).contiguous();
 }
 
+// a GLU's weight [2 * half, K] (gate, then up) in the GLU layout: each half in panels of its own, the gate's
+// first, so panel p of the gate and panel count + p of the up half hold the same outputs (the plain layout's
+// when half is a multiple of a panel's width)
+at::Tensor pack_glu_rows(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(0) % 2 == 0, "linear_row_glu: weight must be 2-d [2 * half, in], got ",
+              weight.sizes());
+  const int64_t half = weight.size(0) / 2, span = panel_count(half) * kPanel;
+  at::Tensor halves = at::zeros({2 * span, weight.size(1)}, weight.options());
+  halves.narrow(0, 0, half).copy_(weight.narrow(0, 0, half));
+  halves.narrow(0, span, half).copy_(weight.narrow(0, half, half));
+  return pack_rows(halves);
+}
+
+// a weight's panels, and whether they are in the GLU layout (pack_glu_rows): a layout is never read as the other
+struct Panels {
+  at::Tensor panels;
+  bool glu;
+};
 std::shared_mutex rows_mutex;
-std::unordered_map<int64_t, at::Tensor> row_panels;  // a weight's address -> its panels (register_rows)
+std::unordered_map<int64_t, Panels> row_panels;  // a weight's address -> its panels (register_rows)
 
 void register_rows(int64_t address, const at::Tensor& weight) {
   at::Tensor panels = pack_rows(weight);
   std::unique_lock<std::shared_mutex> lock(rows_mutex);
-  row_panels[address] = std::move(panels);
+  row_panels[address] = {std::move(panels), false};
+}
+
+void register_glu_rows(int64_t address, const at::Tensor& weight) {
+  at::Tensor panels = pack_glu_rows(weight);
+  std::unique_lock<std::shared_mutex> lock(rows_mutex);
+  row_panels[address] = {std::move(panels), true};
 }
 
 void forget_rows(int64_t address) {
@@ -242,52 +350,73 @@ void forget_rows(int64_t address) {
   row_panels.erase(address);
 }
 
-// the registered panels of this weight (by its address, of its shape and dtype), else new ones
-at::Tensor panels_of(const at::Tensor& weight) {
+// the registered panels of this weight (by its address, of its layout, shape and dtype), else new ones
+at::Tensor panels_of(const at::Tensor& weight, bool glu = false) {
   {
     std::shared_lock<std::shared_mutex> lock(rows_mutex);
     const auto found = row_panels.find(reinterpret_cast<int64_t>(weight.data_ptr()));
-    if (found != row_panels.end() && found->second.scalar_type() == weight.scalar_type() &&
-        found->second.sizes() == c10::IntArrayRef(panel_sizes(weight))) {
-      return found->second;
+    if (found != row_panels.end() && found->second.glu == glu &&
+        found->second.panels.scalar_type() == weight.scalar_type() &&
+        found->second.panels.sizes() == c10::IntArrayRef(panel_sizes(weight, glu))) {
+      return found->second.panels;
     }
   }
-  return pack_rows(weight);
+  return glu ? pack_glu_rows(weight) : pack_rows(weight);
 }
 
-// out [m, N] (contiguous, the weight's dtype) = x @ weight^T (+ bias) for a checked x of m rows, over the threads
+// out [m, N] (contiguous, the weight's dtype) = x @ weight^T (+ bias) for a checked x of m rows, over the threads;
+// with `glu`, out [m, N / 2] = silu(the first half's outputs) * the second half's (linear_row_glu)
 void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-               at::Tensor& out);
+               at::Tensor& out, bool glu = false);
 
-at::Tensor linear_row(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+at::Tensor rows_op(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool glu) {
   const int64_t k_len = weight.dim() == 2 ? weight.size(1) : 0;
-  at::Tensor out = at::empty({k_len && x.dim() >= 1 ? x.numel() / k_len : 0, weight.dim() == 2 ? weight.size(0) : 0},
-                             x.options());
-  rows_into(x, weight, bias, out);
+  const int64_t n_out = weight.dim() == 2 ? weight.size(0) / (glu ? 2 : 1) : 0;
+  at::Tensor out = at::empty({k_len && x.dim() >= 1 ? x.numel() / k_len : 0, n_out}, x.options());
+  rows_into(x, weight, bias, out, glu);
   return out;
 }
 
+at::Tensor linear_row(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return rows_op(x, weight, bias, false);
+}
+
+// silu(x @ gate^T + bias_g) * (x @ up^T + bias_u) for a GLU's weight [2 * half, K] (gate, then up) and bias
+at::Tensor linear_row_glu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return rows_op(x, weight, bias, true);
+}
+
 void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-               at::Tensor& out) {
-  TORCH_CHECK(weight.dim() == 2, "linear_row: weight must be 2-d [out, in], got ", weight.dim(), "-d");
+               at::Tensor& out, bool glu) {
+  const char* name = glu ? "linear_row_glu" : "linear_row";
+  TORCH_CHECK(weight.dim() == 2, name, ": weight must be 2-d [out, in], got ", weight.dim(), "-d");
   const int64_t n_out = weight.size(0), k_len = weight.size(1);
+  TORCH_CHECK(!glu || n_out % 2 == 0, name, ": weight must have an even count of outputs (gate, then up), got ",
+              n_out);
+  const int64_t width = glu ? n_out / 2 : n_out;  // out's columns
   const auto dtype = weight.scalar_type();
-  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype,
-              "linear_row: float32 or bfloat16 only, x and weight alike, got x ", x.scalar_type(), " and weight ",
-              dtype);
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k_len && k_len > 0, "linear_row: x must be rows of ", k_len,
+  TORCH_CHECK((dtype == at::kFloat || dtype == at::kBFloat16) && x.scalar_type() == dtype, name,
+              ": float32 or bfloat16 only, x and weight alike, got x ", x.scalar_type(), " and weight ", dtype);
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k_len && k_len > 0, name, ": x must be rows of ", k_len,
               " values, got ", x.sizes());
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "linear_row: x and weight must be contiguous");
+  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), name, ": x and weight must be contiguous");
   const bool has_bias = bias.has_value() && bias->defined();
   if (has_bias) {
-    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n_out,
-                "linear_row: bias must be a contiguous ", dtype, " [", n_out, "], got ", bias->scalar_type(), " ",
+    TORCH_CHECK(bias->scalar_type() == dtype && bias->is_contiguous() && bias->numel() == n_out, name,
+                ": bias must be a contiguous ", dtype, " [", n_out, "], got ", bias->scalar_type(), " ",
                 bias->sizes());
   }
   const int64_t m = x.numel() / k_len;
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == m * n_out,
-              "linear_row: out must be a contiguous ", dtype, " [", m, ", ", n_out, "]");
-  const at::Tensor panels = panels_of(weight);
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == m * width, name,
+              ": out must be a contiguous ", dtype, " [", m, ", ", width, "]");
+  const at::Tensor panels = panels_of(weight, glu);
+  const auto times = [&](auto* bias_ptr, auto* out_ptr, const auto& panel_sums) {
+    if (glu) {
+      glu_rows_times(m, bias_ptr, out_ptr, width, panel_sums);
+    } else {
+      rows_times(m, bias_ptr, out_ptr, width, panel_sums);
+    }
+  };
   using B = c10::BFloat16;
 #ifdef SPYRE_BF16_DOT
   if (panels.dim() == 4) {  // pairs: x's rows as pairs too, a zero after an odd k_len (a copy only then)
@@ -295,10 +424,10 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
     const at::Tensor xp = 2 * k2_len == k_len ? x : at::constant_pad_nd(x.reshape({m, k_len}), {0, 1}, 0);
     const B* x_ptr = xp.data_ptr<B>();
     const B* panel_ptr = panels.data_ptr<B>();
-    rows_times(m, has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>(), n_out,
-               [&](int rows, int64_t r0, int64_t p, float* sums) {
-                 pair_panel_of(rows, x_ptr + r0 * 2 * k2_len, k2_len, panel_ptr + p * k2_len * 2 * kPanel, sums);
-               });
+    times(has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>(),
+          [&](int rows, int64_t r0, int64_t p, float* sums) {
+            pair_panel_of(rows, x_ptr + r0 * 2 * k2_len, k2_len, panel_ptr + p * k2_len * 2 * kPanel, sums);
+          });
     return;
   }
 #endif
@@ -307,7 +436,7 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
   const float* x_ptr = xf.data_ptr<float>();
   const auto widened = [&](auto* panel_ptr, auto* bias_ptr, auto* out_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(panel_ptr)>>;
-    rows_times(m, bias_ptr, out_ptr, n_out, [&](int rows, int64_t r0, int64_t p, float* sums) {
+    times(bias_ptr, out_ptr, [&](int rows, int64_t r0, int64_t p, float* sums) {
       panel_of<T>(rows, x_ptr + r0 * k_len, k_len, panel_ptr + p * k_len * kPanel, sums);
     });
   };
@@ -315,6 +444,16 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
     widened(panels.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
   } else {
     widened(panels.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>());
+  }
+}
+
+// a GLU of the rows oneDNN multiplied: out [m, half] = silu(full[:, :half]) * full[:, half:] (packed_linear.cpp)
+void glu_of(const at::Tensor& full, at::Tensor& out) {
+  const int64_t half = out.size(-1), m = out.numel() / std::max<int64_t>(half, 1);
+  if (full.scalar_type() == at::kFloat) {
+    glu_of_rows(full.data_ptr<float>(), m, half, out.data_ptr<float>());
+  } else {
+    glu_of_rows(full.data_ptr<c10::BFloat16>(), m, half, out.data_ptr<c10::BFloat16>());
   }
 }
 
@@ -334,8 +473,10 @@ bool bf16_dot() {
 
 TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def("linear_row(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("linear_row_glu(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
   // linear.py's registry of panels (kernels for every dispatch key: they keep a tensor, or take none)
   m.def("register_rows(int address, Tensor weight) -> ()", &register_rows);
+  m.def("register_glu_rows(int address, Tensor weight) -> ()", &register_glu_rows);
   m.def("forget_rows(int address) -> ()", &forget_rows);
   m.def("bf16_dot() -> bool", &bf16_dot);
   m.def("set_bf16_dot(bool want) -> bool", &set_bf16_dot);
@@ -343,4 +484,5 @@ TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
 
 TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
   m.impl("linear_row", &linear_row);
+  m.impl("linear_row_glu", &linear_row_glu);
 }

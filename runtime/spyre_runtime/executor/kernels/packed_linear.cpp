@@ -113,27 +113,47 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
   return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
 }
 
-// the row linear of `n` rows of `flat` from row r into the same rows of out, seen by the profiler under its
-// op's name
+// the row linear of `n` rows of `flat` from row r into the same rows of out (with `glu`, the GLU of its two halves),
+// seen by the profiler under its op's name
 void few_rows(const at::Tensor& flat, int64_t r, int64_t n, const at::Tensor& weight,
-              const c10::optional<at::Tensor>& bias, at::Tensor& out) {
-  RECORD_FUNCTION("spyre_kernels::linear_row", std::vector<c10::IValue>());
+              const c10::optional<at::Tensor>& bias, at::Tensor& out, bool glu) {
+  RECORD_FUNCTION(glu ? "spyre_kernels::linear_row_glu" : "spyre_kernels::linear_row", std::vector<c10::IValue>());
   at::Tensor rows_out = out.narrow(0, r, n);
-  rows_into(flat.narrow(0, r, n), weight, bias, rows_out);
+  rows_into(flat.narrow(0, r, n), weight, bias, rows_out, glu);
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+// oneDNN's GEMM of x [.., K] by the packed weight; with `glu` (a GLU's weight, gate then up), then the GLU of
+// its output's halves, in one pass over it
+at::Tensor onednn_rows(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
+                       bool glu) {
+  at::Tensor full = onednn_linear(x, packed, bias);
+  if (!glu) {
+    return full;
+  }
+  std::vector<int64_t> sizes(full.sizes().begin(), full.sizes().end());
+  sizes.back() /= 2;
+  at::Tensor out = at::empty(sizes, full.options());
+  glu_of(full.contiguous(), out);
+  return out;
+}
+
+// packed_linear (glu false) and packed_glu (true): the same decisions, and with `glu` the GLU of the two halves
+at::Tensor packed_rows(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       bool glu) {
+  const char* name = glu ? "packed_glu" : "packed_linear";
   at::Tensor packed;
   {
     std::shared_lock<std::shared_mutex> lock(packed_mutex);
     const auto found = packed_weights.find(reinterpret_cast<int64_t>(weight.data_ptr()));
-    TORCH_CHECK(found != packed_weights.end(), "packed_linear: a weight ", weight.sizes(),
+    TORCH_CHECK(found != packed_weights.end(), name, ": a weight ", weight.sizes(),
                 " that pack_linears did not pack");
     packed = found->second;
   }
-  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1), "packed_linear: x ",
-              x.sizes(), " does not fit the weight ", weight.sizes());
-  const int64_t k_len = x.size(-1), n_out = weight.size(0);
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 2 && x.size(-1) == weight.size(1), name, ": x ", x.sizes(),
+              " does not fit the weight ", weight.sizes());
+  TORCH_CHECK(!glu || weight.size(0) % 2 == 0, name, ": a weight ", weight.sizes(),
+              " with an odd count of outputs is no GLU's (gate, then up)");
+  const int64_t k_len = x.size(-1), n_out = weight.size(0) / (glu ? 2 : 1);
   const int64_t m = k_len ? x.numel() / k_len : 0;
   const auto spans = spans_of(m);
   const int64_t live = (spans[0].second - spans[0].first) + (spans[1].second - spans[1].first);
@@ -147,7 +167,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   // the chunk has just brought into the cache, not the plain one from memory (bench/README.md run 50)
   const bool by_rows = rows_ok && live > 0 && live <= most;
   if (live == m && !by_rows) {
-    return onednn_linear(x, packed, bias);
+    return onednn_rows(x, packed, bias, glu);
   }
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = n_out;
@@ -161,9 +181,9 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
       out.narrow(0, done, start - done).zero_();
     }
     if (end > start && by_rows) {
-      few_rows(flat, start, end - start, weight, bias, out);
+      few_rows(flat, start, end - start, weight, bias, out, glu);
     } else if (end > start) {
-      out.narrow(0, start, end - start).copy_(onednn_linear(flat.narrow(0, start, end - start), packed, bias));
+      out.narrow(0, start, end - start).copy_(onednn_rows(flat.narrow(0, start, end - start), packed, bias, glu));
     }
     done = std::max(done, end);
   }
@@ -173,16 +193,25 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c1
   return out.view(sizes);
 }
 
-torch::Library* serving = nullptr;  // the CPU kernel of spyre_serve::packed_linear, once it serves (never freed:
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return packed_rows(x, weight, bias, false);
+}
+
+at::Tensor packed_glu(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias) {
+  return packed_rows(x, weight, bias, true);
+}
+
+torch::Library* serving = nullptr;  // the CPU kernels of spyre_serve's packed ops, once they serve (never freed:
 std::mutex serving_mutex;            // a registration that outlives the dispatcher at exit would crash)
 
-// from now on the CPU kernel of spyre_serve::packed_linear is `packed_linear`: called by linear.py once it has
-// registered the packed weights and the live rows, so no call finds the state empty
+// from now on the CPU kernels of spyre_serve::packed_linear and packed_glu are these: called by linear.py once it
+// has registered the packed weights and the live rows, so no call finds the state empty
 void serve_packed_linear() {
   std::lock_guard<std::mutex> lock(serving_mutex);
   if (serving == nullptr) {
     serving = new torch::Library(torch::Library::IMPL, "spyre_serve", c10::DispatchKey::CPU, __FILE__, __LINE__);
     serving->impl("packed_linear", &packed_linear);
+    serving->impl("packed_glu", &packed_glu);
   }
 }
 
