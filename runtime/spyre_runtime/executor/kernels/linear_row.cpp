@@ -25,6 +25,12 @@
 // weights, 2 threads, a Zen 4, the layouts alternating in one process (bench/README.md run 55): widened 9.6 /
 // 12.1 / 21.9 / 41.2 ms at 1 / 8 / 16 / 32 rows, in pairs 9.4 / 9.5 / 14.0 / 23.9 (oneDNN's packed GEMM 16.0 /
 // 16.3 / 20.3 / 30.4).
+//
+// A SwiGLU feed-forward's gate and up halves, one weight [2 * half, K] (spyre_kernels::linear_row_glu, for
+// linear.packed_glu), are put in panels of the GLU layout: each half in panels of its own, so that panel p of
+// the gate and panel count + p of the up half hold the same outputs. A thread makes both panels' sums for a
+// few rows and writes only silu(gate) * up: the [m, 2 * half] output is never written nor read back by a kernel
+// of the compiled graph. Registered panels say their layout, so a GLU's are never read as a plain layer's.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
