@@ -256,15 +256,13 @@ def paged_prefill(
     uses, and the pieces' lengths and layout change from step to step under one graph. A piece of consecutive
     positions runs the C++ kernel that reads its blocks in place (kernels/paged_prefill.cpp) where the
     extension is built, else the ATen ops below (its fallback and oracle)."""
+    query = query.contiguous()
     out = torch.zeros_like(query)
     layout = _prefill_layout(piece_tables, piece_lens, token_piece, token_pos, window)
     kernel = paged_attention.prefill_kernel() if paged_attention.takes(query, key_cache) else None
     for rows, first, blocks, visible, start in layout:
-        if kernel is not None and start is not None and query.shape[-1] % 16 == 0:  # the C++ kernel
-            piece = kernel(
-                query.index_select(0, rows), key_cache, value_cache, blocks, start, scale, sinks, window
-            )
-            out.index_copy_(0, rows, piece)
+        if kernel is not None and start is not None and query.shape[-1] % 16 == 0:  # the C++ kernel, in place
+            kernel(query, rows, out, key_cache, value_cache, blocks, start, scale, sinks, window)
             continue
         if first is not None:  # the piece's blocks are consecutive: a view of the cache, nothing gathered
             keys, values = key_cache[first : first + len(blocks)], value_cache[first : first + len(blocks)]

@@ -16,8 +16,9 @@ BLOCK = kv_cache.BLOCK_SIZE
 
 @pytest.fixture(scope="module")
 def prefill():
+    """The op on a piece's own tokens; the mixed step runs its in-place form (`prefill_kernel()`)."""
     assert paged_attention.kernel() is not None, "the runtime's C++ extension did not build here"
-    return paged_attention.prefill_kernel()
+    return torch.ops.spyre_kernels.paged_prefill.default
 
 
 def region(pieces, heads, kvheads, head_dim, dtype, seed=0):
@@ -131,6 +132,29 @@ def test_the_op_reads_only_the_piece_s_blocks_and_its_positions(prefill):
             torch.testing.assert_close(out[i, h], expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_in_place_it_reads_and_writes_the_given_rows_of_the_region_and_no_other(prefill, dtype):
+    """paged_prefill_rows (what a mixed step runs): the piece's token t is the region's row rows[t], read
+    from the query and written to out; every other row of out stays as it was, and each written row equals
+    the op on the piece's own tokens gathered."""
+    gen = torch.Generator().manual_seed(3)
+    key_cache, value_cache = (torch.randn(6, BLOCK, 2, 64, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(40, 6, 64, generator=gen).to(dtype)
+    rows = torch.tensor([*range(5, 34), 38])  # 29 tokens in order, the last one at a place of its own
+    out = torch.full_like(query, 7.0)
+    in_place, table = paged_attention.prefill_kernel(), torch.tensor([4, 2])
+    in_place(query, rows, out, key_cache, value_cache, table, 70, 0.125, None, 0)
+    piece = prefill(query.index_select(0, rows), key_cache, value_cache, table, 70, 0.125, None, 0)
+    torch.testing.assert_close(out.index_select(0, rows), piece, atol=0, rtol=0)
+    others = torch.ones(40, dtype=torch.bool)
+    others[rows] = False
+    assert (out[others] == 7.0).all()
+    with pytest.raises(RuntimeError, match=r"paged_prefill_rows: row 40 is outside the query's 40 tokens"):
+        in_place(query, torch.tensor([3, 40]), out, key_cache, value_cache, table, 0, 1.0, None, 0)
+    with pytest.raises(RuntimeError, match="paged_prefill_rows: query and out must be contiguous and alike"):
+        in_place(query, rows, out[:39], key_cache, value_cache, table, 70, 1.0, None, 0)
+
+
 def test_bad_input_is_named(prefill):
     cache = torch.zeros(3, BLOCK, 2, 64)
     with pytest.raises(RuntimeError, match=r"positions 100 to 130 are outside the piece's 1 blocks"):
@@ -171,7 +195,7 @@ def test_the_first_prompt_piece_of_a_process_waits_for_the_kernel(tmp_path):
         "        torch.arange(40), 0.125)\n"
         "with kv_cache.step_layouts():\n"
         "    got = kv_cache.paged_prefill(*args)\n"
-        "direct = pa.prefill_kernel()(q, k, v, torch.tensor([1, 2]), 0, 0.125, None, 0)\n"
+        "direct = torch.ops.spyre_kernels.paged_prefill(q, k, v, torch.tensor([1, 2]), 0, 0.125, None, 0)\n"
         "print(bool(pa._op and pa._op[0] is not None), torch.equal(got, direct))\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)

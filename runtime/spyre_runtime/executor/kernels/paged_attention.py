@@ -61,7 +61,7 @@ SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # (linear_row.cpp, `torch.ops.spyre_kernels.linear_row`, which linear.py runs for a few live rows),
 # the C++ kernel of linear.py's packed linear op (packed_linear.cpp), which serves once linear.py has
 # moved its state into it (`when_loaded`), and a prompt piece's attention (paged_prefill.cpp,
-# `torch.ops.spyre_kernels.paged_prefill`, which kv_cache.paged_prefill runs)
+# `spyre_kernels.paged_prefill`, and in place in the region `paged_prefill_rows`, which kv_cache runs)
 SOURCES = (
     SOURCE,
     *(SOURCE.with_name(name) for name in ("linear_row.cpp", "packed_linear.cpp", "paged_prefill.cpp")),
@@ -130,8 +130,8 @@ def row_kernel():
 
 
 def prefill_kernel():
-    """A prompt piece's attention op (`torch.ops.spyre_kernels.paged_prefill.default`, paged_prefill.cpp),
-    looked up once; None where `kernel()` is None (the setting off, within `disabled()`, or no build)."""
+    """A prompt piece's attention op in place in the step's region (`spyre_kernels.paged_prefill_rows`,
+    paged_prefill.cpp), looked up once; None where `kernel()` is None (off, `disabled()`, no build)."""
     return _prefill[0] if kernel() is not None else None
 
 
@@ -311,7 +311,7 @@ def _load():
         torch.library.register_fake("spyre_kernels::paged_decode")(_fake_decode)
         with _hooks_lock:
             _row.append(torch.ops.spyre_kernels.linear_row.default)
-            _prefill.append(torch.ops.spyre_kernels.paged_prefill.default)
+            _prefill.append(torch.ops.spyre_kernels.paged_prefill_rows.default)
             hooks = list(_hooks)
             _hooks.clear()
         _tell_row()

@@ -41,7 +41,13 @@ struct PrefillProblem {
   const int64_t* table;
   float scale;
   const float* sinks;  // [heads] or null
+  const int64_t* rows;  // the piece's token t is row rows[t] of the query and of out, or row t where null
 };
+
+// the query's and out's row of the piece's token t
+inline int64_t row_of(const PrefillProblem& p, int64_t t) {
+  return p.rows != nullptr ? p.rows[t] : t;
+}
 
 // keys of (KV head, block b) as a [head_dim, tile_width] float tile, zero past the block's slots
 template <typename T>
@@ -267,7 +273,7 @@ void prefill_item(const PrefillProblem& p, const Q* query, const T* vc, const fl
   const int64_t g = p.group, d = p.head_dim, w = p.tile_width, bs = p.block_size;
   const int64_t rows = (t1 - t0) * g, padded = (rows + kRows - 1) / kRows * kRows;
   for (int64_t r = 0; r < padded; ++r) {
-    const Q* src = query + ((t0 + r / g) * p.heads + kvhead * g + r % g) * d;
+    const Q* src = query + (row_of(p, t0 + r / g) * p.heads + kvhead * g + r % g) * d;
     if (pairs != nullptr) {  // as it is (bfloat16), the scale applied to the sums
       c10::BFloat16* q = s.query_pairs.data() + r * d;
       for (int64_t i = 0; i < d; ++i) q[i] = r < rows ? static_cast<c10::BFloat16>(src[i]) : c10::BFloat16(0.f);
@@ -336,7 +342,7 @@ void prefill_item(const PrefillProblem& p, const Q* query, const T* vc, const fl
     float denom = s.sum[r];
     if (p.sinks != nullptr) denom += std::exp(p.sinks[head] - s.max[r]);
     const float inv = denom > 0.f ? 1.f / denom : 0.f;
-    Q* dest = out + ((t0 + r / g) * p.heads + head) * d;
+    Q* dest = out + (row_of(p, t0 + r / g) * p.heads + head) * d;
     for (int64_t i = 0; i < d; ++i) dest[i] = static_cast<Q>(s.acc[r * d + i] * inv);
   }
 }
@@ -392,11 +398,12 @@ void run_prefill(const PrefillProblem& p, const at::Tensor& query, const at::Ten
   }
 }
 
-at::Tensor paged_prefill(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
-                         const at::Tensor& table_in, int64_t start, double scale,
-                         const std::optional<at::Tensor>& sinks_in, int64_t window) {
-  check_attention_inputs("paged_prefill", "tokens", query_in, key_cache, value_cache);
-  const int64_t n = query_in.size(0), heads = query_in.size(1), head_dim = query_in.size(2);
+// the attention of a piece of n tokens into out (query's shape and dtype, both contiguous): token t's query is
+// row rows[t] of `query` and its output goes to that row of out, where `rows` is given; rows t otherwise
+void prefill_into(const at::Tensor& query, const int64_t* rows, int64_t n, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& table_in, int64_t start, double scale,
+                  const std::optional<at::Tensor>& sinks_in, int64_t window, at::Tensor& out) {
+  const int64_t heads = query.size(1), head_dim = query.size(2);
   const int64_t kvheads = key_cache.size(2), block_size = key_cache.size(1);
   TORCH_CHECK(head_dim % kLanes == 0 && block_size % kLanes == 0, "paged_prefill: head_dim ", head_dim,
               " and block_size ", block_size, " must be multiples of the vector width ", kLanes);
@@ -410,9 +417,7 @@ at::Tensor paged_prefill(const at::Tensor& query_in, const at::Tensor& key_cache
     TORCH_CHECK(sinks.numel() == heads, "paged_prefill: sinks must hold one logit per query head (", heads,
                 "), got ", sinks.numel());
   }
-  const at::Tensor query = query_in.contiguous();
-  at::Tensor out = at::empty_like(query);
-  if (n == 0) return out;
+  if (n == 0) return;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
   const int64_t width = (block_size + kVecs * kLanes - 1) / (kVecs * kLanes) * (kVecs * kLanes);
   PrefillProblem p{n,
@@ -430,11 +435,43 @@ at::Tensor paged_prefill(const at::Tensor& query_in, const at::Tensor& key_cache
                    width,
                    table.const_data_ptr<int64_t>(),
                    static_cast<float>(scale),
-                   sinks.defined() ? sinks.const_data_ptr<float>() : nullptr};
+                   sinks.defined() ? sinks.const_data_ptr<float>() : nullptr,
+                   rows};
   with_float_types(query, key_cache, "paged_prefill", [&](auto t, auto q) {
     run_prefill<decltype(t), decltype(q)>(p, query, key_cache, value_cache, out);
   });
+}
+
+at::Tensor paged_prefill(const at::Tensor& query_in, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                         const at::Tensor& table, int64_t start, double scale,
+                         const std::optional<at::Tensor>& sinks, int64_t window) {
+  check_attention_inputs("paged_prefill", "tokens", query_in, key_cache, value_cache);
+  const at::Tensor query = query_in.contiguous();
+  at::Tensor out = at::empty_like(query);
+  prefill_into(query, nullptr, query.size(0), key_cache, value_cache, table, start, scale, sinks, window, out);
   return out;
+}
+
+// a piece of a mixed step's region in place: token t is the region's row rows[t], read from `query` and written
+// to `out` (both [T, heads, head_dim], contiguous, of one dtype), whose other rows are left as they are, so
+// that no piece is gathered from the region and scattered back
+void paged_prefill_rows(const at::Tensor& query, const at::Tensor& rows_in, at::Tensor& out,
+                        const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& table,
+                        int64_t start, double scale, const std::optional<at::Tensor>& sinks, int64_t window) {
+  check_attention_inputs("paged_prefill_rows", "tokens", query, key_cache, value_cache);
+  TORCH_CHECK(query.is_contiguous() && out.is_contiguous() && out.sizes() == query.sizes() &&
+                  out.scalar_type() == query.scalar_type(),
+              "paged_prefill_rows: query and out must be contiguous and alike, got ", query.sizes(), " ",
+              query.scalar_type(), " and ", out.sizes(), " ", out.scalar_type());
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous();
+  TORCH_CHECK(rows.dim() == 1, "paged_prefill_rows: rows must be 1-d, got ", rows.sizes());
+  const int64_t n = rows.size(0), count = query.size(0);
+  const int64_t* r = rows.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t) {
+    TORCH_CHECK(r[t] >= 0 && r[t] < count, "paged_prefill_rows: row ", r[t], " is outside the query's ", count,
+                " tokens");
+  }
+  prefill_into(query, r, n, key_cache, value_cache, table, start, scale, sinks, window, out);
 }
 
 }  // namespace
@@ -443,8 +480,12 @@ TORCH_LIBRARY_FRAGMENT(spyre_kernels, m) {
   m.def(
       "paged_prefill(Tensor query, Tensor key_cache, Tensor value_cache, Tensor table, int start, float scale, "
       "Tensor? sinks=None, int window=0) -> Tensor");
+  m.def(
+      "paged_prefill_rows(Tensor query, Tensor rows, Tensor(a!) out, Tensor key_cache, Tensor value_cache, "
+      "Tensor table, int start, float scale, Tensor? sinks=None, int window=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(spyre_kernels, CPU, m) {
   m.impl("paged_prefill", &paged_prefill);
+  m.impl("paged_prefill_rows", &paged_prefill_rows);
 }
