@@ -11,7 +11,6 @@ Prints, for each row count, both medians of the 30 layers and their ratio (one o
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,23 +22,15 @@ from fms.modules.feedforward import GatedLinearUnit
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paged_attention_bench import write_results
-from row_linear_bench import HIDDEN, LAYERS, MLP
+from row_linear_bench import HIDDEN, LAYERS, MLP, extension_built, layer_bench_args
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,8,32,288")
-    ap.add_argument("--iters", type=int, default=15)
-    ap.add_argument("--flush-mb", type=int, default=64, help="MB written between two passes")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    from spyre_runtime.executor import linear
-    from spyre_runtime.executor.kernels import paged_attention
-
-    if paged_attention.kernel() is None:
-        print("the runtime's C++ extension did not build here", file=sys.stderr)
+    args = layer_bench_args(__doc__, "1,8,32,288", 15)
+    if not extension_built():
         return 1
+    from spyre_runtime.executor import linear
+
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
 

@@ -29,10 +29,11 @@ HIDDEN, KV, MLP, LAYERS, VOCAB = 576, 192, 1536, 30, 49152  # SmolLM2-135M
 SHAPES = [(HIDDEN + 2 * KV, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP)]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", default="1,2,3,4,5,6,8,16")
-    ap.add_argument("--iters", type=int, default=12)
+def layer_bench_args(doc: str | None, rows: str, iters: int) -> argparse.Namespace:
+    """The command line of a bench over SmolLM2's layers in one process (this one and glu_bench.py)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default=rows)
+    ap.add_argument("--iters", type=int, default=iters)
     ap.add_argument(
         "--flush-mb",
         type=int,
@@ -41,11 +42,22 @@ def main() -> int:
     )
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def extension_built() -> bool:
+    """Whether the runtime's C++ extension loads here; says so on stderr where it does not."""
     from spyre_runtime.executor.kernels import paged_attention
 
     if paged_attention.kernel() is None:
         print("the runtime's C++ extension did not build here", file=sys.stderr)
+        return False
+    return True
+
+
+def main() -> int:
+    args = layer_bench_args(__doc__, "1,2,3,4,5,6,8,16", 12)
+    if not extension_built():
         return 1
     gen, dtype = torch.Generator().manual_seed(0), getattr(torch, args.dtype)
     shapes = SHAPES * LAYERS + [(VOCAB, HIDDEN)]
