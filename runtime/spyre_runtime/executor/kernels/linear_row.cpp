@@ -186,28 +186,6 @@ void pair_panel_of(int rows, const c10::BFloat16* x, int64_t k2_len, const c10::
 }
 #endif
 
-// out [m, n_out] (+ bias) from the weight's panels, over the threads by panel: panel_sums(rows, r0, p, sums)
-// gives the sums of rows r0 .. r0 + rows - 1 of x with panel p's outputs
-template <typename T, typename PanelSums>
-void rows_times(int64_t m, const T* bias, T* out, int64_t n_out, const PanelSums& panel_sums) {
-  at::parallel_for(0, panel_count(n_out), 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float sums[kPanelRows * kPanel];
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t first = p * kPanel, width = std::min<int64_t>(kPanel, n_out - first);
-      for (int64_t r0 = 0; r0 < m; r0 += kPanelRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r0));
-        panel_sums(rows, r0, p, sums);
-        for (int r = 0; r < rows; ++r) {
-          T* row_out = out + (r0 + r) * n_out + first;
-          for (int64_t o = 0; o < width; ++o) {
-            row_out[o] = static_cast<T>(sums[r * kPanel + o] + (bias ? static_cast<float>(bias[first + o]) : 0.f));
-          }
-        }
-      }
-    }
-  });
-}
-
 // silu(g) * u of one vector of each
 inline RowVec glu_vec(const RowVec& g, const RowVec& u) {
   return g * u / (RowVec(1.f) + g.neg().exp_u20());
@@ -220,35 +198,39 @@ inline void glu_sums(float* gate, const float* up) {
   }
 }
 
-// out [m, half] = silu(x @ gate^T + bias_g) * (x @ up^T + bias_u), a GLU's two halves from its weight's
-// panels in the GLU layout (`glu_panel_sizes`: the gate's `count` panels, then the up half's), over the
-// threads by panel: each panel's sums meet the same outputs' other half in registers' reach, and only the
-// product is written (the step's graph no longer writes the [m, 2 * half] output and reads it back)
-template <typename T, typename PanelSums>
-void glu_rows_times(int64_t m, const T* bias, T* out, int64_t half, const PanelSums& panel_sums) {
-  const int64_t count = panel_count(half);
+// out [m, n_out] (+ bias) from the weight's panels, over the threads by panel: panel_sums(rows, r0, p, sums)
+// gives the sums of rows r0 .. r0 + rows - 1 of x with panel p's outputs. With Glu, out [m, n_out] =
+// silu(x @ gate^T + bias_g) * (x @ up^T + bias_u) from panels in the GLU layout (`pack_glu_rows`: the gate's
+// `count` panels, then the up half's), each panel's sums meeting the same outputs' other half in registers'
+// reach, so only the product is written (the step's graph no longer writes [m, 2 * n_out] and reads it back)
+template <bool Glu, typename T, typename PanelSums>
+void rows_times(int64_t m, const T* bias, T* out, int64_t n_out, const PanelSums& panel_sums) {
+  const int64_t count = panel_count(n_out);
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) float gate[kPanelRows * kPanel];
-    alignas(64) float up[kPanelRows * kPanel];
+    alignas(64) float sums[kPanelRows * kPanel];
+    alignas(64) float up[Glu ? kPanelRows * kPanel : 1];
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t first = p * kPanel, width = std::min<int64_t>(kPanel, half - first);
+      const int64_t first = p * kPanel, width = std::min<int64_t>(kPanel, n_out - first);
       for (int64_t r0 = 0; r0 < m; r0 += kPanelRows) {
         const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r0));
-        panel_sums(rows, r0, p, gate);
-        panel_sums(rows, r0, count + p, up);
+        panel_sums(rows, r0, p, sums);
+        if constexpr (Glu) {
+          panel_sums(rows, r0, count + p, up);
+        }
         for (int r = 0; r < rows; ++r) {
-          float* g = gate + r * kPanel;
-          float* u = up + r * kPanel;
+          float* row_sums = sums + r * kPanel;
           if (bias) {
             for (int64_t o = 0; o < width; ++o) {
-              g[o] += static_cast<float>(bias[first + o]);
-              u[o] += static_cast<float>(bias[half + first + o]);
+              row_sums[o] += static_cast<float>(bias[first + o]);
+              if constexpr (Glu) up[r * kPanel + o] += static_cast<float>(bias[n_out + first + o]);
             }
           }
-          glu_sums(g, u);
-          T* row_out = out + (r0 + r) * half + first;
+          if constexpr (Glu) {
+            glu_sums(row_sums, up + r * kPanel);
+          }
+          T* row_out = out + (r0 + r) * n_out + first;
           for (int64_t o = 0; o < width; ++o) {
-            row_out[o] = static_cast<T>(g[o]);
+            row_out[o] = static_cast<T>(row_sums[o]);
           }
         }
       }
@@ -418,9 +400,9 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
   const at::Tensor panels = panels_of(weight, glu);
   const auto times = [&](auto* bias_ptr, auto* out_ptr, const auto& panel_sums) {
     if (glu) {
-      glu_rows_times(m, bias_ptr, out_ptr, width, panel_sums);
+      rows_times<true>(m, bias_ptr, out_ptr, width, panel_sums);
     } else {
-      rows_times(m, bias_ptr, out_ptr, width, panel_sums);
+      rows_times<false>(m, bias_ptr, out_ptr, width, panel_sums);
     }
   };
   using B = c10::BFloat16;
