@@ -27,7 +27,7 @@ def ran_linear_row(fn) -> tuple[torch.Tensor, bool]:
 @pytest.mark.parametrize("n_out", [1, 3, 4, 7, 960])
 @pytest.mark.parametrize("k_len", [1, 5, 8, 33, 576])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 4, 9])
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, 15, 29])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_row_equals_f_linear(linear_row, n_out, k_len, with_bias, rows, dtype, bf16_dot):
     gen = torch.Generator().manual_seed(n_out * 1000 + k_len)

@@ -6,10 +6,15 @@
 // rows the weight is still read once and the FMAs grow with the rows, until they are the bound.
 //
 // The weight is read from a copy of it in panels (`pack_rows`): [P, K, PW], PW = a few vector widths of
-// outputs (48 with AVX-512, 16 with AVX2), the last panel padded with zero outputs. One step of k loads PW
+// outputs (32 with AVX-512, 16 with AVX2), the last panel padded with zero outputs. One step of k loads PW
 // weights of consecutive outputs, and each row of x multiplies them by one broadcast value into its own PW
 // sums: no sum ends in a horizontal add, each weight load serves up to kPanelRows rows of x, and each thread reads
-// its panels as one stream from memory (prefetched a few steps ahead into L2). The layer's plain weight [N, K]
+// its panels as one stream from memory (prefetched a few steps ahead into L2). More rows than that take the
+// panel again, from L2, a pass per kPanelRows rows; each pass costs about a third of an 8-row pass whatever its
+// rows (a 1-row pass after 24 rows took 4.6 ms of the 121 weights' 42 ms), so AVX-512's panels are 32 outputs
+// wide for 14 rows a pass, not 48 for 8: float32 at 25 and 32 rows 0.75 and 0.77-0.81x of oneDNN's time
+// instead of 0.82-0.83 and 0.84, bfloat16 pairs at 16 and 32 rows 0.66-0.74 and 0.75-0.82x instead of 0.81
+// and 0.83-0.91 (bench/README.md run 57, SmolLM2's 121 weights, 2 threads). The layer's plain weight [N, K]
 // (an earlier version's layout, bench/README.md runs 28-51) made each output a dot product along k that ended
 // in a horizontal sum, with x re-read for every four outputs: on SmolLM2's 121 weights at 2 threads (a Zen 4
 // EPYC, bench/README.md run 52, the kernels alternating in one process) the panels took 0.93 of its time at
@@ -58,11 +63,15 @@ namespace {
 using RowVec = at::vec::Vectorized<float>;
 
 // a panel's outputs in vectors, and the most rows of x that share its weight loads: the accumulators,
-// kPanelRows * kPanelVecs vectors, stay in registers (AVX-512 has 32, AVX2 16)
-constexpr int kPanelVecs = RowVec::size() >= 16 ? 3 : 2;
-constexpr int kPanelRows = RowVec::size() >= 16 ? 8 : 4;
+// kPanelRows * kPanelVecs vectors, stay in registers beside the step's weights and x's broadcast value
+// (AVX-512 has 32, AVX2 16)
+constexpr int kPanelVecs = 2;
+constexpr int kPanelRows = RowVec::size() >= 16 ? 14 : 4;
+// where a bfloat16 weight is widened as it is loaded (a CPU without the bf16 dot product; the runtime sends it
+// up to 8 rows, linear.ROW_LINEAR_ROWS), the widening takes registers of its own: 8 rows a pass
+constexpr int kWidenedRows = RowVec::size() >= 16 ? 8 : 4;
 constexpr int64_t kPanel = RowVec::size() * kPanelVecs;  // PW, a panel's outputs
-// the weight is prefetched this far ahead of the loads: 32 steps of k of a float32 panel, 64 of a bfloat16 one.
+// the weight is prefetched this far ahead of the loads: 48 steps of k of a float32 panel, 96 of a bfloat16 one.
 // SmolLM2's 121 float32 weights with the caches written over between passes, as a step's other work does
 // (bench/README.md run 52): 1.5 KiB ahead took 1.1-1.5x the time of this at 1 to 16 rows, 12 KiB 0.97-1.05x
 constexpr int64_t kAheadBytes = 6144;
@@ -131,6 +140,12 @@ inline void by_rows(int rows, F&& f) {
     SPYRE_PANEL_ROWS(5)
     SPYRE_PANEL_ROWS(6)
     SPYRE_PANEL_ROWS(7)
+    SPYRE_PANEL_ROWS(8)
+    SPYRE_PANEL_ROWS(9)
+    SPYRE_PANEL_ROWS(10)
+    SPYRE_PANEL_ROWS(11)
+    SPYRE_PANEL_ROWS(12)
+    SPYRE_PANEL_ROWS(13)
 #undef SPYRE_PANEL_ROWS
     default:
       f(std::integral_constant<int, kPanelRows>{});
@@ -204,15 +219,15 @@ inline void glu_sums(float* gate, const float* up) {
 // `count` panels, then the up half's), each panel's sums meeting the same outputs' other half in registers'
 // reach, so only the product is written (the step's graph no longer writes [m, 2 * n_out] and reads it back)
 template <bool Glu, typename T, typename PanelSums>
-void rows_times(int64_t m, const T* bias, T* out, int64_t n_out, const PanelSums& panel_sums) {
+void rows_times(int64_t m, int pass, const T* bias, T* out, int64_t n_out, const PanelSums& panel_sums) {
   const int64_t count = panel_count(n_out);
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float sums[kPanelRows * kPanel];
     alignas(64) float up[Glu ? kPanelRows * kPanel : 1];
     for (int64_t p = begin; p < end; ++p) {
       const int64_t first = p * kPanel, width = std::min<int64_t>(kPanel, n_out - first);
-      for (int64_t r0 = 0; r0 < m; r0 += kPanelRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kPanelRows, m - r0));
+      for (int64_t r0 = 0; r0 < m; r0 += pass) {
+        const int rows = static_cast<int>(std::min<int64_t>(pass, m - r0));
         panel_sums(rows, r0, p, sums);
         if constexpr (Glu) {
           panel_sums(rows, r0, count + p, up);
@@ -398,11 +413,11 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
   TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == m * width, name,
               ": out must be a contiguous ", dtype, " [", m, ", ", width, "]");
   const at::Tensor panels = panels_of(weight, glu);
-  const auto times = [&](auto* bias_ptr, auto* out_ptr, const auto& panel_sums) {
+  const auto times = [&](int pass, auto* bias_ptr, auto* out_ptr, const auto& panel_sums) {
     if (glu) {
-      rows_times<true>(m, bias_ptr, out_ptr, width, panel_sums);
+      rows_times<true>(m, pass, bias_ptr, out_ptr, width, panel_sums);
     } else {
-      rows_times<false>(m, bias_ptr, out_ptr, width, panel_sums);
+      rows_times<false>(m, pass, bias_ptr, out_ptr, width, panel_sums);
     }
   };
   using B = c10::BFloat16;
@@ -412,7 +427,7 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
     const at::Tensor xp = 2 * k2_len == k_len ? x : at::constant_pad_nd(x.reshape({m, k_len}), {0, 1}, 0);
     const B* x_ptr = xp.data_ptr<B>();
     const B* panel_ptr = panels.data_ptr<B>();
-    times(has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>(),
+    times(kPanelRows, has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>(),
           [&](int rows, int64_t r0, int64_t p, float* sums) {
             pair_panel_of(rows, x_ptr + r0 * 2 * k2_len, k2_len, panel_ptr + p * k2_len * 2 * kPanel, sums);
           });
@@ -424,9 +439,10 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
   const float* x_ptr = xf.data_ptr<float>();
   const auto widened = [&](auto* panel_ptr, auto* bias_ptr, auto* out_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(panel_ptr)>>;
-    times(bias_ptr, out_ptr, [&](int rows, int64_t r0, int64_t p, float* sums) {
-      panel_of<T>(rows, x_ptr + r0 * k_len, k_len, panel_ptr + p * k_len * kPanel, sums);
-    });
+    times(std::is_same_v<T, float> ? kPanelRows : kWidenedRows, bias_ptr, out_ptr,
+          [&](int rows, int64_t r0, int64_t p, float* sums) {
+            panel_of<T>(rows, x_ptr + r0 * k_len, k_len, panel_ptr + p * k_len * kPanel, sums);
+          });
   };
   if (dtype == at::kFloat) {
     widened(panels.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
