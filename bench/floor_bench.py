@@ -26,29 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from matrix_bench import WEIGHT_BYTES_FP32
 from paged_attention_bench import write_results
-from serve_bench import MODEL_DIR
-
-
-def one_row_executor(dtype: str, kv: int, batch: int = 8):
-    """A warm executor with SmolLM2's decode graph of `batch` rows; (executor, the step of one live row)."""
-    from spyre_runtime.config import load_config
-    from spyre_runtime.executor.model_executor import ModelExecutor
-    from spyre_runtime.steps import ContinuousStep, DecodeRow
-    from spyre_runtime.testing.models import prepare_smollm2
-
-    prepare_smollm2(MODEL_DIR)
-    env = {
-        "SENDNN_INFERENCE_DYNAMO_BACKEND": "inductor",
-        "SENDNN_INFERENCE_USE_CB": "1",
-        "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": str(batch),
-        "SENDNN_INFERENCE_CB_KV_LENS": str(kv),
-        "SENDNN_INFERENCE_DTYPE": dtype,
-    }
-    cfg = load_config(MODEL_DIR, environ=env, max_num_seqs=batch, max_model_len=kv, max_num_batched_tokens=kv)
-    ex = ModelExecutor(cfg)
-    ex.warmup()
-    row = DecodeRow(request=None, token_id=100, position=kv // 2, block_table=tuple(range(1, 1 + kv // 64)))
-    return ex, ContinuousStep(batch_size=batch, kv_len=kv, decode=(row,))
+from profile_step import decode_step, warm_executor
 
 
 def main() -> int:
@@ -59,7 +37,8 @@ def main() -> int:
     ap.add_argument("--probe-gib", type=float, default=1.0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    ex, step = one_row_executor(args.dtype, args.kv)
+    ex, _, _ = warm_executor(8, args.kv, args.kv, args.dtype)  # the graph a server decodes one stream in
+    step = decode_step(8, args.kv, rows=1)
     decode_args = ex.inputs.batch_decode(step)
     weights = WEIGHT_BYTES_FP32 / (2 if args.dtype == "bfloat16" else 1)
     probe = torch.ones(int(args.probe_gib * (1 << 28)), dtype=torch.float32)
@@ -89,12 +68,12 @@ def main() -> int:
         "floor_ms": round(statistics.median(floors) * 1e3, 2),
         "forward_ms": round(med["forward"], 2),
         "step_ms": round(med["step"], 2),
-        "forward_over_floor": round(
-            statistics.median(f / x for f, x in zip(times["forward"], floors, strict=True)), 3
-        ),
-        "step_over_floor": round(
-            statistics.median(s / x for s, x in zip(times["step"], floors, strict=True)), 3
-        ),
+        **{
+            f"{name}_over_floor": round(
+                statistics.median(t / x for t, x in zip(times[name], floors, strict=True)), 3
+            )
+            for name in ("forward", "step")
+        },
     }
     print(
         f"{args.dtype}: read {results['read_gb_per_s']} GB/s, floor {results['floor_ms']} ms; "

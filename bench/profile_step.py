@@ -90,6 +90,60 @@ def _cpu() -> dict:
     return info
 
 
+def warm_executor(
+    batch: int,
+    kv: int,
+    chunk: int,
+    dtype: str,
+    kv_cache_dtype: str = "auto",
+    backend: str = "inductor",
+    model: Path | None = None,
+):
+    """The runtime's ModelExecutor on `model` (SmolLM2 when None) with one decode graph of `batch` rows,
+    warmed up (its graphs compiled); (executor, load seconds, warm-up seconds). This bench's and
+    floor_bench.py's."""
+    from spyre_runtime.config import load_config
+    from spyre_runtime.executor.model_executor import ModelExecutor
+
+    env = {
+        "SENDNN_INFERENCE_DYNAMO_BACKEND": backend,
+        "SENDNN_INFERENCE_USE_CB": "1",
+        "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": str(batch),
+        "SENDNN_INFERENCE_CB_KV_LENS": str(kv),
+        "SENDNN_INFERENCE_DTYPE": dtype,
+        "SENDNN_INFERENCE_KV_CACHE_DTYPE": kv_cache_dtype,
+    }
+    if model is None:
+        from spyre_runtime.testing.models import prepare_smollm2
+
+        prepare_smollm2(MODEL_DIR)
+    cfg = load_config(
+        model or MODEL_DIR, environ=env, max_num_seqs=batch, max_model_len=kv, max_num_batched_tokens=chunk
+    )
+    t0 = time.perf_counter()
+    ex = ModelExecutor(cfg)
+    load_s = time.perf_counter() - t0
+    return ex, load_s, ex.warmup()
+
+
+def decode_step(batch: int, kv: int, rows: int | None = None):
+    """A decode step in the graph of `batch` rows with its first `rows` (all when None) filled: row r at
+    position kv / 2 + r, its own kv / 64 blocks."""
+    from spyre_runtime.steps import ContinuousStep, DecodeRow
+
+    nb = kv // 64
+    filled = tuple(
+        DecodeRow(
+            request=None,
+            token_id=100 + r,
+            position=kv // 2 + r,
+            block_table=tuple(range(1 + r * nb, 1 + (r + 1) * nb)),
+        )
+        for r in range(batch if rows is None else rows)
+    )
+    return ContinuousStep(batch_size=batch, kv_len=kv, decode=filled)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
@@ -112,45 +166,14 @@ def main() -> int:
     os.environ["SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL"] = "0" if args.kernel == "0" else "1"
     import dataclasses
 
-    from spyre_runtime.config import load_config
     from spyre_runtime.executor.kernels import paged_attention
-    from spyre_runtime.executor.model_executor import ModelExecutor
-    from spyre_runtime.steps import ContinuousStep, DecodeRow, PrefillChunk
+    from spyre_runtime.steps import PrefillChunk
 
-    env = {
-        "SENDNN_INFERENCE_DYNAMO_BACKEND": args.backend,
-        "SENDNN_INFERENCE_USE_CB": "1",
-        "SENDNN_INFERENCE_CB_DECODE_BATCH_SIZES": str(args.batch),
-        "SENDNN_INFERENCE_CB_KV_LENS": str(args.kv),
-        "SENDNN_INFERENCE_DTYPE": args.dtype,
-        "SENDNN_INFERENCE_KV_CACHE_DTYPE": args.kv_cache_dtype,
-    }
-    if args.model is None:
-        from spyre_runtime.testing.models import prepare_smollm2
-
-        prepare_smollm2(MODEL_DIR)
-    cfg = load_config(
-        args.model or MODEL_DIR,
-        environ=env,
-        max_num_seqs=args.batch,
-        max_model_len=args.kv,
-        max_num_batched_tokens=args.chunk,
+    ex, load_s, warm_s = warm_executor(
+        args.batch, args.kv, args.chunk, args.dtype, args.kv_cache_dtype, args.backend, args.model
     )
-    t0 = time.perf_counter()
-    ex = ModelExecutor(cfg)
-    load_s = time.perf_counter() - t0
-    warm_s = ex.warmup()
     nb = args.kv // 64
-    rows = tuple(
-        DecodeRow(
-            request=None,
-            token_id=100 + r,
-            position=args.kv // 2 + r,
-            block_table=tuple(range(1 + r * nb, 1 + (r + 1) * nb)),
-        )
-        for r in range(args.batch)
-    )
-    decode = ContinuousStep(batch_size=args.batch, kv_len=args.kv, decode=rows)
+    decode = decode_step(args.batch, args.kv)
     chunk = PrefillChunk(None, tuple(range(1, args.chunk + 1)), 0, args.chunk, tuple(range(1, 1 + nb)), True)
     decode_args = ex.inputs.batch_decode(decode)
     # chunks run beside the decode rows (mixed steps, SENDNN_INFERENCE_CP_INTERLEAVE_STEPS=1, the default)

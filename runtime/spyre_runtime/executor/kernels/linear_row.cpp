@@ -10,8 +10,8 @@
 // weights of consecutive outputs, and each row of x multiplies them by one broadcast value into its own PW
 // sums: no sum ends in a horizontal add, each weight load serves up to kPanelRows rows of x, and each thread reads
 // its panels as one stream from memory (prefetched a few steps ahead into L2). More rows than that take the
-// panel again, from L2, a pass per kPanelRows rows; each pass costs about a third of an 8-row pass whatever its
-// rows (a 1-row pass after 24 rows took 4.6 ms of the 121 weights' 42 ms), so AVX-512's panels are 32 outputs
+// panel again, from L2, a pass per kPanelRows rows; even a pass of one row costs about a third of an 8-row pass
+// (a 1-row pass after 24 rows took 4.6 ms of the 121 weights' 42 ms), so AVX-512's panels are 32 outputs
 // wide for 14 rows a pass, not 48 for 8: float32 at 25 and 32 rows 0.75 and 0.77-0.81x of oneDNN's time
 // instead of 0.82-0.83 and 0.84, bfloat16 pairs at 16 and 32 rows 0.60-0.77 and 0.75-0.85x instead of 0.81-0.83
 // and 0.83-0.91 (bench/README.md run 57, SmolLM2's 121 weights, 2 threads). The layer's plain weight [N, K]
