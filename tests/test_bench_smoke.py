@@ -126,6 +126,45 @@ def test_profile_step(tiny, tmp_path):
     assert (tmp_path / "profile_step.py.png").stat().st_size > 5000  # the chart beside the JSON
 
 
+def test_floor_bench(tiny, tmp_path):
+    res = bench(
+        "floor_bench.py",
+        tmp_path,
+        *("--model", str(tiny), "--backend", "eager", "--kv", "64", "--iters", "2", "--probe-gib", "0.0625"),
+    )
+    assert positive(res["weights_mb"], res["forward_ms"], res["step_ms"]), res
+    for prefix in ("", "huge_"):  # both probes: the weights' pages and 2 MiB pages
+        assert positive(res[f"{prefix}read_gb_per_s"], res[f"{prefix}floor_ms"]), res
+        assert positive(res[f"forward_over_{prefix}floor"], res[f"step_over_{prefix}floor"]), res
+
+
+def test_ceiling_bench_prices_every_cell_of_a_matrix(tmp_path):
+    matrix = str(REPO / "bench/results-matrix-zen4-r57.json")
+    res = bench("ceiling_bench.py", tmp_path, matrix, "--gemm-size", "256")
+    for dtype in ("float32", "bfloat16"):
+        cells = {k: v for k, v in res[dtype].items() if k != "gemm_gflops"}
+        assert set(cells) == {"c8", "c32", "vllm_client_c8", "vllm_client_c32"}, res[dtype]
+        for cell in cells.values():
+            assert positive(cell["tflop"], cell["ours_gflops"], cell["vllm_gflops"]), cell
+            assert cell["needed_of_gemm"] == pytest.approx(1.2 * cell["vllm_of_gemm"], abs=2e-3), cell
+    # both systems served the same work: the cell's FLOPs are one figure (here, run 57's 128 requests at 32)
+    assert res["float32"]["c32"]["tflop"] == res["bfloat16"]["c32"]["tflop"] == 6.34
+
+
+def test_ceiling_bench_refuses_a_run_whose_workload_it_cannot_rebuild(tmp_path):
+    matrix = json.loads((REPO / "bench/results-matrix-zen4-r57.json").read_text())
+    matrix["float32"]["ours"]["c8"]["output_tokens"] += 1  # not serve_bench's seeded workload any more
+    (tmp_path / "m.json").write_text(json.dumps(matrix))
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench/ceiling_bench.py"), str(tmp_path / "m.json"), "--gemm-size", "64"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1
+    assert run.stderr.strip() == "c8: the seeded workload has 2439 output tokens, the run had 2440"
+
+
 def test_tracing_bench(tmp_path):
     res = bench("tracing_bench.py", tmp_path, "--spans", "50", "--runs", "1")
     assert res["startup_off"] == {**res["startup_off"], "tracer": False, "otel_sdk_modules": 0}
