@@ -79,7 +79,7 @@ def main() -> int:
         rows = {"gemm_gflops": round(peak / 1e9, 1)}
         for cell, ours in matrix[dtype]["ours"].items():
             peer = matrix[dtype]["vllm"].get(cell)
-            if not cell.startswith(("c", "vllm_client_c")) or cell == "c1" or not peer:
+            if not cell.startswith(("c", "vllm_client_c")) or cell == "c1" or not isinstance(peer, dict):
                 continue
             prompts, outputs, requests = cell_work(cell, ours)
             flops = (
@@ -105,6 +105,8 @@ def main() -> int:
                 flush=True,
             )
         results[dtype] = rows
+    if not any(dtype in results for dtype in ("float32", "bfloat16")):
+        raise SystemExit(f"{args.matrix}: no dtype with both systems' cells to price (--systems ours only?)")
     write_results(results, args.out)
     return 0
 

@@ -165,6 +165,20 @@ def test_ceiling_bench_refuses_a_run_whose_workload_it_cannot_rebuild(tmp_path):
     assert run.stderr.strip() == "c8: the seeded workload has 2439 output tokens, the run had 2440"
 
 
+def test_ceiling_bench_refuses_a_matrix_without_the_peer(tmp_path):
+    matrix = json.loads((REPO / "bench/results-matrix-zen4-r57.json").read_text())
+    for dtype in ("float32", "bfloat16"):
+        del matrix[dtype]["vllm"]  # as `matrix_bench.py --systems ours` writes it
+    (tmp_path / "ours.json").write_text(json.dumps(matrix))
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench/ceiling_bench.py"), str(tmp_path / "ours.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 1 and "no dtype with both systems' cells to price" in run.stderr, run.stderr
+
+
 def test_tracing_bench(tmp_path):
     res = bench("tracing_bench.py", tmp_path, "--spans", "50", "--runs", "1")
     assert res["startup_off"] == {**res["startup_off"], "tracer": False, "otel_sdk_modules": 0}
