@@ -1,5 +1,6 @@
-"""Every script in bench/ run through its command line at its smallest size: a tiny seeded model (MiniLM for
-the pooling bench), the eager backend where compiling is not what is measured (vLLM's too: --vllm-eager),
+"""Every script in bench/ run through its command line at its smallest size (but step_mix_bench.py and
+variants_ab.py, which serve SmolLM2 in the matrix's configuration for minutes): a tiny seeded model (MiniLM
+for the pooling bench), the eager backend where compiling is not what is measured (vLLM's too: --vllm-eager),
 one request (two where a figure needs a second), the JSON written to a temporary file (never over
 bench/results-*.json). Each must finish and report figures that are there and non-zero, so a bench cannot
 stop measuring unnoticed (issue 37: operator_scale.py ran to its 600 s limit with no pod for a round).
@@ -136,6 +137,44 @@ def test_floor_bench(tiny, tmp_path):
     for prefix in ("", "huge_"):  # both probes: the weights' pages and 2 MiB pages
         assert positive(res[f"{prefix}read_gb_per_s"], res[f"{prefix}floor_ms"]), res
         assert positive(res[f"forward_over_{prefix}floor"], res[f"step_over_{prefix}floor"]), res
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_row_linear_bench(tmp_path, dtype):
+    """SmolLM2's 121 weights by the row linear and by oneDNN (the bench checks they agree) at 1 and 15 rows
+    (a 14-row pass and a 1-row one on AVX-512)."""
+    res = bench(
+        "row_linear_bench.py", tmp_path, "--rows", "1,15", "--iters", "1", "--flush-mb", "1", "--dtype", dtype
+    )
+    for rows in ("rows_1", "rows_15"):
+        assert positive(res[rows]["ours_ms"], res[rows]["onednn_ms"], res[rows]["ratio"]), res
+
+
+def test_glu_bench(tmp_path):
+    res = bench("glu_bench.py", tmp_path, "--rows", "1,40", "--iters", "1", "--flush-mb", "1")
+    for rows in ("rows_1", "rows_40"):  # the row linear's GLU, and oneDNN's GEMM then the GLU in one pass
+        assert positive(res[rows]["packed_glu_ms"], res[rows]["before_ms"]), res
+
+
+def test_paged_attention_bench(tmp_path):
+    """Every case: the kernel against the ATen ops it replaces, and their largest difference."""
+    res = bench("paged_attention_bench.py", tmp_path, "--iters", "1", "--dtype", "bfloat16")
+    assert len(res["cases"]) == 7, res
+    for case in res["cases"]:
+        assert positive(case["aten_ms"], case["kernel_ms"]) and case["max_abs_diff"] < 0.05, case
+
+
+def test_waves_sim_prints_one_row_per_budget():
+    run = subprocess.run(
+        [sys.executable, str(REPO / "bench/waves_sim.py"), "--budgets", "0,150", "--requests", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].startswith("| budget_ms | output_tok_s |") and len(lines) == 4, run.stdout
+    assert [line.split("|")[1].strip() for line in lines[2:]] == ["0", "150"], run.stdout
 
 
 def test_ceiling_bench_prices_every_cell_of_a_matrix(tmp_path):
