@@ -40,16 +40,21 @@ def tiny_peer(tmp_path_factory) -> Path:
     return write_tiny_model(tmp_path_factory.mktemp("bench-peer-model") / "tiny", hidden=128, heads=4)
 
 
-def bench(script: str, tmp_path: Path, *args: str, timeout: float = 600) -> dict:
-    """Runs bench/<script> with `args` and --out in tmp_path; returns the JSON it wrote."""
-    out = tmp_path / f"{script}.json"
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args, "--out", str(out)],
-        cwd=tmp_path,
+def run_script(script: str, *args: str, cwd: Path | None = None, timeout: float = 600):
+    """Runs bench/<script> with `args`; its completed process (output captured as text)."""
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
     )
+
+
+def bench(script: str, tmp_path: Path, *args: str, timeout: float = 600) -> dict:
+    """Runs bench/<script> with `args` and --out in tmp_path; returns the JSON it wrote."""
+    out = tmp_path / f"{script}.json"
+    run = run_script(script, *args, "--out", str(out), cwd=tmp_path, timeout=timeout)
     assert run.returncode == 0, (
         f"{script} exited with {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     )
@@ -165,12 +170,7 @@ def test_paged_attention_bench(tmp_path):
 
 
 def test_waves_sim_prints_one_row_per_budget():
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench/waves_sim.py"), "--budgets", "0,150", "--requests", "8"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_script("waves_sim.py", "--budgets", "0,150", "--requests", "8", timeout=120)
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert lines[0].startswith("| budget_ms | output_tok_s |") and len(lines) == 4, run.stdout
@@ -194,12 +194,7 @@ def test_ceiling_bench_refuses_a_run_whose_workload_it_cannot_rebuild(tmp_path):
     matrix = json.loads((REPO / "bench/results-matrix-zen4-r57.json").read_text())
     matrix["float32"]["ours"]["c8"]["output_tokens"] += 1  # not serve_bench's seeded workload any more
     (tmp_path / "m.json").write_text(json.dumps(matrix))
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench/ceiling_bench.py"), str(tmp_path / "m.json"), "--gemm-size", "64"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_script("ceiling_bench.py", str(tmp_path / "m.json"), "--gemm-size", "64", timeout=120)
     assert run.returncode == 1
     assert run.stderr.strip() == "c8: the seeded workload has 2439 output tokens, the run had 2440"
 
@@ -209,12 +204,7 @@ def test_ceiling_bench_refuses_a_matrix_without_the_peer(tmp_path):
     for dtype in ("float32", "bfloat16"):
         del matrix[dtype]["vllm"]  # as `matrix_bench.py --systems ours` writes it
     (tmp_path / "ours.json").write_text(json.dumps(matrix))
-    run = subprocess.run(
-        [sys.executable, str(REPO / "bench/ceiling_bench.py"), str(tmp_path / "ours.json")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = run_script("ceiling_bench.py", str(tmp_path / "ours.json"), timeout=120)
     assert run.returncode == 1 and "no dtype with both systems' cells to price" in run.stderr, run.stderr
 
 
