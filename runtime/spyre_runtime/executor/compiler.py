@@ -1,16 +1,21 @@
 """How the decoder's step is compiled: the torch.compile backend, regional compilation of groups of decoder
-blocks (inductor) with their parameter guards filtered, inductor's settings while a graph is traced, and the
-dynamic token range of the mixed step's one graph. Of this module only the compiled block groups run per
-step once warm (BlockCompiler._call); the executor calls its step directly (model_executor.py)."""
+blocks (inductor) with their parameter guards filtered and, once warm, one guard check a step instead of one a
+group (GroupGraphs), inductor's settings while a graph is traced, and the dynamic token range of the mixed
+step's one graph. Of this module only the compiled block groups run per step once warm (BlockCompiler._call);
+the executor calls its step directly (model_executor.py)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import threading
 
 import torch
 
 from spyre_runtime.config import CHUNK_ALIGN, ConfigError, RuntimeConfig
+
+log = logging.getLogger(__name__)
 
 
 def compiler_for(backend: str, compile_only: bool = False):
@@ -78,6 +83,65 @@ def without_parameter_guards(entries) -> list[bool]:
     return [not (e.guard_type == "TENSOR_MATCH" and isinstance(e.value, torch.nn.Parameter)) for e in entries]
 
 
+# a graph input that differs between the groups of one step: the group's own blocks' tensors (parameters, KV
+# cache layers) and the hidden states it is given; every other input is one of the step's, the same for all
+PER_GROUP = ("L['members']", "L['kv_states']", "L['x']")
+
+
+class _LastCall(threading.local):
+    call: tuple | None = None  # the last graph of the block groups run: (GroupGraph, its inputs, its outputs)
+
+
+_LAST = _LastCall()
+
+
+class GroupGraph:
+    """One compiled graph of the block groups (a dynamo cache entry) and, from dynamo's source names of its
+    placeholders, which of its inputs are a group's own (PER_GROUP), as code that reads them off the group's
+    call (`L`: members, kv_states, x). `direct`: every input has a source, so a call can do without dynamo."""
+
+    def __init__(self, compiled, names: list[str | None]) -> None:
+        self.compiled = compiled
+        self.direct = all(names)
+        self.own: list = []
+        try:
+            self.own = [
+                (i, compile(n, n, "eval")) for i, n in enumerate(names) if n and n.startswith(PER_GROUP)
+            ]
+        except SyntaxError:  # a source name that is no Python expression: this graph stays with dynamo
+            self.direct = False
+
+
+class GroupGraphs:
+    """The block groups' dynamo backend: `backend`'s graphs, each noting (in _LAST) that it ran, with which
+    inputs and outputs, so that BlockCompiler can check and then skip dynamo for the step's later groups."""
+
+    def __init__(self, backend) -> None:
+        self.backend = torch._dynamo.lookup_backend(backend)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        compiled = self.backend(gm, example_inputs)
+        names = []
+        for node in gm.graph.find_nodes(op="placeholder"):
+            source = getattr(node.meta.get("grapharg"), "source", None)
+            names.append(getattr(source, "name", None))
+        graph = GroupGraph(compiled, [n if isinstance(n, str) else None for n in names])
+
+        def run(*args):
+            out = compiled(*args)
+            _LAST.call = (graph, args, out)
+            return out
+
+        return run
+
+
+def _same(planned: list, given: tuple) -> bool:
+    return len(planned) == len(given) and all(
+        a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and a == b)
+        for a, b in zip(planned, given, strict=True)
+    )
+
+
 class BlockCompiler:
     """Regional compilation (inductor): a group of `group` consecutive decoder blocks is compiled once, and
     every group of the stack runs that one graph (blocks differ only in their weights and KV cache tensors,
@@ -85,8 +149,16 @@ class BlockCompiler:
     last tokens) runs eagerly around it. Dynamo traces and inductor compiles `group` blocks instead of the
     whole stack per shape, so warm-up is several times shorter, cold (no cache) and warm (with the graph
     cache dynamo still traces on every start: tracing the whole model was most of a warm start). Each call
-    of the graph costs guard checks and wrappers (about 0.8 ms here), so the stack runs in a few calls, not
-    one per block: the first block of a group runs the group, the others pass their input through.
+    of the graph through dynamo costs guard checks and wrappers (about 0.3 ms a call, run 59), so the stack
+    runs in a few calls, not one per block: the first block of a group runs the group, the others pass their
+    input through.
+
+    Once warm (`serve_direct`), only a step's first group goes through dynamo and its guards; the later groups
+    call the graph dynamo chose for the first with the first's inputs, their own blocks' tensors and hidden
+    states put in (GroupGraph.own): every other input of a group is the step's, the same object for all
+    groups. Warm-up checks that on every step it runs (each later group, through dynamo, must have run the
+    first group's graph on exactly those inputs); a model whose groups differ (a block's constant attribute:
+    graphs of their own) keeps dynamo for every group.
 
     `dynamic_tokens` (min, max): while set, the hidden states are marked dynamic in their token dimension
     (dim 1), for the mixed step's one graph of any chunk length (see `mark_dynamic_chunk`)."""
@@ -106,25 +178,78 @@ class BlockCompiler:
 
         self.compiled = torch.compile(
             group_step,
-            backend=backend,
+            backend=GroupGraphs(backend),
             dynamic=False,
             fullgraph=True,
             options={"guard_filter_fn": without_parameter_guards},
         )
         self.dynamic_tokens: tuple[int, int] | None = None
+        self.direct = False  # serve_direct
+        self.checked = 0  # later groups' calls checked (warm-up)
+        self.uniform = True  # every one ran the first group's graph on the planned inputs
+        self._step: tuple | None = None  # the step's first group: (GroupGraph, inputs)
+        self._plans: dict = {}  # (GroupGraph, first block) -> (its parameters, code for its other own inputs)
         for first in range(0, len(blocks), self.group):
             members = blocks[first : first + self.group]
             members[0].forward = functools.partial(self._call, members, kv_layers, first)
             for block in members[1:]:
                 block.forward = _pass_through
 
+    def serve_direct(self) -> bool:
+        """After warm-up: the later groups of a step skip dynamo if warm-up found them all the first's."""
+        self.direct = self.uniform and self.checked > 0
+        return self.direct
+
     def _call(self, members, kv_layers, first, x, *, past_key_value_state=None, use_cache=False, **kwargs):
+        own = {"members": members, "kv_states": tuple(kv_layers[first : first + len(members)]), "x": x}
+        if first and self.direct and self._step is not None:
+            graph, step_args = self._step
+            (x,) = graph.compiled(*self._inputs(graph, step_args, first, own))
+            return (x, past_key_value_state) if use_cache else x
         if self.dynamic_tokens is not None:
             low, high = self.dynamic_tokens
             torch._dynamo.mark_dynamic(x, 1, min=low, max=high)
-        kvs = tuple(kv_layers[first : first + len(members)])
-        x = self.compiled(members, x, kvs, use_cache=use_cache, **kwargs)
+        _LAST.call = None
+        x = self.compiled(members, x, own["kv_states"], use_cache=use_cache, **kwargs)
+        self._note(first, own, x)
         return (x, past_key_value_state) if use_cache else x
+
+    def _note(self, first, own: dict, result) -> None:
+        """After a group ran through dynamo: the step's first group's graph and inputs, or (warm-up) whether
+        this later group ran them as planned."""
+        call, _LAST.call = _LAST.call, None
+        ran = call is not None and call[0].direct and len(call[2]) == 1 and call[2][0] is result
+        if first == 0:
+            self._step = call[:2] if ran else None
+        elif not self.direct:
+            planned = ran and self._step is not None and call[0] is self._step[0]
+            try:
+                self.uniform &= planned and _same(self._inputs(*self._step, first, own), call[1])
+            except Exception:  # an input the plan cannot read off the group: dynamo for every group
+                self.uniform = False
+            self.checked += 1
+        if not ran:
+            self.uniform = False
+
+    def _inputs(self, graph: GroupGraph, step_args: tuple, first: int, own: dict) -> list:
+        """Group `first`'s inputs to `graph`: the step's (its first group's), with the group's own."""
+        plan = self._plans.get((graph, first))
+        if plan is None:  # the parameters never change after load (as without_parameter_guards has it)
+            values = [(i, eval(code, {"L": own})) for i, code in graph.own]
+            params = [(i, v) for i, v in values if isinstance(v, torch.nn.Parameter)]
+            codes = [
+                (i, code)
+                for (i, code), (_, v) in zip(graph.own, values, strict=True)
+                if not isinstance(v, torch.nn.Parameter)
+            ]
+            plan = self._plans[(graph, first)] = (params, codes)
+        args = list(step_args)
+        for i, value in plan[0]:
+            args[i] = value
+        scope = {"L": own}
+        for i, code in plan[1]:
+            args[i] = eval(code, scope)
+        return args
 
 
 def _cache_tag_pass(tag: str):

@@ -103,10 +103,23 @@ class ModelExecutor:
             self._step_fn = self._forward
         else:
             self._step_fn = compile_step(self._forward, config.backend, compile_only)
-        self.is_warm = False
+        self._warm = False
         self.warmup_seconds: float | None = None
         self.shape_seconds: dict[Shape, float] = {}
         self.progress = WarmupProgress()  # graphs warmed so far, for the log, /health and a gauge
+
+    @property
+    def is_warm(self) -> bool:
+        return self._warm
+
+    @is_warm.setter
+    def is_warm(self, warm: bool) -> None:
+        """Warm (every graph compiled; a tensor-parallel rank is told so): the block groups but a step's first
+        skip dynamo's guard checks, if warm-up found that they may (compiler.BlockCompiler)."""
+        self._warm = warm
+        if warm and self.blocks is not None:
+            direct = self.blocks.serve_direct()
+            log.info("a step's later block groups %s", "skip dynamo" if direct else "go through dynamo")
 
     # ---- the compiled hot step -------------------------------------------------------------------
 
