@@ -8,6 +8,14 @@ import torch
 from spyre_runtime.executor.compiler import BlockCompiler
 
 
+@pytest.fixture(autouse=True)
+def room_for_graphs():
+    """Every BlockCompiler of a process compiles one function: the other tests' graphs count towards its
+    recompile limit (as ModelExecutor.warmup allows for)."""
+    with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
+        yield
+
+
 class Block(torch.nn.Module):
     def __init__(self, seed: int, shift: float) -> None:
         super().__init__()
