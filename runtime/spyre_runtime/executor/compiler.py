@@ -8,14 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import threading
 
 import torch
 
 from spyre_runtime.config import CHUNK_ALIGN, ConfigError, RuntimeConfig
-
-log = logging.getLogger(__name__)
 
 
 def compiler_for(backend: str, compile_only: bool = False):
@@ -149,7 +146,7 @@ class BlockCompiler:
     last tokens) runs eagerly around it. Dynamo traces and inductor compiles `group` blocks instead of the
     whole stack per shape, so warm-up is several times shorter, cold (no cache) and warm (with the graph
     cache dynamo still traces on every start: tracing the whole model was most of a warm start). Each call
-    of the graph through dynamo costs guard checks and wrappers (about 0.3 ms a call, run 59), so the stack
+    of the graph through dynamo costs guard checks and wrappers (0.3-0.5 ms a call, run 59), so the stack
     runs in a few calls, not one per block: the first block of a group runs the group, the others pass their
     input through.
 
