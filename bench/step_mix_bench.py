@@ -8,8 +8,8 @@ A script with a report, not a timed test (bench/README.md runs 54 and 55).
     .venv/bin/python bench/step_mix_bench.py [--dtype bfloat16] [--streams 8,32] [--before DIR]
                                              [--rounds 3] [--out FILE]
 
-Prints per load: wall, output tok/s, the time inside steps (and its share of the wall), and the mixed and
-decode steps' counts and mean times.
+Prints per load: wall, output tok/s, TTFT p50, the time inside steps (and its share of the wall), and the
+mixed and decode steps' counts and mean times.
 """
 
 from __future__ import annotations
@@ -79,13 +79,15 @@ def one_server(code: Path, slot: int, dtype: str, streams: list[int], cache: Pat
             row = {
                 "wall_s": round(wall, 2),
                 "tok_per_s": round(summary["tok_per_s"], 1),
+                "ttft_p50_ms": round(1e3 * summary["ttft_p50"], 1),
                 "busy_s": round(busy, 2),
             }
             row |= {k: {"steps": int(v["count"]), "mean_ms": round(1e3 * v["sum"] / max(v["count"], 1), 1)}
                     for k, v in kinds.items()}  # fmt: skip
             result[f"c{n}"] = row
             print(
-                f"{code.name} c{n}: wall {wall:.1f} s, {row['tok_per_s']} tok/s, in steps {busy:.1f} s "
+                f"{code.name} c{n}: wall {wall:.1f} s, {row['tok_per_s']} tok/s, "
+                f"TTFT p50 {row['ttft_p50_ms']} ms, in steps {busy:.1f} s "
                 f"({busy / wall:.0%}), "
                 + ", ".join(
                     f"{k} {v['steps']} x {v['mean_ms']} ms" for k, v in row.items() if isinstance(v, dict)
