@@ -50,13 +50,18 @@ def reference(stack: Stack, x, scale):
     return x, written
 
 
-def compiled_stack(shifts):
-    stack = Stack(shifts)
-    blocks = BlockCompiler(stack, "inductor", stack.caches)
+def count_dynamo_calls(blocks: BlockCompiler) -> list:
+    """A list that gets an item for every group call that goes through dynamo (BlockCompiler.compiled)."""
     calls = []
     through_dynamo = blocks.compiled
     blocks.compiled = lambda *a, **k: (calls.append(1), through_dynamo(*a, **k))[1]
-    return stack, blocks, calls
+    return calls
+
+
+def compiled_stack(shifts):
+    stack = Stack(shifts)
+    blocks = BlockCompiler(stack, "inductor", stack.caches)
+    return stack, blocks, count_dynamo_calls(blocks)
 
 
 @pytest.mark.parametrize(
@@ -115,9 +120,7 @@ def test_the_decoders_later_groups_compute_what_dynamo_would_in_decode_and_mixed
     ex = ModelExecutor(cfg)
     ex.warmup()
     assert ex.blocks.direct and ex.blocks.group == 1
-    calls = []
-    through_dynamo = ex.blocks.compiled
-    ex.blocks.compiled = lambda *a, **k: (calls.append(1), through_dynamo(*a, **k))[1]
+    calls = count_dynamo_calls(ex.blocks)
     decode = ContinuousStep(decode=(DecodeRow(None, 7, 10, (1,)),), batch_size=4, kv_len=128)
     chunks = (
         PrefillChunk(None, tuple(range(60, 75)), 0, 64, (4,), True),
