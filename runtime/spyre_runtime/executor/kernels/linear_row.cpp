@@ -23,7 +23,8 @@
 // that nobody registered is put in panels at each call, for tests and benches) and dropped with the layer
 // (`forget_rows`).
 //
-// Every sum is float32, along k in order (a bfloat16 weight widened as it is loaded, x once per call, and each
+// Every sum is float32, along k in order (at one row of x, the even and odd steps of k in two sums added at the
+// end; a bfloat16 weight widened as it is loaded, x once per call, and each
 // output rounded to bfloat16 once). Where the CPU has the bfloat16 dot product (AVX-512 BF16, found at run
 // time: `bf16_dot`), bfloat16 panels hold pairs along k instead ([P, K2, PW, 2]) and x's rows are read as pairs
 // as they are: one instruction per vector takes two values of k, with no widening. SmolLM2's 121 bfloat16
@@ -101,16 +102,39 @@ inline void panel_rows(const float* x, int64_t k_len, const T* panel, float* sum
       acc[r][j] = RowVec(0.f);
     }
   }
-  for (int64_t k = 0; k < k_len; ++k) {
+  // one row: its kPanelVecs sums would each wait on the last FMA at every step of k, so the odd steps of k add
+  // into sums of their own, added to the even steps' at the end (`odd`; 1.01-1.035x the rate of SmolLM2's 121
+  // float32 weights at one row, 2 threads, bench/README.md run 60)
+  RowVec odd[kPanelVecs];
+  for (int j = 0; j < kPanelVecs; ++j) {
+    odd[j] = RowVec(0.f);
+  }
+  const auto fetch = [&](int64_t k, RowVec* w) {
     const T* step = panel + k * kPanel;
     const char* ahead = reinterpret_cast<const char*>(step) + kAheadBytes;
     for (int64_t line = 0; line < kPanel * static_cast<int64_t>(sizeof(T)); line += 64) {
       __builtin_prefetch(ahead + line, 0, 2);
     }
-    RowVec w[kPanelVecs];
     for (int j = 0; j < kPanelVecs; ++j) {
       w[j] = load_row(step + j * RowVec::size());
     }
+  };
+  int64_t k = 0;
+  if constexpr (R == 1) {
+    for (; k + 1 < k_len; k += 2) {
+      RowVec w[kPanelVecs], v[kPanelVecs];
+      fetch(k, w);
+      fetch(k + 1, v);
+      const RowVec xe(x[k]), xo(x[k + 1]);
+      for (int j = 0; j < kPanelVecs; ++j) {
+        acc[0][j] = at::vec::fmadd(w[j], xe, acc[0][j]);
+        odd[j] = at::vec::fmadd(v[j], xo, odd[j]);
+      }
+    }
+  }
+  for (; k < k_len; ++k) {
+    RowVec w[kPanelVecs];
+    fetch(k, w);
     for (int r = 0; r < R; ++r) {
       const RowVec xr(x[r * k_len + k]);
       for (int j = 0; j < kPanelVecs; ++j) {
@@ -120,7 +144,7 @@ inline void panel_rows(const float* x, int64_t k_len, const T* panel, float* sum
   }
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < kPanelVecs; ++j) {
-      acc[r][j].store(sums + r * kPanel + j * RowVec::size());
+      (R == 1 ? acc[r][j] + odd[j] : acc[r][j]).store(sums + r * kPanel + j * RowVec::size());
     }
   }
 }
@@ -368,9 +392,11 @@ at::Tensor panels_of(const at::Tensor& weight, bool glu = false) {
 }
 
 // out [m, N] (contiguous, the weight's dtype) = x @ weight^T (+ bias) for a checked x of m rows, over the threads;
-// with `glu`, out [m, N / 2] = silu(the first half's outputs) * the second half's (linear_row_glu)
+// with `glu`, out [m, N / 2] = silu(the first half's outputs) * the second half's (linear_row_glu). With `count`
+// >= 0, only rows first .. first + count - 1 of x, into the same rows of out (packed_linear.cpp's live spans:
+// no narrowed views, which cost a dispatcher call each, 121 layers a step)
 void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-               at::Tensor& out, bool glu = false);
+               at::Tensor& out, bool glu = false, int64_t first = 0, int64_t count = -1);
 
 at::Tensor rows_op(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias, bool glu) {
   const int64_t k_len = weight.dim() == 2 ? weight.size(1) : 0;
@@ -390,7 +416,7 @@ at::Tensor linear_row_glu(const at::Tensor& x, const at::Tensor& weight, const c
 }
 
 void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-               at::Tensor& out, bool glu) {
+               at::Tensor& out, bool glu, int64_t first, int64_t count) {
   const char* name = glu ? "linear_row_glu" : "linear_row";
   TORCH_CHECK(weight.dim() == 2, name, ": weight must be 2-d [out, in], got ", weight.dim(), "-d");
   const int64_t n_out = weight.size(0), k_len = weight.size(1);
@@ -409,9 +435,10 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
                 ": bias must be a contiguous ", dtype, " [", n_out, "], got ", bias->scalar_type(), " ",
                 bias->sizes());
   }
-  const int64_t m = x.numel() / k_len;
-  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == m * width, name,
-              ": out must be a contiguous ", dtype, " [", m, ", ", width, "]");
+  const int64_t all = x.numel() / k_len, m = count < 0 ? all : count;
+  TORCH_CHECK(out.is_contiguous() && out.scalar_type() == dtype && out.numel() == all * width, name,
+              ": out must be a contiguous ", dtype, " [", all, ", ", width, "]");
+  TORCH_CHECK(0 <= first && first + m <= all, name, ": rows ", first, " .. ", first + m, " beyond ", all);
   const at::Tensor panels = panels_of(weight, glu);
   const auto times = [&](int pass, auto* bias_ptr, auto* out_ptr, const auto& panel_sums) {
     if (glu) {
@@ -424,10 +451,10 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
 #ifdef SPYRE_BF16_DOT
   if (panels.dim() == 4) {  // pairs: x's rows as pairs too, a zero after an odd k_len (a copy only then)
     const int64_t k2_len = panels.size(1);
-    const at::Tensor xp = 2 * k2_len == k_len ? x : at::constant_pad_nd(x.reshape({m, k_len}), {0, 1}, 0);
-    const B* x_ptr = xp.data_ptr<B>();
+    const at::Tensor xp = 2 * k2_len == k_len ? x : at::constant_pad_nd(x.reshape({all, k_len}), {0, 1}, 0);
+    const B* x_ptr = xp.data_ptr<B>() + first * 2 * k2_len;
     const B* panel_ptr = panels.data_ptr<B>();
-    times(kPanelRows, has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>(),
+    times(kPanelRows, has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>() + first * width,
           [&](int rows, int64_t r0, int64_t p, float* sums) {
             pair_panel_of(rows, x_ptr + r0 * 2 * k2_len, k2_len, panel_ptr + p * k2_len * 2 * kPanel, sums);
           });
@@ -436,7 +463,7 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
 #endif
   // x's rows in float32 once (a few KiB), so the inner loop widens only the weight
   const at::Tensor xf = dtype == at::kFloat ? x : x.to(at::kFloat).contiguous();
-  const float* x_ptr = xf.data_ptr<float>();
+  const float* x_ptr = xf.data_ptr<float>() + first * k_len;
   const auto widened = [&](auto* panel_ptr, auto* bias_ptr, auto* out_ptr) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(panel_ptr)>>;
     times(std::is_same_v<T, float> ? kPanelRows : kWidenedRows, bias_ptr, out_ptr,
@@ -445,9 +472,11 @@ void rows_into(const at::Tensor& x, const at::Tensor& weight, const c10::optiona
           });
   };
   if (dtype == at::kFloat) {
-    widened(panels.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr, out.data_ptr<float>());
+    widened(panels.data_ptr<float>(), has_bias ? bias->data_ptr<float>() : nullptr,
+            out.data_ptr<float>() + first * width);
   } else {
-    widened(panels.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr), out.data_ptr<B>());
+    widened(panels.data_ptr<B>(), has_bias ? bias->data_ptr<B>() : static_cast<B*>(nullptr),
+            out.data_ptr<B>() + first * width);
   }
 }
 

@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <shared_mutex>
@@ -118,8 +119,13 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c1
 void few_rows(const at::Tensor& flat, int64_t r, int64_t n, const at::Tensor& weight,
               const c10::optional<at::Tensor>& bias, at::Tensor& out, bool glu) {
   RECORD_FUNCTION(glu ? "spyre_kernels::linear_row_glu" : "spyre_kernels::linear_row", std::vector<c10::IValue>());
-  at::Tensor rows_out = out.narrow(0, r, n);
-  rows_into(flat.narrow(0, r, n), weight, bias, rows_out, glu);
+  rows_into(flat, weight, bias, out, glu, r, n);
+}
+
+// rows r .. r + n - 1 of a contiguous out [m, N] set to zero (a step's dummy rows), without a view of them
+void zero_rows(at::Tensor& out, int64_t r, int64_t n) {
+  const int64_t row_bytes = out.numel() / std::max<int64_t>(out.size(0), 1) * out.element_size();
+  std::memset(static_cast<char*>(out.data_ptr()) + r * row_bytes, 0, n * row_bytes);
 }
 
 // oneDNN's GEMM of x [.., K] by the packed weight; with `glu` (a GLU's weight, gate then up), then the GLU of
@@ -182,7 +188,7 @@ at::Tensor packed_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   int64_t done = 0;
   for (const auto& [start, end] : spans) {
     if (start > done) {
-      out.narrow(0, done, start - done).zero_();
+      zero_rows(out, done, start - done);
     }
     if (end > start && by_rows) {
       few_rows(flat, start, end - start, weight, bias, out, glu);
@@ -192,7 +198,7 @@ at::Tensor packed_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
     done = std::max(done, end);
   }
   if (done < m) {
-    out.narrow(0, done, m - done).zero_();
+    zero_rows(out, done, m - done);
   }
   return out.view(sizes);
 }
