@@ -3,6 +3,8 @@ dynamo and its guards, the later groups call the graph dynamo chose for it with 
 when warm-up found that every later group ran that graph on exactly those inputs; a stack whose groups differ
 keeps dynamo for every group. Inductor on a toy stack of four blocks, each in its own group."""
 
+import contextlib
+
 import pytest
 import torch
 from spyre_runtime.executor.compiler import BlockCompiler
@@ -145,3 +147,24 @@ def test_the_decoders_later_groups_compute_what_dynamo_would_in_decode_and_mixed
         assert torch.equal(results[True][0], results[False][0])
         assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1], strict=True))
         assert (results[False][2], results[True][2]) == (2, 1)
+
+
+def test_the_compiled_graphs_wrappers_check_no_sizes_under_the_runtimes_settings():
+    """compile_settings: inductor's Python wrapper of a graph leaves out its size and stride checks (84 calls
+    a group graph, 0.35 ms a decode step: bench/README.md run 60); without the settings it has them."""
+    from spyre_runtime.executor.compiler import compile_settings
+    from torch._inductor.utils import run_and_get_code
+
+    def step(x, weight):
+        return torch.tanh(x @ weight).sum(-1)
+
+    codes = {}
+    for name, settings in (("runtime", compile_settings("inductor", freeze=False)), ("default", None)):
+        torch._dynamo.reset()
+        with settings or contextlib.nullcontext():
+            fn = torch.compile(step, backend="inductor", dynamic=False)
+            out, code = run_and_get_code(fn, torch.randn(4, 8), torch.randn(8, 8))
+        assert out.shape == (4,)
+        codes[name] = "\n".join(code)
+    assert "assert_size_stride(" in codes["default"]
+    assert "assert_size_stride(" not in codes["runtime"]

@@ -24,10 +24,10 @@
 // (`forget_rows`).
 //
 // Every sum is float32, along k in order (at one row of x, the even and odd steps of k in two sums added at the
-// end; a bfloat16 weight widened as it is loaded, x once per call, and each
-// output rounded to bfloat16 once). Where the CPU has the bfloat16 dot product (AVX-512 BF16, found at run
-// time: `bf16_dot`), bfloat16 panels hold pairs along k instead ([P, K2, PW, 2]) and x's rows are read as pairs
-// as they are: one instruction per vector takes two values of k, with no widening. SmolLM2's 121 bfloat16
+// end; a bfloat16 weight widened as it is loaded, x once per call, and each output rounded to bfloat16 once).
+// Where the CPU has the bfloat16 dot product (AVX-512 BF16, found at run time: `bf16_dot`), bfloat16 panels hold
+// pairs along k instead ([P, K2, PW, 2]) and x's rows are read as pairs as they are: one instruction per vector
+// takes two values of k, with no widening. SmolLM2's 121 bfloat16
 // weights, 2 threads, a Zen 4, the layouts alternating in one process (bench/README.md run 55): widened 9.6 /
 // 12.1 / 21.9 / 41.2 ms at 1 / 8 / 16 / 32 rows, in pairs 9.4 / 9.5 / 14.0 / 23.9 (oneDNN's packed GEMM 16.0 /
 // 16.3 / 20.3 / 30.4).
@@ -103,8 +103,8 @@ inline void panel_rows(const float* x, int64_t k_len, const T* panel, float* sum
     }
   }
   // one row: its kPanelVecs sums would each wait on the last FMA at every step of k, so the odd steps of k add
-  // into sums of their own, added to the even steps' at the end (`odd`; 1.01-1.035x the rate of SmolLM2's 121
-  // float32 weights at one row, 2 threads, bench/README.md run 60)
+  // into sums of their own, added to the even steps' at the end (`odd`; on a copy of this kernel over SmolLM2's
+  // 120 float32 layer weights, 2 threads: 1.008-1.069x the rate, median 1.014x, bench/README.md run 60)
   RowVec odd[kPanelVecs];
   for (int j = 0; j < kPanelVecs; ++j) {
     odd[j] = RowVec(0.f);
