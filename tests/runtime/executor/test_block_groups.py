@@ -52,6 +52,19 @@ def reference(stack: Stack, x, scale):
     return x, written
 
 
+def close(got, want):
+    """Inductor's fused tanh and sums round differently from eager's, and four blocks in a chain carry values
+    into the thousands: float32's default tolerance (1.3e-6 relative) failed in CI, and 400 random steps
+    measured up to 6.9e-6. A group that ran another block's weights or wrote another block's cache differs by
+    whole units."""
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def tokens(seed: int, count: int = 3):
+    """A step's hidden states (2 rows of `count` tokens), the same on every run."""
+    return torch.randn(2, count, 8, generator=torch.Generator().manual_seed(seed))
+
+
 def count_dynamo_calls(blocks: BlockCompiler) -> list:
     """A list that gets an item for every group call that goes through dynamo (BlockCompiler.compiled)."""
     calls = []
@@ -75,18 +88,18 @@ def test_later_groups_skip_dynamo_only_where_warmup_found_them_the_firsts(shifts
     stack, blocks, calls = compiled_stack(shifts)
     assert blocks.group == 1  # 4 blocks: a call each
     with torch.inference_mode():  # (a tensor made outside it would make the first group a graph of its own)
-        x, scale = torch.randn(2, 3, 8), torch.full((1,), 0.5)
+        x, scale = tokens(100), torch.full((1,), 0.5)
         for _ in range(2):  # warm-up: every group through dynamo, the later ones checked
             stack(x, scale)
         assert len(calls) == 8 and blocks.checked == 6
         assert blocks.serve_direct() is direct
         calls.clear()
         for step in range(3):
-            xs, s = torch.randn(2, 3, 8), torch.full((1,), 0.25 * step)
+            xs, s = tokens(step), torch.full((1,), 0.25 * step)
             want, written = reference(stack, xs, s)
-            torch.testing.assert_close(stack(xs, s), want)
+            close(stack(xs, s), want)
             for cache, expected in zip(stack.caches, written, strict=True):  # each group wrote its own
-                torch.testing.assert_close(cache, expected)
+                close(cache, expected)
     # through dynamo: one group a step where the groups are uniform, all four where one block differs
     assert len(calls) == (3 if direct else 12)
 
@@ -94,14 +107,14 @@ def test_later_groups_skip_dynamo_only_where_warmup_found_them_the_firsts(shifts
 def test_a_step_dynamo_has_no_graph_for_is_refused_before_any_group_runs_directly():
     stack, blocks, calls = compiled_stack((0.5,) * 4)
     with torch.inference_mode():
-        stack(torch.randn(2, 3, 8), torch.ones(1))
+        stack(tokens(100), torch.ones(1))
         assert blocks.serve_direct()
         calls.clear()
         with torch.compiler.set_stance("fail_on_recompile"), pytest.raises(RuntimeError, match="recompile"):
-            stack(torch.randn(2, 5, 8), torch.ones(1))  # 5 tokens: no graph warmed for it
+            stack(tokens(101, 5), torch.ones(1))  # 5 tokens: no graph warmed for it
         # and the next warmed step runs whole again
-        xs = torch.randn(2, 3, 8)
-        torch.testing.assert_close(stack(xs, torch.ones(1)), reference(stack, xs, torch.ones(1))[0])
+        xs = tokens(0)
+        close(stack(xs, torch.ones(1)), reference(stack, xs, torch.ones(1))[0])
         assert len(calls) == 2  # the first group of each step: the refused step's got no further
 
 
