@@ -101,10 +101,10 @@ class GroupGraph:
         self.compiled = compiled
         self.direct = all(names)
         self.own: list = []
+        if not self.direct:  # an input without a source: dynamo serves every call, no names to read
+            return
         try:
-            self.own = [
-                (i, compile(n, n, "eval")) for i, n in enumerate(names) if n and n.startswith(PER_GROUP)
-            ]
+            self.own = [(i, compile(n, n, "eval")) for i, n in enumerate(names) if n.startswith(PER_GROUP)]
         except SyntaxError:  # a source name that is no Python expression: this graph stays with dynamo
             self.direct = False
 
@@ -232,13 +232,13 @@ class BlockCompiler:
         """Group `first`'s inputs to `graph`: the step's (its first group's), with the group's own."""
         plan = self._plans.get((graph, first))
         if plan is None:  # the parameters never change after load (as without_parameter_guards has it)
-            values = [(i, eval(code, {"L": own})) for i, code in graph.own]
-            params = [(i, v) for i, v in values if isinstance(v, torch.nn.Parameter)]
-            codes = [
-                (i, code)
-                for (i, code), (_, v) in zip(graph.own, values, strict=True)
-                if not isinstance(v, torch.nn.Parameter)
-            ]
+            params, codes = [], []
+            for i, code in graph.own:
+                value = eval(code, {"L": own})
+                if isinstance(value, torch.nn.Parameter):
+                    params.append((i, value))
+                else:
+                    codes.append((i, code))
             plan = self._plans[(graph, first)] = (params, codes)
         args = list(step_args)
         for i, value in plan[0]:

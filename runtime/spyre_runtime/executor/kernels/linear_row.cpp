@@ -96,18 +96,16 @@ inline RowVec load_row(const c10::BFloat16* p) {
 // sums[r * kPanel + o] = x[r] . panel's output o, for R rows of x (float32, k_len apart) and one panel [K, PW]
 template <int R, typename T>
 inline void panel_rows(const float* x, int64_t k_len, const T* panel, float* sums) {
-  RowVec acc[R][kPanelVecs];
-  for (int r = 0; r < R; ++r) {
+  // one row: its kPanelVecs sums would each wait on the last FMA at every step of k, so the odd steps of k add
+  // into sums of their own (acc[1]), added to the even steps' at the end (on a copy of this kernel over
+  // SmolLM2's 120 float32 layer weights, 2 threads: 1.008-1.069x the rate, median 1.014x, bench/README.md
+  // run 60)
+  constexpr int kSums = R == 1 ? 2 : R;
+  RowVec acc[kSums][kPanelVecs];
+  for (int r = 0; r < kSums; ++r) {
     for (int j = 0; j < kPanelVecs; ++j) {
       acc[r][j] = RowVec(0.f);
     }
-  }
-  // one row: its kPanelVecs sums would each wait on the last FMA at every step of k, so the odd steps of k add
-  // into sums of their own, added to the even steps' at the end (`odd`; on a copy of this kernel over SmolLM2's
-  // 120 float32 layer weights, 2 threads: 1.008-1.069x the rate, median 1.014x, bench/README.md run 60)
-  RowVec odd[kPanelVecs];
-  for (int j = 0; j < kPanelVecs; ++j) {
-    odd[j] = RowVec(0.f);
   }
   const auto fetch = [&](int64_t k, RowVec* w) {
     const T* step = panel + k * kPanel;
@@ -128,7 +126,7 @@ inline void panel_rows(const float* x, int64_t k_len, const T* panel, float* sum
       const RowVec xe(x[k]), xo(x[k + 1]);
       for (int j = 0; j < kPanelVecs; ++j) {
         acc[0][j] = at::vec::fmadd(w[j], xe, acc[0][j]);
-        odd[j] = at::vec::fmadd(v[j], xo, odd[j]);
+        acc[1][j] = at::vec::fmadd(v[j], xo, acc[1][j]);
       }
     }
   }
@@ -144,7 +142,7 @@ inline void panel_rows(const float* x, int64_t k_len, const T* panel, float* sum
   }
   for (int r = 0; r < R; ++r) {
     for (int j = 0; j < kPanelVecs; ++j) {
-      (R == 1 ? acc[r][j] + odd[j] : acc[r][j]).store(sums + r * kPanel + j * RowVec::size());
+      (R == 1 ? acc[0][j] + acc[1][j] : acc[r][j]).store(sums + r * kPanel + j * RowVec::size());
     }
   }
 }
