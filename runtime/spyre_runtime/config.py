@@ -163,6 +163,17 @@ class RuntimeConfig:
         return self.cp_interleave_steps and self.backend in ("inductor", "eager")
 
     @property
+    def dynamic_decode(self) -> tuple[int, int] | None:
+        """The decode batch buckets (min, max) that share one graph whose batch dimension is dynamic
+        (inductor, continuous batching): every bucket above 1, one compile instead of one per bucket. A
+        bucket of 1 keeps a graph of its own (dynamo specializes a size of 1); sendnn (static shapes only)
+        keeps one per bucket, and eager compiles none. None: fewer than two buckets above 1."""
+        shared = [b for b in self.batch_buckets if b > 1]
+        if not self.use_cb or self.backend != "inductor" or len(shared) < 2:
+            return None
+        return min(shared), max(shared)
+
+    @property
     def chunk_lengths(self) -> tuple[int, ...]:
         """The chunk lengths warm-up runs: every chunk bucket, or with dynamic chunks the shortest and the
         longest (one graph; the second run proves it serves both without compiling again)."""

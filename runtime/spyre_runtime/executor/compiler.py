@@ -158,7 +158,8 @@ class BlockCompiler:
     graphs of their own) keeps dynamo for every group.
 
     `dynamic_tokens` (min, max): while set, the hidden states are marked dynamic in their token dimension
-    (dim 1), for the mixed step's one graph of any chunk length (see `mark_dynamic_chunk`)."""
+    (dim 1), for the mixed step's one graph of any chunk length (see `mark_dynamic_chunk`); `dynamic_batch`
+    in their batch dimension (dim 0), for the decode buckets' one graph (see `mark_dynamic_decode`)."""
 
     def __init__(self, model: torch.nn.Module, backend, kv_layers: list) -> None:
         blocks = repeated_blocks(model)
@@ -181,6 +182,7 @@ class BlockCompiler:
             options={"guard_filter_fn": without_parameter_guards},
         )
         self.dynamic_tokens: tuple[int, int] | None = None
+        self.dynamic_batch: tuple[int, int] | None = None
         self.direct = False  # serve_direct
         self.checked = 0  # later groups' calls checked (warm-up)
         self.uniform = True  # every one ran the first group's graph on the planned inputs
@@ -203,9 +205,9 @@ class BlockCompiler:
             graph, step_args = self._step
             (x,) = graph.compiled(*self._inputs(graph, step_args, first, own))
             return (x, past_key_value_state) if use_cache else x
-        if self.dynamic_tokens is not None:
-            low, high = self.dynamic_tokens
-            torch._dynamo.mark_dynamic(x, 1, min=low, max=high)
+        for dim, span in ((1, self.dynamic_tokens), (0, self.dynamic_batch)):
+            if span is not None:
+                torch._dynamo.mark_dynamic(x, dim, min=span[0], max=span[1])
         _LAST.call = None
         x = self.compiled(members, x, own["kv_states"], use_cache=use_cache, **kwargs)
         self._note(first, own, x)
@@ -299,11 +301,14 @@ def chunk_range(config: RuntimeConfig) -> tuple[int, int]:
 
 
 def cache_tag(config: RuntimeConfig) -> str:
-    """The dynamic chunk range, for inductor's cache key (see _cache_tag_pass)."""
-    if not config.dynamic_chunks:
-        return ""
-    low, high = chunk_range(config)
-    return f"spyre-serve-chunks:{low}-{high}+{max(config.batch_buckets)}"
+    """The dynamic chunk range and decode batch range, for inductor's cache key (see _cache_tag_pass)."""
+    tags = []
+    if config.dynamic_chunks:
+        low, high = chunk_range(config)
+        tags.append(f"spyre-serve-chunks:{low}-{high}+{max(config.batch_buckets)}")
+    if config.dynamic_decode is not None:
+        tags.append("spyre-serve-decode:{}-{}".format(*config.dynamic_decode))
+    return ";".join(tags)
 
 
 def mark_dynamic_chunk(
@@ -321,3 +326,18 @@ def mark_dynamic_chunk(
         torch._dynamo.mark_dynamic(t, 0, min=low, max=high)
     if blocks is not None:  # the hidden states the blocks get: [1, chunk + rows, D]
         blocks.dynamic_tokens = (low + rows, high + rows)
+
+
+def mark_dynamic_decode(
+    span: tuple[int, int] | None, blocks: BlockCompiler, input_ids, position_ids, _mask, slot_mapping, *rest
+) -> None:
+    """A paged decode step's batch dimension is dynamic (config.dynamic_decode, with block groups): the one
+    graph the first bucket of `span` compiles serves the others. A step of another size (a bucket of 1) or
+    a static decode (no sequence lengths) compiles a graph of its own. Only the compiling call needs the
+    marks."""
+    block_table, _slab_start, seq_lens = rest
+    if span is None or seq_lens is None or not span[0] <= input_ids.shape[0] <= span[1]:
+        return
+    for t in (input_ids, position_ids, slot_mapping, block_table, seq_lens):
+        torch._dynamo.mark_dynamic(t, 0, min=span[0], max=span[1])
+    blocks.dynamic_batch = span

@@ -98,6 +98,7 @@ def cache_configuration(config: RuntimeConfig) -> dict:
             "mixed_steps": config.cp_interleave_steps,  # chunk graphs with or without the decode rows
             "prefill_pieces": config.prefill_pieces,
             "dynamic_chunks": config.dynamic_chunks,  # one mixed graph, dynamic in its token count
+            "dynamic_decode": config.dynamic_decode,  # the decode buckets that share one graph (inductor)
         }
     else:
         shapes = {

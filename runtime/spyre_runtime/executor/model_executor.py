@@ -27,6 +27,7 @@ from spyre_runtime.executor.compiler import (
     compile_step,
     compiler_for,
     mark_dynamic_chunk,
+    mark_dynamic_decode,
 )
 from spyre_runtime.executor.families.rooms import family_of, load_model
 from spyre_runtime.executor.kernels import paged_attention
@@ -103,6 +104,9 @@ class ModelExecutor:
             self._step_fn = self._forward
         else:
             self._step_fn = compile_step(self._forward, config.backend, compile_only)
+        # the decode buckets that share one graph (its block groups' marks; the whole forward in one graph
+        # keeps a graph per bucket)
+        self.decode_span = config.dynamic_decode if self.blocks is not None else None
         self._warm = False
         self.warmup_seconds: float | None = None
         self.shape_seconds: dict[Shape, float] = {}
@@ -194,6 +198,8 @@ class ModelExecutor:
             # eager, or compiling (warm-up): a mixed step's token dimension may be dynamic (compiler.py)
             if self.config.dynamic_chunks and len(args) == 12:
                 mark_dynamic_chunk(self.config, self.blocks, *args)
+            elif self.decode_span is not None and len(args) == 7:
+                mark_dynamic_decode(self.decode_span, self.blocks, *args)
             try:
                 # freezing would make one group's weights constants of the graph every group shares;
                 # where the weights are not packed (bf16 on an AVX2 CPU, fp16) oneDNN cannot pack them either
@@ -204,7 +210,7 @@ class ModelExecutor:
                     return self._step_fn(*args)
             finally:
                 if self.blocks is not None:
-                    self.blocks.dynamic_tokens = None
+                    self.blocks.dynamic_tokens = self.blocks.dynamic_batch = None
 
     # ---- steps -----------------------------------------------------------------------------------
 
@@ -297,7 +303,7 @@ class ModelExecutor:
             recompile_limit=graphs + 1024, accumulated_recompile_limit=graphs + 4096
         ):
             if cfg.use_cb:
-                warm_continuous(self._run, self.inputs, cfg, self.progress)
+                warm_continuous(self._run, self.inputs, cfg, self.progress, self.decode_span)
             else:
                 self.shape_seconds.update(warm_static(self._run, self.inputs, cfg.shapes, self.progress))
         self.warmup_seconds = time.monotonic() - t_all

@@ -75,8 +75,16 @@ def warm_static(run: Callable, inputs: StepInputs, shapes, progress: WarmupProgr
     return seconds
 
 
-def warm_continuous(run: Callable, inputs: StepInputs, cfg: RuntimeConfig, progress: WarmupProgress) -> None:
-    """Dummy steps on the scratch block only: nothing a request owns is written."""
+def warm_continuous(
+    run: Callable,
+    inputs: StepInputs,
+    cfg: RuntimeConfig,
+    progress: WarmupProgress,
+    decode_span: tuple[int, int] | None = None,
+) -> None:
+    """Dummy steps on the scratch block only: nothing a request owns is written. `decode_span`: the decode
+    buckets that share one graph (config.dynamic_decode), compiled by the first of them; the others must
+    not compile."""
     kv_max = inputs.prefill_kv_len
     rows = max(cfg.batch_buckets)
     t0 = time.monotonic()
@@ -99,7 +107,15 @@ def warm_continuous(run: Callable, inputs: StepInputs, cfg: RuntimeConfig, progr
             continue  # the same graph as the next length: one progress step for both
         progress.step("Prefill", what, time.monotonic() - t0)
         t0 = time.monotonic()
-    for batch in cfg.batch_buckets:  # paged decode reads live slots: one graph per batch bucket
+    shared_graph = False  # the span's one graph is compiled
+    for batch in cfg.batch_buckets:  # paged decode reads live slots: a graph per bucket, or the span's one
         t0 = time.monotonic()
-        run(*inputs.batch_decode(ContinuousStep(batch_size=batch, kv_len=kv_max)))
+        in_span = decode_span is not None and decode_span[0] <= batch <= decode_span[1]
+        with (
+            torch.compiler.set_stance("fail_on_recompile")
+            if shared_graph and in_span
+            else contextlib.nullcontext()
+        ):
+            run(*inputs.batch_decode(ContinuousStep(batch_size=batch, kv_len=kv_max)))
+        shared_graph |= in_span
         progress.step("Decode", f"batch_size:{batch} kv_len:{kv_max}", time.monotonic() - t0)

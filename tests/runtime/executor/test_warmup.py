@@ -1,5 +1,10 @@
-"""Warm-up progress lines and counts (pure: a fake clock)."""
+"""Warm-up progress lines and counts (pure: a fake clock), its progress seen while a server starts, and the
+decode buckets that share one graph."""
 
+import pytest
+import torch
+from spyre_runtime.config import RuntimeConfig
+from spyre_runtime.executor.compiler import cache_tag
 from spyre_runtime.executor.warmup import WarmupProgress
 
 from tests.httpclient import HTTP
@@ -79,3 +84,75 @@ def test_skip_warmup_compiles_on_first_use_and_says_so(tiny_model, tmp_path):
     warmed = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
     assert warmed.returncode == 0 and "[Warmup][Decode][2/2]" in warmed.stderr
     assert json.loads(warmed.stdout)["text"] == json.loads(res.stdout)["text"]
+
+
+@pytest.mark.parametrize(
+    ("backend", "buckets", "span"),
+    [
+        ("inductor", (1, 2, 4, 8), (2, 8)),
+        ("inductor", (8, 32), (8, 32)),
+        ("inductor", (1, 4), None),  # one bucket above 1: nothing to share
+        ("inductor", (4,), None),
+        ("sendnn", (1, 2, 4), None),  # static shapes only
+        ("eager", (1, 2, 4), None),  # no graphs
+    ],
+)
+def test_decode_buckets_above_one_share_one_graph_on_inductor(tiny_model, backend, buckets, span):
+    cfg = RuntimeConfig(
+        model_dir=tiny_model,
+        served_model_name="t",
+        backend=backend,
+        use_cb=True,
+        max_num_seqs=max(buckets),
+        decode_batch_buckets=buckets,
+    )
+    assert cfg.dynamic_decode == span
+    # inductor's cache key names the span, as it names the mixed graph's token range
+    decode_tags = [t for t in cache_tag(cfg).split(";") if t.startswith("spyre-serve-decode")]
+    assert decode_tags == (["spyre-serve-decode:{}-{}".format(*span)] if span else [])
+
+
+def test_one_dynamic_decode_graph_serves_the_tokens_of_a_graph_per_bucket(tiny_model):
+    """Inductor, decode buckets 1, 2 and 4: warm-up compiles the mixed graph, the 1-row decode graph and one
+    graph for 2 and 4 (the second bucket compiles nothing: warm-up runs it under fail_on_recompile). Four
+    requests that finish one after another decode at 4, then 2 (three live rows), then 1, and their greedy
+    tokens equal those of graphs compiled for each bucket alone (an executor whose block groups carry no
+    marks)."""
+    from spyre_runtime.engine.llm_engine import LLMEngine
+    from spyre_runtime.sampling.params import SamplingParams
+    from torch._dynamo.utils import counters
+
+    def served(dynamic: bool) -> tuple[list[list[int]], int]:
+        cfg = RuntimeConfig(
+            model_dir=tiny_model,
+            served_model_name="t",
+            backend="inductor",
+            use_cb=True,
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            decode_batch_buckets=(1, 2, 4),
+            kv_len_buckets=(128,),
+        )
+        engine = LLMEngine(cfg)
+        assert engine.executor.decode_span == (2, 4)
+        if not dynamic:
+            engine.executor.decode_span = None  # a graph per bucket, as before the span
+        counters.clear()
+        engine.executor.warmup()
+        graphs = counters["stats"]["unique_graphs"]
+        prompts = [[5, 9, 13], [7, 7, 2, 40, 3], [11] * 9, [3, 30]]
+        reqs = [
+            engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for p, n in zip(prompts, (4, 7, 12, 16), strict=True)
+        ]
+        while engine.has_work():
+            engine.step()
+        return [r.output_token_ids for r in reqs], graphs
+
+    with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
+        shared, shared_graphs = served(dynamic=True)
+        per_bucket, per_bucket_graphs = served(dynamic=False)
+    assert (shared_graphs, per_bucket_graphs) == (3, 4)
+    assert [len(t) for t in shared] == [4, 7, 12, 16]
+    assert shared == per_bucket
