@@ -3,11 +3,11 @@ decode buckets that share one graph."""
 
 import pytest
 import torch
-from spyre_runtime.config import RuntimeConfig
 from spyre_runtime.executor.compiler import cache_tag
 from spyre_runtime.executor.warmup import WarmupProgress
 
 from tests.httpclient import HTTP
+from tests.runtime.executor.test_hot_path import small_cb
 
 
 def test_progress_lines_count_graphs_and_estimate_the_rest():
@@ -98,14 +98,7 @@ def test_skip_warmup_compiles_on_first_use_and_says_so(tiny_model, tmp_path):
     ],
 )
 def test_decode_buckets_above_one_share_one_graph_on_inductor(tiny_model, backend, buckets, span):
-    cfg = RuntimeConfig(
-        model_dir=tiny_model,
-        served_model_name="t",
-        backend=backend,
-        use_cb=True,
-        max_num_seqs=max(buckets),
-        decode_batch_buckets=buckets,
-    )
+    cfg = small_cb(tiny_model, backend, max_num_seqs=max(buckets), decode_batch_buckets=buckets)
     assert cfg.dynamic_decode == span
     # inductor's cache key names the span, as it names the mixed graph's token range
     decode_tags = [t for t in cache_tag(cfg).split(";") if t.startswith("spyre-serve-decode")]
@@ -123,16 +116,8 @@ def test_one_dynamic_decode_graph_serves_the_tokens_of_a_graph_per_bucket(tiny_m
     from torch._dynamo.utils import counters
 
     def served(dynamic: bool) -> tuple[list[list[int]], int]:
-        cfg = RuntimeConfig(
-            model_dir=tiny_model,
-            served_model_name="t",
-            backend="inductor",
-            use_cb=True,
-            max_model_len=128,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            decode_batch_buckets=(1, 2, 4),
-            kv_len_buckets=(128,),
+        cfg = small_cb(
+            tiny_model, "inductor", max_num_seqs=4, decode_batch_buckets=(1, 2, 4), kv_len_buckets=(128,)
         )
         engine = LLMEngine(cfg)
         assert engine.executor.decode_span == (2, 4)
