@@ -329,14 +329,14 @@ def mark_dynamic_chunk(
 
 
 def mark_dynamic_decode(
-    span: tuple[int, int] | None, blocks: BlockCompiler, input_ids, position_ids, _mask, slot_mapping, *rest
+    span: tuple[int, int], blocks: BlockCompiler, input_ids, position_ids, _mask, slot_mapping, *rest
 ) -> None:
     """A paged decode step's batch dimension is dynamic (config.dynamic_decode, with block groups): the one
     graph the first bucket of `span` compiles serves the others. A step of another size (a bucket of 1) or
     a static decode (no sequence lengths) compiles a graph of its own. Only the compiling call needs the
     marks."""
     block_table, _slab_start, seq_lens = rest
-    if span is None or seq_lens is None or not span[0] <= input_ids.shape[0] <= span[1]:
+    if seq_lens is None or not span[0] <= input_ids.shape[0] <= span[1]:
         return
     for t in (input_ids, position_ids, slot_mapping, block_table, seq_lens):
         torch._dynamo.mark_dynamic(t, 0, min=span[0], max=span[1])

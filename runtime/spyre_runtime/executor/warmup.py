@@ -51,11 +51,17 @@ class WarmupProgress:
 
 
 def graphs_to_warm(config: RuntimeConfig) -> int:
-    """The decoder's graphs: prefill and decode of every static shape, or every chunk bucket (one graph for
-    all with dynamic chunks) and every decode batch bucket."""
+    """Warm-up's steps (its progress total): prefill and decode of every static shape, or every chunk bucket
+    (one step for all with dynamic chunks) and every decode batch bucket (each a step, though the buckets of
+    config.dynamic_decode share one graph)."""
     if not config.use_cb:
         return 2 * len(config.shapes)
     return (1 if config.dynamic_chunks else len(config.chunk_buckets)) + len(config.batch_buckets)
+
+
+def compiled_already(again: bool):
+    """A step whose graph an earlier warm-up step compiled: compiling again fails the start."""
+    return torch.compiler.set_stance("fail_on_recompile") if again else contextlib.nullcontext()
 
 
 def warm_static(run: Callable, inputs: StepInputs, shapes, progress: WarmupProgress) -> dict[Shape, float]:
@@ -97,7 +103,7 @@ def warm_continuous(
             step = ContinuousStep(pieces, batch_size=rows, mixed=True)
             # dynamic chunks: one graph, compiled by the first length; the second must not compile
             again = cfg.dynamic_chunks and i > 0
-            with torch.compiler.set_stance("fail_on_recompile") if again else contextlib.nullcontext():
+            with compiled_already(again):
                 run(*inputs.mixed(step))
             what = f"chunk:{size} pieces:{cfg.prefill_pieces} decode_rows:{rows} kv_len:{kv_max}"
         else:
@@ -111,11 +117,7 @@ def warm_continuous(
     for batch in cfg.batch_buckets:  # paged decode reads live slots: a graph per bucket, or the span's one
         t0 = time.monotonic()
         in_span = decode_span is not None and decode_span[0] <= batch <= decode_span[1]
-        with (
-            torch.compiler.set_stance("fail_on_recompile")
-            if shared_graph and in_span
-            else contextlib.nullcontext()
-        ):
+        with compiled_already(shared_graph and in_span):
             run(*inputs.batch_decode(ContinuousStep(batch_size=batch, kv_len=kv_max)))
         shared_graph |= in_span
         progress.step("Decode", f"batch_size:{batch} kv_len:{kv_max}", time.monotonic() - t0)
