@@ -35,7 +35,13 @@ from spyre_runtime.executor.kv_cache import KVCachePool, blocks_for
 from spyre_runtime.executor.loader import TORCH_DTYPES, model_dims, pack_weights, prime_rotary, resolve_dtype
 from spyre_runtime.executor.loader import configure_threads as configure_threads  # re-exported
 from spyre_runtime.executor.step_inputs import StepInputs, TokenSpan
-from spyre_runtime.executor.warmup import WarmupProgress, graphs_to_warm, warm_continuous, warm_static
+from spyre_runtime.executor.warmup import (
+    WarmupProgress,
+    graphs_to_warm,
+    span_reuses,
+    warm_continuous,
+    warm_static,
+)
 from spyre_runtime.executor.workers import WorkerGroup
 from spyre_runtime.sampling.sampler import SamplerOutput, sample
 from spyre_runtime.steps import ContinuousStep, StaticStep
@@ -295,7 +301,7 @@ class ModelExecutor:
             self.warmup_seconds = 0.0
             return 0.0
         graphs = graphs_to_warm(cfg)
-        self.progress.start(graphs)
+        self.progress.start(graphs, graphs - span_reuses(cfg, self.decode_span))
         # The limits count every compiled entry of `_forward`'s code object in the process, earlier executors'
         # included (with frozen graphs they stay: a second executor's warmup hit a limit of 8), so a process
         # that builds several executors (tests) needs room beyond this one's graphs. Serving never compiles.

@@ -24,6 +24,25 @@ def test_progress_lines_count_graphs_and_estimate_the_rest():
     assert progress.snapshot() == {"done": 2, "total": 4}
 
 
+def test_the_eta_counts_the_steps_that_compile_not_those_that_reuse_a_graph():
+    """A mixed graph, the 1-row decode graph, then buckets 2..32 sharing one graph (config.dynamic_decode):
+    seven steps, of which three compile. The ETA after the first is one more mean step per compiling step
+    left, not one per step, and none once nothing is left to compile."""
+    now = [0.0]
+    progress = WarmupProgress(clock=lambda: now[0])
+    progress.start(7, compiling=3)
+    lines = []
+    for kind, seconds, compiled in [("Prefill", 26, True), ("Decode", 10, True), ("Decode", 12, True)] + [
+        ("Decode", 0.05, False)
+    ] * 4:
+        now[0] += seconds
+        lines.append(progress.step(kind, "x", seconds, compiled))
+    assert [line.rsplit("ETA ", 1)[1] for line in lines] == ["52 s", "18 s"] + ["0 s"] * 5
+    assert lines[-1].startswith("[Warmup][Decode][7/7]")
+    with pytest.raises(ValueError, match="8 compiling steps of 7"):
+        progress.start(7, compiling=8)
+
+
 def test_health_and_log_show_warmup_progress_while_the_server_starts(tiny_model, tmp_path):
     import time
 
@@ -105,39 +124,78 @@ def test_decode_buckets_above_one_share_one_graph_on_inductor(tiny_model, backen
     assert decode_tags == (["spyre-serve-decode:{}-{}".format(*span)] if span else [])
 
 
-def test_one_dynamic_decode_graph_serves_the_tokens_of_a_graph_per_bucket(tiny_model):
-    """Inductor, decode buckets 1, 2 and 4: warm-up compiles the mixed graph, the 1-row decode graph and one
-    graph for 2 and 4 (the second bucket compiles nothing: warm-up runs it under fail_on_recompile). Four
-    requests that finish one after another decode at 4, then 2 (three live rows), then 1, and their greedy
-    tokens equal those of graphs compiled for each bucket alone (an executor whose block groups carry no
-    marks)."""
+def _served(tiny_model, marks: str) -> tuple[list[list[int]], int, object]:
+    """An engine with decode buckets 1, 2 and 4 (span 2-4) warmed with the span's marks (`span`), with none
+    (`none`: a graph per bucket, as before the span), or with marks narrowed to 2-3 while warm-up still
+    expects bucket 4 to reuse bucket 2's graph (`narrow`: that step recompiles); then four requests that
+    finish one after another, so they decode at 4, then 2 (three live rows), then 1. Their greedy tokens,
+    the graphs compiled, the progress."""
     from spyre_runtime.engine.llm_engine import LLMEngine
+    from spyre_runtime.executor.warmup import warm_continuous
     from spyre_runtime.sampling.params import SamplingParams
     from torch._dynamo.utils import counters
 
-    def served(dynamic: bool) -> tuple[list[list[int]], int]:
-        cfg = small_cb(
-            tiny_model, "inductor", max_num_seqs=4, decode_batch_buckets=(1, 2, 4), kv_len_buckets=(128,)
-        )
-        engine = LLMEngine(cfg)
-        assert engine.executor.decode_span == (2, 4)
-        if not dynamic:
-            engine.executor.decode_span = None  # a graph per bucket, as before the span
-        counters.clear()
-        engine.executor.warmup()
-        graphs = counters["stats"]["unique_graphs"]
-        prompts = [[5, 9, 13], [7, 7, 2, 40, 3], [11] * 9, [3, 30]]
-        reqs = [
-            engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-            for p, n in zip(prompts, (4, 7, 12, 16), strict=True)
-        ]
-        while engine.has_work():
-            engine.step()
-        return [r.output_token_ids for r in reqs], graphs
+    cfg = small_cb(
+        tiny_model, "inductor", max_num_seqs=4, decode_batch_buckets=(1, 2, 4), kv_len_buckets=(128,)
+    )
+    engine = LLMEngine(cfg)
+    executor = engine.executor
+    assert executor.decode_span == (2, 4)
+    counters.clear()
+    if marks == "narrow":
+        executor.decode_span = (2, 3)
+        executor.progress.start(4, compiling=3)
+        warm_continuous(executor._run, executor.inputs, cfg, executor.progress, decode_span=(2, 4))
+        executor.is_warm = True
+    else:
+        executor.decode_span = None if marks == "none" else executor.decode_span
+        executor.warmup()
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = [[5, 9, 13], [7, 7, 2, 40, 3], [11] * 9, [3, 30]]
+    reqs = [
+        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        for p, n in zip(prompts, (4, 7, 12, 16), strict=True)
+    ]
+    while engine.has_work():
+        engine.step()
+    return [r.output_token_ids for r in reqs], graphs, executor.progress
 
+
+def test_one_dynamic_decode_graph_serves_the_tokens_of_a_graph_per_bucket(tiny_model):
+    """Inductor, decode buckets 1, 2 and 4: warm-up compiles the mixed graph, the 1-row decode graph and one
+    graph for 2 and 4 (the second bucket compiles nothing: warm-up runs it under fail_on_recompile). Their
+    greedy tokens equal those of graphs compiled for each bucket alone (an executor whose block groups carry
+    no marks), and warm-up's progress counts the steps that compiled."""
     with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
-        shared, shared_graphs = served(dynamic=True)
-        per_bucket, per_bucket_graphs = served(dynamic=False)
+        shared, shared_graphs, shared_progress = _served(tiny_model, "span")
+        per_bucket, per_bucket_graphs, per_bucket_progress = _served(tiny_model, "none")
     assert (shared_graphs, per_bucket_graphs) == (3, 4)
     assert [len(t) for t in shared] == [4, 7, 12, 16]
     assert shared == per_bucket
+    for progress, compiled in (
+        (shared_progress, 3),
+        (per_bucket_progress, 4),
+    ):  # the mixed graph and 3 buckets
+        assert (progress.done, progress.total, progress.compiling, progress.compiled) == (
+            4,
+            4,
+            compiled,
+            compiled,
+        )
+
+
+def test_a_bucket_that_does_not_reuse_the_span_graph_warns_and_compiles_its_own(tiny_model, caplog):
+    """The span's later bucket recompiles (its graph specialized elsewhere): the start goes on, a warning
+    names the bucket and dynamo's reason, the bucket gets a graph of its own (4 graphs, as without the span),
+    the progress counts it as compiled, and serving at 4, 2 and 1 rows gives the tokens of a graph per
+    bucket."""
+    with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
+        with caplog.at_level("WARNING", logger="spyre_runtime.executor.warmup"):
+            tokens, graphs, progress = _served(tiny_model, "narrow")
+        per_bucket, _, _ = _served(tiny_model, "none")
+    warnings = [r.getMessage() for r in caplog.records if r.name == "spyre_runtime.executor.warmup"]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("warm-up: batch_size:4 kv_len:128 did not reuse the shared graph")
+    assert "2 <= x.size()[0] <= 3" in warnings[0]  # dynamo's failed guard: the marks' range
+    assert graphs == 4 and (progress.done, progress.compiled) == (4, 4)
+    assert tokens == per_bucket
