@@ -195,6 +195,13 @@ class ModelExecutor:
             self.workers.send("run", (args, live_rows))
         return self.run_local(*args, live_rows=live_rows)
 
+    def _run_here(self, *args) -> torch.Tensor:
+        """A warm-up step run again on this rank only (warmup.run_step's retry): `_run` sent it to the other
+        ranks once, and they run it once."""
+        if self.vision is not None:
+            args = (self.vision.embed(args[0], ()), *args[1:])
+        return self.run_local(*args)
+
     def run_local(self, *args, live_rows: int | tuple | None = None) -> torch.Tensor:
         live = live_rows if isinstance(live_rows, tuple) else (live_rows,)
         with torch.inference_mode(), linear.live_rows(*live), kv_cache.step_layouts():
@@ -309,7 +316,7 @@ class ModelExecutor:
             recompile_limit=graphs + 1024, accumulated_recompile_limit=graphs + 4096
         ):
             if cfg.use_cb:
-                warm_continuous(self._run, self.inputs, cfg, self.progress, self.decode_span)
+                warm_continuous(self._run, self.inputs, cfg, self.progress, self.decode_span, self._run_here)
             else:
                 self.shape_seconds.update(warm_static(self._run, self.inputs, cfg.shapes, self.progress))
         self.warmup_seconds = time.monotonic() - t_all

@@ -76,13 +76,15 @@ def span_reuses(config: RuntimeConfig, decode_span: tuple[int, int] | None) -> i
     return max(sum(decode_span[0] <= b <= decode_span[1] for b in config.batch_buckets) - 1, 0)
 
 
-def run_step(run: Callable, args: tuple, reuse: bool, what: str) -> bool:
+def run_step(run: Callable, args: tuple, reuse: bool, what: str, again: Callable | None = None) -> bool:
     """Runs one warm-up step; returns whether it compiled. `reuse`: an earlier step compiled its graph (a
     dynamic graph's second chunk length, or a later bucket of the decode span), so it runs under
     fail_on_recompile. Should it compile anyway (a model whose graph specialized on the size the span
     shares), the start goes on: a warning names the step and dynamo's reason, and the step compiles a graph
-    of its own, as it would without the span. Warm-up's steps write the scratch block only, and dynamo
-    refuses a frame before it runs, so the step runs again from the same state."""
+    of its own, as it would without the span, through `again` (default `run`): with tensor parallelism,
+    this rank alone, as the other ranks were sent the step once and run it (their collectives wait for this
+    rank's). Warm-up's steps write the scratch block only, and dynamo refuses a frame before it runs, so the
+    step runs again from the same state."""
     if not reuse:
         run(*args)
         return True
@@ -95,7 +97,7 @@ def run_step(run: Callable, args: tuple, reuse: bool, what: str) -> bool:
             raise
         reason = " ".join(str(e).split("triggered by", 1)[-1].split())
         log.warning("warm-up: %s did not reuse the shared graph, compiling its own (%s)", what, reason[:300])
-    run(*args)
+    (again or run)(*args)
     return True
 
 
@@ -122,10 +124,11 @@ def warm_continuous(
     cfg: RuntimeConfig,
     progress: WarmupProgress,
     decode_span: tuple[int, int] | None = None,
+    again: Callable | None = None,
 ) -> None:
     """Dummy steps on the scratch block only: nothing a request owns is written. `decode_span`: the decode
     buckets that share one graph (config.dynamic_decode), compiled by the first of them; the others reuse it
-    (`run_step`)."""
+    (`run_step`, whose retry is `again`)."""
     kv_max = inputs.prefill_kv_len
     rows = max(cfg.batch_buckets)
     t0 = time.monotonic()
@@ -138,7 +141,7 @@ def warm_continuous(
             step = ContinuousStep(pieces, batch_size=rows, mixed=True)
             # dynamic chunks: one graph, compiled by the first length; the second reuses it
             what = f"chunk:{size} pieces:{cfg.prefill_pieces} decode_rows:{rows} kv_len:{kv_max}"
-            run_step(run, inputs.mixed(step), cfg.dynamic_chunks and i > 0, what)
+            run_step(run, inputs.mixed(step), cfg.dynamic_chunks and i > 0, what, again)
         else:
             run(*inputs.chunk(PrefillChunk(None, (1,) * size, 0, size, scratch, True), kv_max))
             what = f"chunk:{size} kv_len:{kv_max}"
@@ -156,6 +159,7 @@ def warm_continuous(
             inputs.batch_decode(ContinuousStep(batch_size=batch, kv_len=kv_max)),
             shared_graph and in_span,
             what,
+            again,
         )
         shared_graph |= in_span
         progress.step("Decode", what, time.monotonic() - t0, compiled)

@@ -124,41 +124,55 @@ def test_decode_buckets_above_one_share_one_graph_on_inductor(tiny_model, backen
     assert decode_tags == (["spyre-serve-decode:{}-{}".format(*span)] if span else [])
 
 
-def _served(tiny_model, marks: str) -> tuple[list[list[int]], int, object]:
+def _served(tiny_model, marks: str, tp: int = 1) -> tuple[list[list[int]], int, object]:
     """An engine with decode buckets 1, 2 and 4 (span 2-4) warmed with the span's marks (`span`), with none
-    (`none`: a graph per bucket, as before the span), or with marks narrowed to 2-3 while warm-up still
-    expects bucket 4 to reuse bucket 2's graph (`narrow`: that step recompiles); then four requests that
-    finish one after another, so they decode at 4, then 2 (three live rows), then 1. Their greedy tokens,
-    the graphs compiled, the progress."""
+    (`none`: a graph per bucket, as before the span), or with marks narrowed to 2-3 on rank 0 while warm-up
+    still expects bucket 4 to reuse bucket 2's graph (`narrow`: that step recompiles there; at `tp` 2 the
+    other rank keeps the span and reuses it); then four requests that finish one after another, so they
+    decode at 4, then 2 (three live rows), then 1. Their greedy tokens, the graphs rank 0 compiled, the
+    progress."""
     from spyre_runtime.engine.llm_engine import LLMEngine
     from spyre_runtime.executor.warmup import warm_continuous
     from spyre_runtime.sampling.params import SamplingParams
     from torch._dynamo.utils import counters
 
     cfg = small_cb(
-        tiny_model, "inductor", max_num_seqs=4, decode_batch_buckets=(1, 2, 4), kv_len_buckets=(128,)
+        tiny_model,
+        "inductor",
+        max_num_seqs=4,
+        decode_batch_buckets=(1, 2, 4),
+        kv_len_buckets=(128,),
+        tensor_parallel_size=tp,
+        max_load_processes=1,
+        gloo_timeout_minutes=2,  # ranks a step apart fail in 2 minutes instead of waiting for 60
     )
     engine = LLMEngine(cfg)
-    executor = engine.executor
-    assert executor.decode_span == (2, 4)
-    counters.clear()
-    if marks == "narrow":
-        executor.decode_span = (2, 3)
-        executor.progress.start(4, compiling=3)
-        warm_continuous(executor._run, executor.inputs, cfg, executor.progress, decode_span=(2, 4))
-        executor.is_warm = True
-    else:
-        executor.decode_span = None if marks == "none" else executor.decode_span
-        executor.warmup()
-    graphs = counters["stats"]["unique_graphs"]
-    prompts = [[5, 9, 13], [7, 7, 2, 40, 3], [11] * 9, [3, 30]]
-    reqs = [
-        engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-        for p, n in zip(prompts, (4, 7, 12, 16), strict=True)
-    ]
-    while engine.has_work():
-        engine.step()
-    return [r.output_token_ids for r in reqs], graphs, executor.progress
+    try:
+        executor = engine.executor
+        assert executor.decode_span == (2, 4)
+        counters.clear()
+        if marks == "narrow":
+            executor.decode_span = (2, 3)
+            executor.progress.start(4, compiling=3)
+            args = (executor._run, executor.inputs, cfg, executor.progress, (2, 4), executor._run_here)
+            warm_continuous(*args)
+            executor.is_warm = True
+            if executor.workers is not None:
+                executor.workers.send("warm")
+        else:
+            executor.decode_span = None if marks == "none" else executor.decode_span
+            executor.warmup()
+        graphs = counters["stats"]["unique_graphs"]
+        prompts = [[5, 9, 13], [7, 7, 2, 40, 3], [11] * 9, [3, 30]]
+        reqs = [
+            engine.add_request(p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for p, n in zip(prompts, (4, 7, 12, 16), strict=True)
+        ]
+        while engine.has_work():
+            engine.step()
+        return [r.output_token_ids for r in reqs], graphs, executor.progress
+    finally:
+        engine.close()
 
 
 def test_one_dynamic_decode_graph_serves_the_tokens_of_a_graph_per_bucket(tiny_model):
@@ -184,14 +198,17 @@ def test_one_dynamic_decode_graph_serves_the_tokens_of_a_graph_per_bucket(tiny_m
         )
 
 
-def test_a_bucket_that_does_not_reuse_the_span_graph_warns_and_compiles_its_own(tiny_model, caplog):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_bucket_that_does_not_reuse_the_span_graph_warns_and_compiles_its_own(tiny_model, caplog, tp):
     """The span's later bucket recompiles (its graph specialized elsewhere): the start goes on, a warning
     names the bucket and dynamo's reason, the bucket gets a graph of its own (4 graphs, as without the span),
     the progress counts it as compiled, and serving at 4, 2 and 1 rows gives the tokens of a graph per
-    bucket."""
+    bucket. With tensor parallelism only rank 0 runs the step again, so the ranks' collectives still pair
+    up (a step sent to the other rank twice would leave them a step apart, and the serving steps would
+    hang or fail)."""
     with torch._dynamo.config.patch(recompile_limit=1024, accumulated_recompile_limit=4096):
         with caplog.at_level("WARNING", logger="spyre_runtime.executor.warmup"):
-            tokens, graphs, progress = _served(tiny_model, "narrow")
+            tokens, graphs, progress = _served(tiny_model, "narrow", tp)
         per_bucket, _, _ = _served(tiny_model, "none")
     warnings = [r.getMessage() for r in caplog.records if r.name == "spyre_runtime.executor.warmup"]
     assert len(warnings) == 1, warnings
