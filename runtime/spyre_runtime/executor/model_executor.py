@@ -9,6 +9,7 @@ that would compile raises instead of silently compiling.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -185,22 +186,21 @@ class ModelExecutor:
         return logits[0] if mixed else logits[:, -1, :]
 
     def _run(
-        self, *args, live_rows: int | tuple | None = None, spans: tuple[TokenSpan, ...] = ()
+        self,
+        *args,
+        live_rows: int | tuple | None = None,
+        spans: tuple[TokenSpan, ...] = (),
+        here_only: bool = False,
     ) -> torch.Tensor:
         """`live_rows`: a decode step whose first n rows only are live (linear.live_rows). An image-text
-        model's language model takes embeddings, with image features at the image tokens of `spans`."""
+        model's language model takes embeddings, with image features at the image tokens of `spans`.
+        `here_only`: this rank alone, for warm-up's retry of a step the other ranks were sent once
+        (warmup.run_step)."""
         if self.vision is not None:
             args = (self.vision.embed(args[0], spans), *args[1:])
-        if self.workers is not None:
+        if self.workers is not None and not here_only:
             self.workers.send("run", (args, live_rows))
         return self.run_local(*args, live_rows=live_rows)
-
-    def _run_here(self, *args) -> torch.Tensor:
-        """A warm-up step run again on this rank only (warmup.run_step's retry): `_run` sent it to the other
-        ranks once, and they run it once."""
-        if self.vision is not None:
-            args = (self.vision.embed(args[0], ()), *args[1:])
-        return self.run_local(*args)
 
     def run_local(self, *args, live_rows: int | tuple | None = None) -> torch.Tensor:
         live = live_rows if isinstance(live_rows, tuple) else (live_rows,)
@@ -316,7 +316,8 @@ class ModelExecutor:
             recompile_limit=graphs + 1024, accumulated_recompile_limit=graphs + 4096
         ):
             if cfg.use_cb:
-                warm_continuous(self._run, self.inputs, cfg, self.progress, self.decode_span, self._run_here)
+                again = functools.partial(self._run, here_only=True)
+                warm_continuous(self._run, self.inputs, cfg, self.progress, self.decode_span, again)
             else:
                 self.shape_seconds.update(warm_static(self._run, self.inputs, cfg.shapes, self.progress))
         self.warmup_seconds = time.monotonic() - t_all

@@ -48,7 +48,7 @@ class WarmupProgress:
             self.done += 1
             self.compiled += compiled
             done, total = self.done, max(self.total, self.done)
-            left = max(self.compiling - self.compiled, 0) if self.done < total else 0
+            left = max(self.compiling - self.compiled, 0)
             elapsed = self._clock() - self.started
         eta = elapsed / max(self.compiled, 1) * left
         line = f"[Warmup][{kind}][{done}/{total}] {shape} took {seconds:.2f} s, ETA {eta:.0f} s"
@@ -69,11 +69,14 @@ def graphs_to_warm(config: RuntimeConfig) -> int:
     return (1 if config.dynamic_chunks else len(config.chunk_buckets)) + len(config.batch_buckets)
 
 
+def in_span(decode_span: tuple[int, int] | None, batch: int) -> bool:
+    """Whether decode bucket `batch` runs the span's shared graph (config.dynamic_decode)."""
+    return decode_span is not None and decode_span[0] <= batch <= decode_span[1]
+
+
 def span_reuses(config: RuntimeConfig, decode_span: tuple[int, int] | None) -> int:
     """Warm-up's decode steps that compile nothing: the buckets of `decode_span` after its first."""
-    if decode_span is None:
-        return 0
-    return max(sum(decode_span[0] <= b <= decode_span[1] for b in config.batch_buckets) - 1, 0)
+    return max(sum(in_span(decode_span, b) for b in config.batch_buckets) - 1, 0)
 
 
 def run_step(run: Callable, args: tuple, reuse: bool, what: str, again: Callable | None = None) -> bool:
@@ -152,14 +155,14 @@ def warm_continuous(
     shared_graph = False  # the span's one graph is compiled
     for batch in cfg.batch_buckets:  # paged decode reads live slots: a graph per bucket, or the span's one
         t0 = time.monotonic()
-        in_span = decode_span is not None and decode_span[0] <= batch <= decode_span[1]
+        shares = in_span(decode_span, batch)
         what = f"batch_size:{batch} kv_len:{kv_max}"
         compiled = run_step(
             run,
             inputs.batch_decode(ContinuousStep(batch_size=batch, kv_len=kv_max)),
-            shared_graph and in_span,
+            shared_graph and shares,
             what,
             again,
         )
-        shared_graph |= in_span
+        shared_graph |= shares
         progress.step("Decode", what, time.monotonic() - t0, compiled)

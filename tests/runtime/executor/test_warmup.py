@@ -1,6 +1,8 @@
 """Warm-up progress lines and counts (pure: a fake clock), its progress seen while a server starts, and the
 decode buckets that share one graph."""
 
+import functools
+
 import pytest
 import torch
 from spyre_runtime.executor.compiler import cache_tag
@@ -154,7 +156,8 @@ def _served(tiny_model, marks: str, tp: int = 1) -> tuple[list[list[int]], int, 
         if marks == "narrow":
             executor.decode_span = (2, 3)
             executor.progress.start(4, compiling=3)
-            args = (executor._run, executor.inputs, cfg, executor.progress, (2, 4), executor._run_here)
+            again = functools.partial(executor._run, here_only=True)
+            args = (executor._run, executor.inputs, cfg, executor.progress, (2, 4), again)
             warm_continuous(*args)
             executor.is_warm = True
             if executor.workers is not None:
