@@ -22,6 +22,7 @@ import contextlib
 import datetime
 import math
 import re
+import shutil
 import ssl
 import subprocess
 import threading
@@ -39,8 +40,10 @@ from tests.cluster.deviceplugin import env_name
 from tests.cluster.hoststate import FIXED_PATHS, SYSCTLS, mount_points
 from tests.cluster.node import (
     CARD_RESOURCE,
+    NodeError,
     RealNode,
     apiserver_args,
+    check_free_disk,
     free_subnet_octet,
     missing_prerequisites,
     node_address,
@@ -124,6 +127,16 @@ def host_snapshot(workdir: Path) -> dict:
         "paths": {str(p): p.exists() for p in FIXED_PATHS},
         "processes": procs,
     }
+
+
+def test_a_disk_short_of_space_stops_the_node_before_it_starts_naming_the_disk(tmp_path):
+    """A near-full disk would have the kubelet evict every pod with DiskPressure, one Event at a time."""
+    free = shutil.disk_usage(tmp_path).free
+    with pytest.raises(
+        NodeError, match=rf"GiB free on the disk of {re.escape(str(tmp_path))}.*evicts pods below 1Gi"
+    ):
+        check_free_disk(tmp_path, need=free + 2**40)
+    check_free_disk(tmp_path, need=min(free, 2**20))
 
 
 def test_node_registers_runs_a_pod_and_puts_the_host_back(control_plane, tmp_path):

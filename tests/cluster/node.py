@@ -42,6 +42,8 @@ from tests.cluster.tcprelay import TcpRelay
 
 LOCK = Path("/run/lock/spyre-serve-real-node.lock")
 CARD_RESOURCE = "ibm.com/spyre_pf"
+EVICTION_FREE = "1Gi"  # the kubelet's hard eviction threshold for the node's and the images' disk
+NEED_FREE_BYTES = 4 * 2**30  # the threshold plus what a module's pods, images and logs write
 # what the control plane needs for a real kubelet: the Node authorizer and NodeRestriction, as clusters run
 APISERVER_ARGS = ("--authorization-mode=Node", "--enable-admission-plugins=NodeRestriction")
 
@@ -61,6 +63,16 @@ def missing_prerequisites(image_kinds: tuple[str, ...] = ("pause",)) -> list[str
     if os.geteuid() != 0:
         missing.append("root (the kubelet and containerd run as root)")
     return missing
+
+
+def check_free_disk(path: Path, need: int = NEED_FREE_BYTES) -> None:
+    """Fail at start, naming the disk, rather than let the kubelet evict the test's pods one by one."""
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise NodeError(
+            f"only {free / 2**30:.1f} GiB free on the disk of {path}; the real node needs "
+            f"{need / 2**30:.0f} GiB (its kubelet evicts pods below {EVICTION_FREE}): free some space first"
+        )
 
 
 def apiserver_args() -> tuple[str, ...]:
@@ -201,6 +213,7 @@ class RealNode:
             )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket_dir.mkdir(parents=True, exist_ok=True)
+        check_free_disk(self.workdir)
         self.take_lock()
         try:
             self.host = HostState.record()
@@ -451,8 +464,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "failSwapOn": False,
             "evictionHard": {
                 "memory.available": "100Mi",
-                "nodefs.available": "2%",
-                "imagefs.available": "2%",
+                # absolute, not a share: on a large shared disk 2 % is gigabytes a test run may need
+                "nodefs.available": EVICTION_FREE,
+                "imagefs.available": EVICTION_FREE,
                 "nodefs.inodesFree": "2%",
             },
             "imageGCHighThresholdPercent": 99,
@@ -500,6 +514,13 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
         self._wait(kubelet, ready, timeout, f"node {self.name} to register and be Ready")
+        pressure = [
+            c.type
+            for c in core.read_node(self.name).status.conditions or []
+            if c.type.endswith("Pressure") and c.status == "True"
+        ]
+        if pressure:
+            raise NodeError(f"node {self.name} reports {', '.join(pressure)}: its pods would be evicted")
         # no node lifecycle controller in the test control plane: nothing lifts the not-ready taint the
         # node was created with
         taints = core.read_node(self.name).spec.taints or []
