@@ -514,16 +514,15 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             return any(c.type == "Ready" and c.status == "True" for c in node.status.conditions or [])
 
         self._wait(kubelet, ready, timeout, f"node {self.name} to register and be Ready")
+        node = core.read_node(self.name)
         pressure = [
-            c.type
-            for c in core.read_node(self.name).status.conditions or []
-            if c.type.endswith("Pressure") and c.status == "True"
+            c.type for c in node.status.conditions or [] if c.type.endswith("Pressure") and c.status == "True"
         ]
         if pressure:
             raise NodeError(f"node {self.name} reports {', '.join(pressure)}: its pods would be evicted")
         # no node lifecycle controller in the test control plane: nothing lifts the not-ready taint the
         # node was created with
-        taints = core.read_node(self.name).spec.taints or []
+        taints = node.spec.taints or []
         kept = [t.to_dict() for t in taints if t.key != "node.kubernetes.io/not-ready"]
         if len(kept) != len(taints):
             core.patch_node(self.name, {"spec": {"taints": kept or None}})

@@ -202,6 +202,8 @@ class ModelExecutor:
             self.workers.send("run", (args, live_rows))
         return self.run_local(*args, live_rows=live_rows)
 
+    _run_here = functools.partialmethod(_run, here_only=True)  # warm-up's retry on this rank alone
+
     def run_local(self, *args, live_rows: int | tuple | None = None) -> torch.Tensor:
         live = live_rows if isinstance(live_rows, tuple) else (live_rows,)
         with torch.inference_mode(), linear.live_rows(*live), kv_cache.step_layouts():
@@ -316,8 +318,7 @@ class ModelExecutor:
             recompile_limit=graphs + 1024, accumulated_recompile_limit=graphs + 4096
         ):
             if cfg.use_cb:
-                again = functools.partial(self._run, here_only=True)
-                warm_continuous(self._run, self.inputs, cfg, self.progress, self.decode_span, again)
+                warm_continuous(self._run, self.inputs, cfg, self.progress, self.decode_span, self._run_here)
             else:
                 self.shape_seconds.update(warm_static(self._run, self.inputs, cfg.shapes, self.progress))
         self.warmup_seconds = time.monotonic() - t_all

@@ -1,8 +1,6 @@
 """Warm-up progress lines and counts (pure: a fake clock), its progress seen while a server starts, and the
 decode buckets that share one graph."""
 
-import functools
-
 import pytest
 import torch
 from spyre_runtime.executor.compiler import cache_tag
@@ -156,8 +154,7 @@ def _served(tiny_model, marks: str, tp: int = 1) -> tuple[list[list[int]], int, 
         if marks == "narrow":
             executor.decode_span = (2, 3)
             executor.progress.start(4, compiling=3)
-            again = functools.partial(executor._run, here_only=True)
-            args = (executor._run, executor.inputs, cfg, executor.progress, (2, 4), again)
+            args = (executor._run, executor.inputs, cfg, executor.progress, (2, 4), executor._run_here)
             warm_continuous(*args)
             executor.is_warm = True
             if executor.workers is not None:
