@@ -59,10 +59,14 @@ def main() -> int:
     args = layer_bench_args(__doc__, "1,2,3,4,5,6,8,16", 12)
     if not extension_built():
         return 1
+    from spyre_runtime.executor import linear
+
     gen, dtype = torch.Generator().manual_seed(0), getattr(torch, args.dtype)
     shapes = SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in shapes]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    # oneDNN's packed copies; where it packs no such dtype (bfloat16 on AVX2), the plain weights and ATen's GEMM,
+    # as the runtime runs them there (linear.packed_copy)
+    packed = [linear.packed_copy(w, 8) for w in weights]
     for w in weights:  # the row linear's panels, made once as linear.pack_linears has them made
         torch.ops.spyre_kernels.register_rows(w.data_ptr(), w)
     ours_op = torch.ops.spyre_kernels.linear_row.default
@@ -79,6 +83,7 @@ def main() -> int:
         "threads": torch.get_num_threads(),
         "flush_mb": args.flush_mb,
         "weights_mb": sum(w.numel() * w.element_size() for w in weights) / 1e6,
+        "onednn_packs": linear.can_pack(dtype, "inductor"),  # else the "onednn" arm is ATen's plain GEMM
     }
     for m in (int(r) for r in args.rows.split(",")):
         xs = {k: torch.randn(m, k, generator=gen).to(dtype) for k in (HIDDEN, MLP)}
@@ -87,10 +92,7 @@ def main() -> int:
             return [ours_op(xs[w.shape[1]], w, None) for w in weights]
 
         def onednn(xs=xs):
-            return [
-                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
-                for w, p in zip(weights, packed, strict=True)
-            ]
+            return [linear.packed_gemm(xs[w.shape[1]], p, w, None) for w, p in zip(weights, packed, strict=True)]
 
         def widened(xs=xs):
             torch.ops.spyre_kernels.set_bf16_dot(False)

@@ -74,8 +74,9 @@ def model_file_digest(path: Path, memo_dir: Path | None) -> str:
 # earlier entries misses, whatever the package's version says. 2: mixed steps, paged decode, packed weights;
 # 3: mixed steps prefill pieces of several prompts (paged prefill op); 4: regional compilation (a graph per
 # group of decoder blocks, `compiler.MAX_BLOCK_CALLS`), ops registered at the dispatcher's CPU key (ops.py);
-# 5: a SwiGLU feed-forward's gate, up and SiLU in one op (linear.packed_glu).
-GRAPH_FORMAT = 5
+# 5: a SwiGLU feed-forward's gate, up and SiLU in one op (linear.packed_glu); 6: bfloat16 layers go through
+# the packed op where oneDNN cannot pack them (linear.can_route).
+GRAPH_FORMAT = 6
 
 
 def cache_configuration(config: RuntimeConfig) -> dict:

@@ -12,7 +12,10 @@ Inductor prepacks by itself only under `freezing`, and its packed weights are op
 cache cannot store. Here the packing is done at load instead (`pack_linears`), and the GEMM runs inside an op
 that is opaque to the compiler: the compiled graph (cached or not) holds plain weights, and the op finds the
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
-not bit for bit.
+not bit for bit. Where oneDNN cannot pack a dtype (bfloat16 on an AVX2-only x86: it needs AVX-512 or
+AVX-NE-CONVERT), the layers go through the op all the same (`can_route`), on their plain weights: the GEMM of
+many rows is then ATen's plain one, and a step of a few live rows takes the row linear below, which every ISA
+runs.
 
 A step of a few live rows (at most `row_limits()` for the weight's dtype: 32 in float32, 8 in bfloat16, 32
 where the CPU has the bfloat16 dot product and no AMX) runs the extension's row linear instead
@@ -227,7 +230,7 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     # its chunk's GEMM has just brought into the cache)
     row = paged_attention.row_kernel() if 0 < live <= most else None  # looked up (loaded) only when used
     if live == m and row is None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return packed_gemm(x, packed, weight, bias)
     flat = x.reshape(m, x.shape[-1])
     if live == m:  # a few rows, all of them live
         return row(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -242,7 +245,7 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
             out[start:end] = (
                 row(rows, weight, bias)
                 if row is not None
-                else torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+                else packed_gemm(rows, packed, weight, bias)
             )
         done = max(done, end)
     out[done:].zero_()
@@ -285,6 +288,31 @@ def can_pack(dtype: torch.dtype, backend: str) -> bool:
     if dtype == torch.bfloat16:
         return torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return dtype == torch.float32
+
+
+def can_route(dtype: torch.dtype, backend: str) -> bool:
+    """The linear layers of a CPU backend go through `packed_linear` in float32 and bfloat16, packed for
+    oneDNN where it can pack the dtype (`can_pack`); where it cannot (bfloat16 on an AVX2-only x86, no
+    AVX-512 and no AVX-NE-CONVERT), the op's "packed" weight is the plain weight itself, its GEMM of many rows
+    ATen's plain one, which the layer ran before, and a step of a few live rows still takes the row linear
+    (widened to float32 on at::vec, so on every ISA)."""
+    return backend != "sendnn" and dtype in ROW_LINEAR_ROWS
+
+
+def packed_copy(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """The weight packed for oneDNN, tuned for `rows`; the weight itself where oneDNN cannot pack its dtype
+    (`packed_gemm` then runs ATen's plain GEMM on it)."""
+    if can_pack(weight.dtype, "inductor"):
+        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+    return weight
+
+
+def packed_gemm(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """oneDNN's GEMM on the packed weight (an opaque oneDNN tensor), or ATen's where the packed entry is the
+    plain weight itself."""
+    if not packed.is_mkldnn:
+        return torch.nn.functional.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -347,7 +375,7 @@ def pack_linears(model: torch.nn.Module, rows: int) -> int:
             key = module.weight.data_ptr()
             with _lock:
                 if key not in _PACKED:
-                    _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), rows)
+                    _PACKED[key] = packed_copy(module.weight.detach(), rows)
                     _PLAIN[key] = weakref.ref(module.weight)
                     weakref.finalize(module.weight, _forget, key)
                     if _native:

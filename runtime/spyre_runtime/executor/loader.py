@@ -88,14 +88,19 @@ def resolve_dtype(dtype: str, backend: str, model_dir: Path) -> torch.dtype:
 
 
 def pack_weights(model: torch.nn.Module, config: RuntimeConfig, dtype: torch.dtype) -> bool:
-    """Every step runs its GEMMs on weights prepacked for oneDNN, tuned for the largest decode batch
-    (linear.py); one more copy of the linear weights in memory. False where they cannot be packed."""
+    """Every step runs its GEMMs through the packed linear op, on weights prepacked for oneDNN, tuned for the
+    largest decode batch (linear.py; one more copy of the linear weights in memory), or, where oneDNN cannot
+    pack the dtype (bfloat16 on an AVX2-only x86), on the plain weights, a few live rows on the row linear.
+    False where the layers stay as they are (Spyre, float16)."""
     rows = max(config.batch_buckets) if config.use_cb else max(s.batch_size for s in config.shapes)
-    packed = linear.can_pack(dtype, config.backend)
-    if packed:
+    routed = linear.can_route(dtype, config.backend)
+    if routed:
         n = linear.pack_linears(model, rows)
-        log.info("linear layers: %d run on weights prepacked for oneDNN (tuned for %d rows)", n, rows)
-    return packed
+        if linear.can_pack(dtype, config.backend):
+            log.info("linear layers: %d run on weights prepacked for oneDNN (tuned for %d rows)", n, rows)
+        else:
+            log.info("linear layers: %d run on plain %s weights (oneDNN cannot pack them here)", n, dtype)
+    return routed
 
 
 def prime_rotary(model: torch.nn.Module, max_len: int) -> None:

@@ -217,7 +217,7 @@ class ModelExecutor:
                 mark_dynamic_decode(self.decode_span, self.blocks, *args)
             try:
                 # freezing would make one group's weights constants of the graph every group shares;
-                # where the weights are not packed (bf16 on an AVX2 CPU, fp16) oneDNN cannot pack them either
+                # where the layers are not routed (float16) oneDNN cannot pack their weights either
                 freeze = not self.packed and self.blocks is None
                 with compile_settings(
                     self.config.backend, self.config.cache_enabled, freeze, cache_tag(self.config)

@@ -329,21 +329,23 @@ def test_paged_decode_reads_each_rows_own_slots_only():
 def test_packed_linear_packs_once_and_equals_f_linear_for_any_rows(dtype):
     from spyre_runtime.executor import linear
 
-    if dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        # a CPU with neither AVX-512 nor AVX-NE-CONVERT (an AVX2 EPYC): oneDNN refuses to pack bf16, so
-        # bf16 layers keep their plain GEMMs, and the gate says so before any layer is routed to the op
+    onednn = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if not onednn:
+        # a CPU with neither AVX-512 nor AVX-NE-CONVERT (an AVX2 EPYC): oneDNN refuses to pack bf16, so the
+        # gate says so, and the layers go through the op on their plain weights all the same
         assert not linear.can_pack(dtype, "inductor")
         with pytest.raises(RuntimeError, match="bf16"):
             torch.ops.mkldnn._reorder_linear_weight(torch.randn(96, 64, dtype=dtype), 8)
-        return
-    if not linear.can_pack(dtype, "inductor"):
-        pytest.fail(f"oneDNN cannot pack {dtype} on this CPU: the hot path would run plain GEMMs")
+    assert linear.can_pack(dtype, "inductor") == onednn and linear.can_route(dtype, "inductor")
+    assert not linear.can_route(dtype, "sendnn") and not linear.can_route(torch.float16, "inductor")
     layer = torch.nn.Linear(64, 96, dtype=dtype)
     weight, bias = layer.weight.detach(), layer.bias.detach()
     with pytest.raises(RuntimeError, match="did not pack"):  # an unpacked weight is an error, not a guess
         linear.packed_linear(torch.randn(8, 64, dtype=dtype), weight, bias)
     assert linear.pack_linears(layer, 8) == 1
     packed = linear._PACKED[weight.data_ptr()]
+    # oneDNN's opaque packed copy, or the plain weight itself where oneDNN packs none
+    assert packed.is_mkldnn if onednn else packed.data_ptr() == weight.data_ptr()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     for shape in ((8, 64), (3, 64), (1, 64), (2, 70, 64), (64, 5)):  # the last: a transposed (strided) input
         x = torch.randn(shape, dtype=dtype)

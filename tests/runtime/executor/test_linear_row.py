@@ -168,8 +168,8 @@ def test_bad_input_is_named(linear_row):
 @pytest.fixture(params=[torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def packed_layer(request):
     dtype = request.param
-    if not linear.can_pack(dtype, "inductor"):
-        pytest.fail(f"oneDNN cannot pack {dtype} weights here: the packed linear layers are not in use")
+    if not linear.can_route(dtype, "inductor"):
+        pytest.fail(f"{dtype} layers do not go through the packed linear op: not in use")
     layer = torch.nn.Sequential(torch.nn.Linear(48, 40).to(dtype))
     assert linear.pack_linears(layer, 8) == 1
     return layer
@@ -273,8 +273,8 @@ def test_the_setting_off_makes_no_panels_and_leaves_every_row_to_onednn(
 ):
     """SENDNN_INFERENCE_ROW_LINEAR=0: the load puts no weight in panels (the third copy, which the memory
     plan then leaves out) and a step of one live row runs oneDNN's packed GEMM, with the same result."""
-    if not linear.can_pack(dtype, "inductor"):
-        pytest.fail(f"oneDNN cannot pack {dtype} weights here: the packed linear layers are not in use")
+    if not linear.can_route(dtype, "inductor"):
+        pytest.fail(f"{dtype} layers do not go through the packed linear op: not in use")
     row_linear_setting("0")
     layer = torch.nn.Sequential(torch.nn.Linear(48, 40).to(dtype))
     assert not ran_packing(lambda: linear.pack_linears(layer, 8))
