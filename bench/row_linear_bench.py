@@ -64,8 +64,8 @@ def main() -> int:
     gen, dtype = torch.Generator().manual_seed(0), getattr(torch, args.dtype)
     shapes = SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     weights = [(torch.randn(n, k, generator=gen) * 0.02).to(dtype) for n, k in shapes]
-    # oneDNN's packed copies; where it packs no such dtype (bfloat16 on AVX2), the plain weights and ATen's GEMM,
-    # as the runtime runs them there (linear.packed_copy)
+    # oneDNN's packed copies; where it packs no such dtype (bfloat16 on AVX2), the plain weights and ATen's
+    # GEMM, as the runtime runs them there (linear.packed_copy)
     packed = [linear.packed_copy(w, 8) for w in weights]
     for w in weights:  # the row linear's panels, made once as linear.pack_linears has them made
         torch.ops.spyre_kernels.register_rows(w.data_ptr(), w)
@@ -92,7 +92,8 @@ def main() -> int:
             return [ours_op(xs[w.shape[1]], w, None) for w in weights]
 
         def onednn(xs=xs):
-            return [linear.packed_gemm(xs[w.shape[1]], p, w, None) for w, p in zip(weights, packed, strict=True)]
+            pairs = zip(weights, packed, strict=True)
+            return [linear.packed_gemm(xs[w.shape[1]], p, w, None) for w, p in pairs]
 
         def widened(xs=xs):
             torch.ops.spyre_kernels.set_bf16_dot(False)

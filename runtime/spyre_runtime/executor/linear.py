@@ -243,9 +243,7 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         if end > start:
             rows = flat[start:end]
             out[start:end] = (
-                row(rows, weight, bias)
-                if row is not None
-                else packed_gemm(rows, packed, weight, bias)
+                row(rows, weight, bias) if row is not None else packed_gemm(rows, packed, weight, bias)
             )
         done = max(done, end)
     out[done:].zero_()
