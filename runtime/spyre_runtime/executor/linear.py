@@ -148,10 +148,13 @@ def _read_row_setting() -> None:
 def row_limits() -> dict[torch.dtype, int]:
     """By the weight's dtype, the most live rows of a step that the row linear takes while the setting is on:
     ROW_LINEAR_ROWS, bfloat16's raised to BF16_DOT_ROWS once the extension is loaded and runs it on the CPU's
-    bf16 dot product, on a CPU without AMX."""
+    bf16 dot product, on a CPU without AMX, and where oneDNN packs no bfloat16 (an AVX2-only x86: the row
+    linear, widened, took 0.20-0.57x the time of ATen's plain bf16 GEMM from 1 to 256 rows, bench/README.md
+    run 65; a prefill chunk's rows stay ATen's)."""
     limits = dict(ROW_LINEAR_ROWS)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    if _native and not amx and torch.ops.spyre_kernels.bf16_dot():
+    dot = _native and not amx and torch.ops.spyre_kernels.bf16_dot()
+    if dot or not can_pack(torch.bfloat16, "inductor"):
         limits[torch.bfloat16] = BF16_DOT_ROWS
     return limits
 

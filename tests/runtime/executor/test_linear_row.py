@@ -52,10 +52,12 @@ def test_bfloat16_takes_the_cpus_dot_product_where_torch_finds_it_and_up_to_32_r
     """linear_row.cpp finds AVX-512 BF16 itself (its build has only the vector ISA's flags): it must agree
     with torch's own finding wherever the extension's build is AVX-512's, and then the row linear takes
     bfloat16 steps of up to BF16_DOT_ROWS live rows, unless the CPU has AMX (oneDNN's GEMM there was not
-    measured against it); elsewhere bfloat16 widens and keeps ROW_LINEAR_ROWS."""
+    measured against it), and where oneDNN packs no bfloat16 (ATen's plain GEMM is the other path there);
+    elsewhere bfloat16 widens and keeps ROW_LINEAR_ROWS."""
     dot = torch.cpu._is_avx512_bf16_supported() and torch.backends.cpu.get_cpu_capability() == "AVX512"
     assert torch.ops.spyre_kernels.bf16_dot() == dot
-    fast = dot and not torch.cpu._is_amx_tile_supported()
+    unpacked = not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    fast = (dot and not torch.cpu._is_amx_tile_supported()) or unpacked
     assert linear.row_limits()[torch.bfloat16] == (linear.BF16_DOT_ROWS if fast else 8)
     assert linear.row_limits()[torch.float32] == 32
     if dot:
