@@ -13,9 +13,8 @@ cache cannot store. Here the packing is done at load instead (`pack_linears`), a
 that is opaque to the compiler: the compiled graph (cached or not) holds plain weights, and the op finds the
 packed copy (one extra copy of the weights in memory). The packed and plain GEMMs agree to float rounding,
 not bit for bit. Where oneDNN cannot pack a dtype (bfloat16 on an AVX2-only x86: it needs AVX-512 or
-AVX-NE-CONVERT), the layers go through the op all the same (`can_route`), on their plain weights: the GEMM of
-many rows is then ATen's plain one, and a step of a few live rows takes the row linear below, which every ISA
-runs.
+AVX-NE-CONVERT), the layers go through the op all the same (`can_route`), on their plain weights: every row of
+a step takes the row linear below, which every ISA runs, in a fifth of the time of ATen's plain bf16 GEMM.
 
 A step of a few live rows (at most `row_limits()` for the weight's dtype: 32 in float32, 8 in bfloat16, 32
 where the CPU has the bfloat16 dot product and no AMX) runs the extension's row linear instead
@@ -89,6 +88,9 @@ ROW_LINEAR_ROWS = {torch.float32: 32, torch.bfloat16: 8}
 # and the CPU has no AMX (whose oneDNN GEMM it was not measured against): 0.58-0.79x of oneDNN's time from 1
 # to 32 rows on a Zen 4 (bench/README.md run 55), 32 being the largest decode graph
 BF16_DOT_ROWS = 32
+# bfloat16's where oneDNN packs none (an AVX2-only x86), whose other path is ATen's plain bf16 GEMM: the row
+# linear, widened, took 0.20-0.57x its time from 1 to 256 rows (bench/README.md run 65), so every step's rows
+UNPACKED_BF16_ROWS = 1 << 40
 ROW_SETTING = "ROW_LINEAR"  # SENDNN_INFERENCE_ROW_LINEAR (`pack_linears` reads it)
 _rows: dict[torch.dtype, int] = dict(ROW_LINEAR_ROWS)  # the limits in force: none while the setting is 0
 _spans: dict[int, Spans] = {}  # an input's row count -> its live rows, two spans [start, end), when set
@@ -148,14 +150,14 @@ def _read_row_setting() -> None:
 def row_limits() -> dict[torch.dtype, int]:
     """By the weight's dtype, the most live rows of a step that the row linear takes while the setting is on:
     ROW_LINEAR_ROWS, bfloat16's raised to BF16_DOT_ROWS once the extension is loaded and runs it on the CPU's
-    bf16 dot product, on a CPU without AMX, and where oneDNN packs no bfloat16 (an AVX2-only x86: the row
-    linear, widened, took 0.20-0.57x the time of ATen's plain bf16 GEMM from 1 to 256 rows, bench/README.md
-    run 65; a prefill chunk's rows stay ATen's)."""
+    bf16 dot product, on a CPU without AMX; to UNPACKED_BF16_ROWS (every row) where oneDNN packs no
+    bfloat16."""
     limits = dict(ROW_LINEAR_ROWS)
     amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
-    dot = _native and not amx and torch.ops.spyre_kernels.bf16_dot()
-    if dot or not can_pack(torch.bfloat16, "inductor"):
+    if _native and not amx and torch.ops.spyre_kernels.bf16_dot():
         limits[torch.bfloat16] = BF16_DOT_ROWS
+    if not can_pack(torch.bfloat16, "inductor"):
+        limits[torch.bfloat16] = UNPACKED_BF16_ROWS
     return limits
 
 
@@ -294,9 +296,9 @@ def can_pack(dtype: torch.dtype, backend: str) -> bool:
 def can_route(dtype: torch.dtype, backend: str) -> bool:
     """The linear layers of a CPU backend go through `packed_linear` in float32 and bfloat16, packed for
     oneDNN where it can pack the dtype (`can_pack`); where it cannot (bfloat16 on an AVX2-only x86, no
-    AVX-512 and no AVX-NE-CONVERT), the op's "packed" weight is the plain weight itself, its GEMM of many rows
-    ATen's plain one, which the layer ran before, and a step of a few live rows still takes the row linear
-    (widened to float32 on at::vec, so on every ISA)."""
+    AVX-512 and no AVX-NE-CONVERT), the op's "packed" weight is the plain weight itself, and every row of a
+    step takes the row linear (widened to float32 on at::vec, so on every ISA; `row_limits`), with ATen's
+    plain GEMM, which the layer ran before, as its oracle (`paged_attention.disabled()`)."""
     return backend != "sendnn" and dtype in ROW_LINEAR_ROWS
 
 
