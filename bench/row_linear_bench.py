@@ -93,7 +93,7 @@ def main() -> int:
 
         def onednn(xs=xs):
             pairs = zip(weights, packed, strict=True)
-            return [linear.packed_gemm(xs[w.shape[1]], p, w, None) for w, p in pairs]
+            return [linear.packed_gemm(xs[w.shape[1]], p, None) for w, p in pairs]
 
         def widened(xs=xs):
             torch.ops.spyre_kernels.set_bf16_dot(False)

@@ -17,7 +17,8 @@ AVX-NE-CONVERT), the layers go through the op all the same (`can_route`), on the
 a step takes the row linear below, which every ISA runs, in a fifth of the time of ATen's plain bf16 GEMM.
 
 A step of a few live rows (at most `row_limits()` for the weight's dtype: 32 in float32, 8 in bfloat16, 32
-where the CPU has the bfloat16 dot product and no AMX) runs the extension's row linear instead
+where the CPU has the bfloat16 dot product and no AMX, every row where oneDNN packs no bfloat16) runs the
+extension's row linear instead
 (kernels/linear_row.cpp, `paged_attention.row_kernel`), on a third copy of the weight, in panels of a few
 vector widths of outputs (made once the extension is loaded, `_put_in_panels`, and dropped with the layer;
 SENDNN_INFERENCE_ROW_LINEAR=0 makes none and leaves every row to oneDNN, `_read_row_setting`): at one row the
@@ -235,7 +236,7 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     # its chunk's GEMM has just brought into the cache)
     row = paged_attention.row_kernel() if 0 < live <= most else None  # looked up (loaded) only when used
     if live == m and row is None:
-        return packed_gemm(x, packed, weight, bias)
+        return packed_gemm(x, packed, bias)
     flat = x.reshape(m, x.shape[-1])
     if live == m:  # a few rows, all of them live
         return row(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
@@ -247,9 +248,7 @@ def python_packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         out[done:start].zero_()
         if end > start:
             rows = flat[start:end]
-            out[start:end] = (
-                row(rows, weight, bias) if row is not None else packed_gemm(rows, packed, weight, bias)
-            )
+            out[start:end] = row(rows, weight, bias) if row is not None else packed_gemm(rows, packed, bias)
         done = max(done, end)
     out[done:].zero_()
     return out.view(*x.shape[:-1], weight.shape[0])
@@ -310,11 +309,11 @@ def packed_copy(weight: torch.Tensor, rows: int) -> torch.Tensor:
     return weight
 
 
-def packed_gemm(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+def packed_gemm(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's GEMM on the packed weight (an opaque oneDNN tensor), or ATen's where the packed entry is the
     plain weight itself."""
     if not packed.is_mkldnn:
-        return torch.nn.functional.linear(x, weight, bias)
+        return torch.nn.functional.linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 

@@ -90,7 +90,7 @@ def resolve_dtype(dtype: str, backend: str, model_dir: Path) -> torch.dtype:
 def pack_weights(model: torch.nn.Module, config: RuntimeConfig, dtype: torch.dtype) -> bool:
     """Every step runs its GEMMs through the packed linear op, on weights prepacked for oneDNN, tuned for the
     largest decode batch (linear.py; one more copy of the linear weights in memory), or, where oneDNN cannot
-    pack the dtype (bfloat16 on an AVX2-only x86), on the plain weights, a few live rows on the row linear.
+    pack the dtype (bfloat16 on an AVX2-only x86), on the plain weights, every row on the row linear.
     False where the layers stay as they are (Spyre, float16)."""
     rows = max(config.batch_buckets) if config.use_cb else max(s.batch_size for s in config.shapes)
     routed = linear.can_route(dtype, config.backend)

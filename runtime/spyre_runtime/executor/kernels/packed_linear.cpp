@@ -105,11 +105,10 @@ void set_row_limits(int64_t float32, int64_t bfloat16) {
   row_limit_bf16.store(std::max<int64_t>(bfloat16, 0), std::memory_order_relaxed);
 }
 
-// oneDNN's GEMM on the packed weight; ATen's plain one where the packed entry is the weight itself (`plain`:
-// oneDNN packs no such dtype on this CPU, linear.py `packed_copy`)
-at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                         bool plain) {
-  if (plain) {
+// oneDNN's GEMM on the packed weight; ATen's plain one where the packed entry is the weight itself, not oneDNN's
+// opaque copy (oneDNN packs no such dtype on this CPU, linear.py `packed_copy`)
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
+  if (!packed.is_mkldnn()) {
     return at::linear(x, packed, bias);
   }
   static const auto op =
@@ -138,8 +137,8 @@ void zero_rows(at::Tensor& out, int64_t r, int64_t n) {
 // oneDNN's GEMM of x [.., K] by the packed weight; with `glu` (a GLU's weight, gate then up), then the GLU of
 // its output's halves, in one pass over it
 at::Tensor onednn_rows(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias,
-                       bool glu, bool plain) {
-  at::Tensor full = onednn_linear(x, packed, bias, plain);
+                       bool glu) {
+  at::Tensor full = onednn_linear(x, packed, bias);
   if (!glu) {
     return full;
   }
@@ -179,9 +178,8 @@ at::Tensor packed_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
   // takes them all: in a mixed step whose chunk is oneDNN's, its decode rows then read the packed weight that
   // the chunk has just brought into the cache, not the plain one from memory (bench/README.md run 50)
   const bool by_rows = rows_ok && live > 0 && live <= most;
-  const bool plain = !packed.is_mkldnn();  // the plain weight itself, not oneDNN's opaque packed copy
   if (live == m && !by_rows) {
-    return onednn_rows(x, packed, bias, glu, plain);
+    return onednn_rows(x, packed, bias, glu);
   }
   std::vector<int64_t> sizes(x.sizes().begin(), x.sizes().end());
   sizes.back() = n_out;
@@ -202,7 +200,7 @@ at::Tensor packed_rows(const at::Tensor& x, const at::Tensor& weight, const c10:
       few_rows(flat, start, end - start, weight, bias, out, glu);
     } else if (end > start) {
       const at::Tensor rows = flat.narrow(0, start, end - start);
-      out.narrow(0, start, end - start).copy_(onednn_rows(rows, packed, bias, glu, plain));
+      out.narrow(0, start, end - start).copy_(onednn_rows(rows, packed, bias, glu));
     }
     done = std::max(done, end);
   }
