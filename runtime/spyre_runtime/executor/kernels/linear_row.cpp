@@ -65,12 +65,15 @@ using RowVec = at::vec::Vectorized<float>;
 
 // a panel's outputs in vectors, and the most rows of x that share its weight loads: the accumulators,
 // kPanelRows * kPanelVecs vectors, stay in registers beside the step's weights and x's broadcast value
-// (AVX-512 has 32, AVX2 16)
+// (AVX-512 has 32, AVX2 16: 12 sums, 2 weights and x's value; 6 rows a pass instead of 4 took 0.81-0.95x the
+// time at 6 to 16 rows in float32 and 0.85-0.94x at 6 to 256 in bfloat16, the same at 1 to 4, on an AVX2 EPYC:
+// bench/README.md run 66)
 constexpr int kPanelVecs = 2;
-constexpr int kPanelRows = RowVec::size() >= 16 ? 14 : 4;
+constexpr int kPanelRows = RowVec::size() >= 16 ? 14 : 6;
 // where a bfloat16 weight is widened as it is loaded (a CPU without the bf16 dot product; the runtime sends it
-// up to 8 rows, linear.ROW_LINEAR_ROWS), the widening takes registers of its own: 8 rows a pass
-constexpr int kWidenedRows = RowVec::size() >= 16 ? 8 : 4;
+// up to 8 rows, linear.ROW_LINEAR_ROWS, every row where oneDNN packs no bfloat16), the widening takes registers
+// of its own with AVX-512: 8 rows a pass; AVX2 widens into the weight's own registers, 6 as float32
+constexpr int kWidenedRows = RowVec::size() >= 16 ? 8 : 6;
 constexpr int64_t kPanel = RowVec::size() * kPanelVecs;  // PW, a panel's outputs
 // the weight is prefetched this far ahead of the loads: 48 steps of k of a float32 panel, 96 of a bfloat16 one.
 // SmolLM2's 121 float32 weights with the caches written over between passes, as a step's other work does
