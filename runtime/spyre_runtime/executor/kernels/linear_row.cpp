@@ -65,9 +65,9 @@ using RowVec = at::vec::Vectorized<float>;
 
 // a panel's outputs in vectors, and the most rows of x that share its weight loads: the accumulators,
 // kPanelRows * kPanelVecs vectors, stay in registers beside the step's weights and x's broadcast value
-// (AVX-512 has 32, AVX2 16: 12 sums, 2 weights and x's value; 6 rows a pass instead of 4 took 0.81-0.95x the
-// time at 6 to 16 rows in float32 and 0.85-0.94x at 6 to 256 in bfloat16, the same at 1 to 4, on an AVX2 EPYC:
-// bench/README.md run 66)
+// (AVX-512 has 32, AVX2 16: 12 sums, 2 weights and x's value; on SmolLM2's 121 weights, an AVX2 EPYC, 6 rows
+// a pass took 0.81-0.95x the time of 4 at 6 to 16 rows in float32 and 0.85-0.99x at 6 to 256 in bfloat16, the
+// same at 1 to 4 rows and at 32 to 256 in float32: bench/README.md run 66)
 constexpr int kPanelVecs = 2;
 constexpr int kPanelRows = RowVec::size() >= 16 ? 14 : 6;
 // where a bfloat16 weight is widened as it is loaded (a CPU without the bf16 dot product; the runtime sends it
