@@ -279,29 +279,35 @@ def test_the_memory_plan_reads_the_checkpoints_dtype_by_either_name(tmp_path, ke
 
 
 @pytest.mark.parametrize(
-    ("backend", "dtype_bytes", "seqs", "env", "packed", "panels"),
+    ("backend", "dtype_bytes", "seqs", "env", "routing", "packed", "panels"),
     [
-        ("inductor", 4, 8, {}, True, True),
-        ("eager", 4, 8, {}, True, True),
-        ("inductor", 2, 8, {}, True, True),
-        ("inductor", 4, 1, {}, True, True),
-        ("inductor", 4, 8, {"SENDNN_INFERENCE_ROW_LINEAR": "0"}, True, False),
-        ("inductor", 2, 8, {"SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL": "off"}, True, False),
-        ("sendnn", 4, 8, {}, False, False),
-        ("sendnn", 2, 1, {}, False, False),
+        ("inductor", 4, 8, {}, "packed", True, True),
+        ("eager", 4, 8, {}, "packed", True, True),
+        ("inductor", 2, 8, {}, "packed", True, True),
+        ("inductor", 4, 1, {}, "packed", True, True),
+        ("inductor", 4, 8, {"SENDNN_INFERENCE_ROW_LINEAR": "0"}, "packed", True, False),
+        ("inductor", 2, 8, {"SENDNN_INFERENCE_PAGED_ATTENTION_KERNEL": "off"}, "packed", True, False),
+        # bfloat16 where oneDNN packs none: the op runs on the plain weight, the row linear on its panels
+        ("inductor", 2, 8, {}, "plain", False, True),
+        ("eager", 2, 1, {"SENDNN_INFERENCE_ROW_LINEAR": "0"}, "plain", False, False),
+        ("inductor", 2, 8, {}, "none", False, False),  # float16: ATen's GEMM on the plain weight
+        ("sendnn", 4, 8, {}, "packed", False, False),
+        ("sendnn", 2, 1, {}, "plain", False, False),
     ],
 )
 def test_memory_plan_counts_the_cpu_decode_weights_packed_again_and_in_panels(
-    backend, dtype_bytes, seqs, env, packed, panels
+    backend, dtype_bytes, seqs, env, routing, packed, panels
 ):
     """Decoders on CPU backends run their linear layers on a second copy of the weights, packed for oneDNN
-    (whatever the batch), and, with the C++ extension and its row linear on, steps of a few rows on a third,
-    in panels: the plan counts each (a row of its own, in the total); Spyre's compiler packs its own."""
+    (whatever the batch) where it packs the dtype, and, with the C++ extension and its row linear on, steps
+    of a few rows on a further copy, in panels: the plan counts each (a row of its own, in the total);
+    Spyre's compiler packs its own."""
     from spyre_contract.memory import GIB, ModelDims, plan_memory
 
     env = CB | env | {"SENDNN_INFERENCE_DYNAMO_BACKEND": backend}
     settings = read_environment(env, EngineFlags(max_num_seqs=seqs, max_model_len=512))
-    plan = plan_memory(ModelDims.from_config(SMOLLM2), settings, 128 * GIB, "host", dtype_bytes)
+    dims = ModelDims.from_config(SMOLLM2)
+    plan = plan_memory(dims, settings, 128 * GIB, "host", dtype_bytes, routing=routing)
     assert plan.packed_weights == (plan.weights if packed else 0)
     assert plan.panel_weights == (plan.weights if panels else 0)
     assert plan.total == (
@@ -309,6 +315,14 @@ def test_memory_plan_counts_the_cpu_decode_weights_packed_again_and_in_panels(
     )
     assert ("weights packed for oneDNN (CPU)" in plan.table()) is packed
     assert ("weights in panels for few rows (CPU)" in plan.table()) is panels
+
+
+def test_memory_plan_refuses_a_routing_it_does_not_know():
+    from spyre_contract.memory import GIB, ModelDims, plan_memory
+
+    settings = read_environment(CB, EngineFlags(max_num_seqs=1, max_model_len=512))
+    with pytest.raises(ValueError, match="routing 'packd' is not one of packed, plain, none"):
+        plan_memory(ModelDims.from_config(SMOLLM2), settings, 128 * GIB, "host", 2, routing="packd")
 
 
 def test_a_plan_too_large_for_its_weights_names_the_row_linears_copy_and_bad_switches_are_named():

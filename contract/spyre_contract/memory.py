@@ -140,6 +140,13 @@ class MemoryPlan:
         )
 
 
+# what a CPU backend's linear layers keep beside their weights (plan_memory's `routing`; the runtime's
+# linear.weight_routing): "packed", a copy packed for oneDNN (float32; bfloat16 where the CPU has AVX-512 or
+# AVX-NE-CONVERT) and, with the row linear, one in panels; "plain", the panels only (bfloat16 where oneDNN
+# packs none: the op's entry is the plain weight); "none", neither (float16 keeps ATen's GEMM)
+ROUTINGS = ("packed", "plain", "none")
+
+
 def plan_memory(
     dims: ModelDims,
     settings: EnvironmentSettings,
@@ -148,9 +155,14 @@ def plan_memory(
     dtype_bytes: int = 4,
     state_bytes: int = 0,
     kv_dtype_bytes: int = 0,
+    routing: str = "packed",
 ) -> MemoryPlan:
     """`state_bytes`: a hybrid model's per-sequence Mamba state, counted with the KV cache; `kv_dtype_bytes`:
-    the KV cache's element size when it is not the model's (--kv-cache-dtype)."""
+    the KV cache's element size when it is not the model's (--kv-cache-dtype). `routing`, on a CPU backend:
+    what the runtime's linear layers keep beside their weights (`ROUTINGS`); the runtime knows it from its
+    CPU, the operator, planning for any node, counts "packed", the most."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"plan_memory: routing {routing!r} is not one of {', '.join(ROUTINGS)}")
     tp = max(1, settings.tensor_parallel_size)
     weights = dims.num_params() * dtype_bytes // tp
     kv_per_token = 2 * dims.layers * dims.kv_heads * dims.head_dim * (kv_dtype_bytes or dtype_bytes) // tp
@@ -174,17 +186,18 @@ def plan_memory(
         act = rows * 4 * dims.hidden * dtype_bytes + mlp + scores + logits
         if act > largest:
             largest, label = act, name
-    # CPU backends run fp32 and bf16 linear layers on a second copy of their weights, packed for oneDNN (the
-    # runtime's linear.py); fp16, which is not packed, is counted too: an overestimate
-    packed = 0
-    if settings.backend != "sendnn" and dtype_bytes in (2, 4):
+    # CPU backends run fp32 and bf16 linear layers through the runtime's packed op (linear.py), on a second
+    # copy of their weights packed for oneDNN where it packs the dtype; fp16 keeps ATen's GEMM
+    layers = 0
+    if settings.backend != "sendnn" and dtype_bytes in (2, 4) and routing != "none":
         # the linear layers and the LM head; not an untied input embedding, nor a tensor-parallel head
         embedding = dims.vocab * dims.hidden * dtype_bytes
         unpacked = (0 if dims.tied else embedding) + (embedding if tp > 1 else 0)
-        packed = max(0, weights - unpacked // tp)
+        layers = max(0, weights - unpacked // tp)
+    packed = layers if routing == "packed" else 0
     # the C++ extension's row linear reads one more copy of the same layers, in its panels (linear.py
     # `_put_in_panels`), unless it or the extension is off; a failed build makes none: an overestimate
-    panels = packed if settings.cpu_kernels and settings.row_linear else 0
+    panels = layers if settings.cpu_kernels and settings.row_linear else 0
     return MemoryPlan(weights, kv, largest, label, capacity, where, packed, panels)
 
 

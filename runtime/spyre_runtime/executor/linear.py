@@ -301,6 +301,15 @@ def can_route(dtype: torch.dtype, backend: str) -> bool:
     return backend != "sendnn" and dtype in ROW_LINEAR_ROWS
 
 
+def weight_routing(dtype: str, backend: str) -> str:
+    """What the linear layers of a model in `dtype` (a name) keep beside their weights on this CPU, as the
+    memory plan counts it (spyre_contract.memory.ROUTINGS): a packed copy and panels, panels, or neither."""
+    kind = getattr(torch, dtype, None)
+    if not isinstance(kind, torch.dtype):
+        return "packed"  # a name torch does not know: the most, as the operator counts
+    return "none" if not can_route(kind, backend) else "packed" if can_pack(kind, backend) else "plain"
+
+
 def packed_copy(weight: torch.Tensor, rows: int) -> torch.Tensor:
     """The weight packed for oneDNN, tuned for `rows`; the weight itself where oneDNN cannot pack its dtype
     (`packed_gemm` then runs ATen's plain GEMM on it)."""
