@@ -253,8 +253,14 @@ def cmd_serve(args) -> int:
     compiler_for(config.backend)  # fail before binding the port when the backend is missing
     check_precompiled(config)
     if not is_pooling_task(config.task):
-        config = check_memory(config)  # after the one-line checks, before anything loads or compiles
+        config = _check_memory(config)  # after the one-line checks, before anything loads or compiles
     return serve(config, chat=chat, security=security)
+
+
+def _check_memory(config):  # counting what this CPU's linear layers really keep beside their weights
+    from spyre_runtime.executor.linear import weight_routing  # a layer above config's
+
+    return check_memory(config, routing=weight_routing)
 
 
 def cmd_compile(args) -> int:
@@ -268,7 +274,7 @@ def cmd_compile(args) -> int:
     if config.backend == "eager":
         raise ConfigError("SENDNN_INFERENCE_DYNAMO_BACKEND=eager compiles nothing; there is nothing to cache")
     if not is_pooling_task(config.task):
-        config = check_memory(config)
+        config = _check_memory(config)
     result = compile_graphs(config, pooling=is_pooling_task(config.task))
     print(
         json.dumps(
@@ -291,7 +297,7 @@ def cmd_generate(args) -> int:
     config = _config(args)
     _refuse_pooling(config, "generate")
     check_precompiled(config)
-    config = check_memory(config)
+    config = _check_memory(config)
     rows = []
     for number, line in enumerate(Path(args.prompts).read_text().splitlines(), 1):
         if not line.strip():

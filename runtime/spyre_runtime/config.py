@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -321,22 +321,17 @@ def check_known_configuration(config: RuntimeConfig, environ: Mapping[str, str] 
     return verdict
 
 
-def cpu_weight_routing(backend: str, dtype: str) -> str:
-    """What a CPU backend's linear layers keep beside their weights on this CPU (the memory plan's `routing`);
-    torch loads here on CPU backends, as the executor's would next."""
-    if backend == "sendnn":
-        return "packed"  # not counted on cards
-    from spyre_runtime.executor.linear import weight_routing
-
-    return weight_routing(dtype, backend)
-
-
-def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None) -> RuntimeConfig:
+def check_memory(
+    config: RuntimeConfig,
+    environ: Mapping[str, str] | None = None,
+    routing: Callable[[str, str], str] | None = None,
+) -> RuntimeConfig:
     """The memory plan before anything compiles: logged as a table, a warning above 90 %, a ConfigError
     naming the largest consumer when it cannot fit; with --memory-utilization and no --num-kv-blocks, the
     KV cache is sized from the memory left (the config returned carries the block count). Card memory for
     sendnn (SENDNN_INFERENCE_CARD_MEMORY_GIB, default 128), the cgroup limit or RAM (shared by the ranks)
-    on CPU."""
+    on CPU. `routing(dtype, backend)`: what this CPU's linear layers keep beside their weights (the caller's
+    executor.linear.weight_routing, a layer above); without it, the most (a packed copy and panels)."""
     env = Env(environ)
     var, raw = env.raw("CARD_MEMORY_GIB")
     try:
@@ -366,8 +361,8 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
     if config.use_cb and config.max_batch_tkv_limit:  # Spyre's volumetric limit, beside the memory
         logging.getLogger(__name__).info("%s", volumetric_line(config))
     state = hybrid_state_bytes(config, DTYPE_BYTES.get(dtype, 4))  # a hybrid model's Mamba state
-    routing = cpu_weight_routing(config.backend, dtype)
-    plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state, kv_bytes, routing)
+    kept = routing(dtype, config.backend) if routing and config.backend != "sendnn" else "packed"
+    plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state, kv_bytes, kept)
     logging.getLogger(__name__).info(
         "memory plan (%s, KV cache %s, tensor parallel %d):\n%s",
         dtype,
@@ -390,7 +385,7 @@ def check_memory(config: RuntimeConfig, environ: Mapping[str, str] | None = None
             blocks * per_block / GIB,
         )
         config = dataclasses.replace(config, num_kv_blocks=blocks)
-        plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state, kv_bytes, routing)
+        plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state, kv_bytes, kept)
     if plan.is_tight:
         logging.getLogger(__name__).warning(
             "the memory plan uses %.0f%% of %s memory", 100 * plan.total / plan.capacity, where

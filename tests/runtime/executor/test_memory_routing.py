@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from spyre_runtime import cli
 from spyre_runtime.config import check_memory, load_config
 from spyre_runtime.executor import linear
 
@@ -37,13 +38,23 @@ def test_a_dtype_name_torch_does_not_know_counts_the_most(name):
     assert linear.weight_routing(name, "inductor") == "packed"
 
 
+def plan_table(caplog, check, config) -> str:
+    with caplog.at_level(logging.INFO, logger="spyre_runtime.config"):
+        check(config)
+    table = "\n".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
+    caplog.clear()
+    assert "total" in table
+    return table
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_the_plan_at_start_up_counts_a_packed_copy_only_where_one_is_made(tiny_model, dtype, caplog):
+    """The CLI's check (serve, compile, generate) asks the executor; config's own, given no routing (it
+    may not import the executor), counts the most, as the operator does."""
     config = dataclasses.replace(load_config(tiny_model, environ=CB), dtype=dtype)
-    with caplog.at_level(logging.INFO, logger="spyre_runtime.config"):
-        check_memory(config, environ=CB)
-    table = "\n".join(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
-    assert "total" in table
+    table = plan_table(caplog, cli._check_memory, config)
     routing = linear.weight_routing(dtype, config.backend)
     assert ("weights packed for oneDNN (CPU)" in table) is (routing == "packed")
     assert ("weights in panels for few rows (CPU)" in table) is (routing != "none")
+    most = plan_table(caplog, check_memory, config)
+    assert "weights packed for oneDNN (CPU)" in most and "weights in panels for few rows (CPU)" in most
