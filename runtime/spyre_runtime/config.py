@@ -361,7 +361,7 @@ def check_memory(
     if config.use_cb and config.max_batch_tkv_limit:  # Spyre's volumetric limit, beside the memory
         logging.getLogger(__name__).info("%s", volumetric_line(config))
     state = hybrid_state_bytes(config, DTYPE_BYTES.get(dtype, 4))  # a hybrid model's Mamba state
-    kept = routing(dtype, config.backend) if routing and config.backend != "sendnn" else "packed"
+    kept = routing(dtype, config.backend) if routing else "packed"  # cards: plan_memory counts no copy
     plan = plan_memory(dims, config, capacity, where, DTYPE_BYTES.get(dtype, 4), state, kv_bytes, kept)
     logging.getLogger(__name__).info(
         "memory plan (%s, KV cache %s, tensor parallel %d):\n%s",
